@@ -1,0 +1,64 @@
+"""Exceptions raised by flashplan.
+
+Every error about user input subclasses :class:`FlashplanError`, itself a
+:class:`ValueError`, so callers that already catch ``ValueError`` keep working.
+Messages name the offending field, the request index (when there is one) and the
+values, in the spirit of xformers' index-bearing errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "FlashplanError",
+    "LayoutError",
+    "PageTableError",
+    "PlanMismatchError",
+    "UnsupportedError",
+]
+
+
+class FlashplanError(ValueError):
+    """Base class of every flashplan input error."""
+
+
+class LayoutError(FlashplanError):
+    """A :class:`~flashplan.BatchLayout`, group or head configuration is invalid.
+
+    Attributes:
+        field: name of the offending field (``"seq_lens"``, ``"page_size"`` …).
+        request: index of the offending request in the batch, or ``None`` when the
+            error is about the batch as a whole.
+        values: the offending values, as a mapping from name to value.
+    """
+
+    def __init__(
+        self,
+        field: str,
+        message: str,
+        *,
+        request: int | None = None,
+        **values: Any,
+    ) -> None:
+        self.field = field
+        self.request = request
+        self.values = dict(values)
+        where = f"{field}" if request is None else f"{field}[{request}]"
+        detail = ", ".join(f"{k}={v!r}" for k, v in values.items())
+        text = f"{where}: {message}"
+        if detail:
+            text += f" ({detail})"
+        super().__init__(text)
+
+
+class PageTableError(LayoutError):
+    """A :class:`~flashplan.PageTable` cannot hold the batch it is applied with."""
+
+
+class PlanMismatchError(FlashplanError):
+    """A run's arguments contradict what was planned (group, window, dtypes, shapes)."""
+
+
+class UnsupportedError(FlashplanError):
+    """The combination is valid in principle but not implemented by this planner/executor."""
