@@ -11,6 +11,7 @@ from flashplan.errors import (
     PlanMismatchError,
     UnsupportedError,
 )
+from flashplan.executor import ReferenceExecutor
 from flashplan.layout import AttentionGroup, BatchLayout, HeadConfig, Mode, PageTable
 from flashplan.plan import (
     ExtendPath,
@@ -40,6 +41,7 @@ __all__ = [
     "PlanMismatchError",
     "PlanSpec",
     "RaggedPart",
+    "ReferenceExecutor",
     "UnsupportedError",
     "plan",
 ]

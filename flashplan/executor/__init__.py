@@ -1,0 +1,9 @@
+"""Executors: apply a `PlanSpec` and run attention.
+
+`ReferenceExecutor` (plain torch, any device) is always available;
+`flashplan.executor.flashinfer.FlashInferExecutor` needs CUDA and flashinfer-python.
+"""
+
+from flashplan.executor.reference import ReferenceExecutor
+
+__all__ = ["ReferenceExecutor"]
