@@ -1,0 +1,213 @@
+"""Frozen descriptions of FlashInfer calls, and the pure PlanSpec -> calls translation.
+
+:func:`translate` turns a plan into one :class:`GroupCalls` per group: which
+wrapper kinds to use and every argument of their ``plan()`` calls. Nothing here
+touches a device or constructs a wrapper, so it runs (and is tested against the
+installed flashinfer's signatures) on a CPU-only machine. Array arguments are
+placeholders: :class:`HostArray` (a host array of the plan, handed to ``plan()``
+as a pinned CPU tensor) and :class:`GatheredIndices` (the page ids the executor
+gathers on the device).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+import numpy.typing as npt
+
+from flashplan.executor.flashinfer.policy import (
+    ExecutorPolicy,
+    decode_uses_tensor_cores,
+    prefill_backend,
+)
+from flashplan.layout.group import AttentionGroup
+from flashplan.plan.spec import GroupPlan, KernelPath, PlanSpec
+
+__all__ = [
+    "GatheredIndices",
+    "GroupCalls",
+    "HostArray",
+    "PlanCall",
+    "WrapperKey",
+    "WrapperKind",
+    "host_arrays",
+    "translate",
+]
+
+
+class WrapperKind(enum.Enum):
+    """The FlashInfer wrapper class a call goes to."""
+
+    DECODE = "BatchDecodeWithPagedKVCacheWrapper"
+    PAGED_PREFILL = "BatchPrefillWithPagedKVCacheWrapper"
+    RAGGED_PREFILL = "BatchPrefillWithRaggedKVCacheWrapper"
+
+
+@attrs.frozen
+class WrapperKey:
+    """Identifies one wrapper instance: kind, group and construction options.
+
+    Each group has its own wrappers because the window, soft cap, scale and
+    causal flag are compiled in at ``plan()`` time.
+    """
+
+    kind: WrapperKind
+    group: AttentionGroup
+    backend: str  # "fa2" / "fa3"; decode wrappers always "fa2" (never auto-routed)
+    use_tensor_cores: bool  # decode only; False for prefill wrappers
+
+    def constructor_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the wrapper's ``__init__`` besides the workspace."""
+        kwargs: dict[str, Any] = {"kv_layout": "NHD", "backend": self.backend}
+        if self.kind is WrapperKind.DECODE:
+            kwargs["use_tensor_cores"] = self.use_tensor_cores
+        return kwargs
+
+
+@attrs.frozen(eq=False)
+class HostArray:
+    """A host array of the plan passed to ``plan()`` as a pinned CPU tensor.
+
+    Attributes:
+        name: what it is (``"qo_indptr"``, ``"page_indptr"`` …), for messages.
+        values: int32 or uint8 read-only numpy array.
+    """
+
+    name: str
+    values: npt.NDArray[Any]
+
+
+@attrs.frozen
+class GatheredIndices:
+    """The flat page ids (FlashInfer's ``kv_indices``) of a group's paged call,
+    gathered on the device from the page table."""
+
+    group_index: int
+
+
+@attrs.frozen(eq=False)
+class PlanCall:
+    """One ``wrapper.plan(**kwargs)`` call (every argument passed by keyword)."""
+
+    wrapper: WrapperKey
+    kwargs: tuple[tuple[str, Any], ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The keyword arguments, placeholders unresolved."""
+        return dict(self.kwargs)
+
+
+@attrs.frozen(eq=False)
+class GroupCalls:
+    """Every FlashInfer call of one group.
+
+    Attributes:
+        group_index: position of the group in ``spec.group_plans``.
+        path: kernel path of the group.
+        paged: the paged wrapper's plan call (decode or paged prefill), if any.
+        ragged: the ragged prefill wrapper's plan call, if any.
+    """
+
+    group_index: int
+    path: KernelPath
+    paged: PlanCall | None
+    ragged: PlanCall | None
+
+    @property
+    def merges(self) -> bool:
+        """Whether the group's two partial states are merged (ragged + paged)."""
+        return self.paged is not None and self.ragged is not None
+
+
+def translate(spec: PlanSpec, policy: ExecutorPolicy, *, sm90: bool) -> tuple[GroupCalls, ...]:
+    """Describe every FlashInfer ``plan()`` call of ``spec``; pure and host-only.
+
+    Args:
+        spec: the plan.
+        policy: kernel choices (:class:`ExecutorPolicy`).
+        sm90: whether the target GPU is Hopper (enables FA3 under ``"auto"``).
+    """
+    return tuple(
+        _group_calls(spec, index, gp, policy, sm90) for index, gp in enumerate(spec.group_plans)
+    )
+
+
+def _common(spec: PlanSpec, gp: GroupPlan) -> list[tuple[str, Any]]:
+    heads = spec.heads
+    group = gp.group
+    return [
+        ("num_qo_heads", heads.num_qo_heads),
+        ("num_kv_heads", heads.num_kv_heads),
+        ("window_left", gp.window_left),
+        ("logits_soft_cap", float(group.logits_soft_cap)),
+        ("sm_scale", group.scale_for(heads.head_dim)),
+        ("q_data_type", heads.q_dtype),
+        ("kv_data_type", heads.kv_dtype),
+        ("o_data_type", heads.out_dtype),
+        ("non_blocking", True),
+    ]
+
+
+def _group_calls(
+    spec: PlanSpec, index: int, gp: GroupPlan, policy: ExecutorPolicy, sm90: bool
+) -> GroupCalls:
+    heads = spec.heads
+    paged_call = ragged_call = None
+    if gp.paged is not None:
+        p = gp.paged
+        paged_args: list[tuple[str, Any]] = []
+        if gp.path is KernelPath.DECODE:
+            key = WrapperKey(WrapperKind.DECODE, gp.group, "fa2",
+                             decode_uses_tensor_cores(heads, policy))
+            paged_args += [
+                ("indptr", HostArray("page_indptr", p.page_indptr)),
+                ("indices", GatheredIndices(index)),
+                ("last_page_len", HostArray("last_page_len", p.last_page_len)),
+                ("head_dim", heads.head_dim),
+                ("page_size", spec.page_size),
+            ]
+        else:
+            masked = p.packed_mask is not None
+            backend = prefill_backend(heads, policy, custom_mask=masked, sm90=sm90)
+            key = WrapperKey(WrapperKind.PAGED_PREFILL, gp.group, backend, False)
+            paged_args += [
+                ("qo_indptr", HostArray("qo_indptr", spec.qo_indptr)),
+                ("paged_kv_indptr", HostArray("page_indptr", p.page_indptr)),
+                ("paged_kv_indices", GatheredIndices(index)),
+                ("paged_kv_last_page_len", HostArray("last_page_len", p.last_page_len)),
+                ("head_dim_qk", heads.head_dim),
+                ("page_size", spec.page_size),
+                ("causal", p.causal),
+            ]
+            if masked:
+                assert p.packed_mask is not None
+                paged_args.append(("packed_custom_mask", HostArray("packed_mask", p.packed_mask)))
+        paged_call = PlanCall(key, tuple(paged_args + _common(spec, gp)))
+    if gp.ragged is not None:
+        r = gp.ragged
+        backend = prefill_backend(heads, policy, custom_mask=False, sm90=sm90)
+        key = WrapperKey(WrapperKind.RAGGED_PREFILL, gp.group, backend, False)
+        ragged_args: list[tuple[str, Any]] = [
+            ("qo_indptr", HostArray("qo_indptr", spec.qo_indptr)),
+            ("kv_indptr", HostArray("kv_indptr", r.kv_indptr)),
+            ("head_dim_qk", heads.head_dim),
+            ("causal", r.causal),
+        ]
+        ragged_call = PlanCall(key, tuple(ragged_args + _common(spec, gp)))
+    return GroupCalls(group_index=index, path=gp.path, paged=paged_call, ragged=ragged_call)
+
+
+def host_arrays(calls: tuple[GroupCalls, ...]) -> list[HostArray]:
+    """Every distinct :class:`HostArray` the calls reference (by identity), in order."""
+    seen: dict[int, HostArray] = {}
+    for gc in calls:
+        for call in (gc.paged, gc.ragged):
+            if call is None:
+                continue
+            for _, value in call.kwargs:
+                if isinstance(value, HostArray) and id(value.values) not in seen:
+                    seen[id(value.values)] = value
+    return list(seen.values())
+
