@@ -28,6 +28,7 @@ class LayoutError(FlashplanError):
 
     Attributes:
         field: name of the offending field (``"seq_lens"``, ``"page_size"`` …).
+        message: what is wrong, without the field and values.
         request: index of the offending request in the batch, or ``None`` when the
             error is about the batch as a whole.
         values: the offending values, as a mapping from name to value.
@@ -42,6 +43,7 @@ class LayoutError(FlashplanError):
         **values: Any,
     ) -> None:
         self.field = field
+        self.message = message
         self.request = request
         self.values = dict(values)
         where = f"{field}" if request is None else f"{field}[{request}]"

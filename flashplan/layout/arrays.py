@@ -17,7 +17,7 @@ import torch
 
 from flashplan.errors import LayoutError
 
-__all__ = ["IntArray", "array_key", "as_lengths", "frozen_array", "cumsum0"]
+__all__ = ["IntArray", "array_key", "as_int", "as_lengths", "cumsum0", "frozen_array", "is_int"]
 
 IntArray = npt.NDArray[np.int32]
 ArrayLike = Union[Sequence[int], npt.NDArray[Any], torch.Tensor]
@@ -42,16 +42,42 @@ def array_key(a: npt.NDArray[Any] | None) -> object:
 
 
 def cumsum0(lengths: npt.NDArray[Any]) -> IntArray:
-    """``[0, l0, l0 + l1, …]`` as int32 ``[n + 1]`` (an indptr), overflow-checked."""
+    """``[0, l0, l0 + l1, …]`` as read-only int32 ``[n + 1]`` (an indptr), overflow-checked."""
     out = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
     np.cumsum(lengths, out=out[1:])
     if out[-1] > _INT32_MAX:
         raise LayoutError("lengths", "total exceeds int32", total=int(out[-1]))
-    return out.astype(np.int32)
+    return frozen_array(out)
+
+
+def is_int(value: object) -> bool:
+    """True for Python and numpy integers (bools excluded)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def as_int(value: object) -> object:
+    """Convert numpy integer scalars to ``int``; anything else is returned unchanged
+    (for attrs converters: validators then see plain ints)."""
+    return int(value) if isinstance(value, np.integer) else value  # type: ignore[arg-type]
+
+
+def _scalar(value: object) -> object:
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _first_non_integer(field: str, values: npt.NDArray[Any]) -> None:
+    """Error path: report the first element that is not an integer (a loop is fine here)."""
+    for i, raw in enumerate(values.tolist()):
+        ok = is_int(raw) or (isinstance(raw, float) and np.isfinite(raw) and raw == int(raw))
+        if not ok:
+            raise LayoutError(field, "must hold integers", request=i, value=raw)
 
 
 def as_lengths(field: str, values: ArrayLike, *, minimum: int = 0) -> IntArray:
     """Validate per-request integers and return them as a read-only int32 array ``[bs]``.
+
+    The common case (an integer array or list of ints) is fully vectorized; the
+    element-by-element path runs only to name the first offending request.
 
     Raises:
         LayoutError: naming ``field``, the first offending request and its value,
@@ -66,32 +92,32 @@ def as_lengths(field: str, values: ArrayLike, *, minimum: int = 0) -> IntArray:
                 device=str(values.device),
             )
         values = values.numpy()
-    arr = np.asarray(values)
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError, OverflowError):
+        arr = np.asarray(values, dtype=object)
+    if arr.dtype.kind in "USO" and not isinstance(values, np.ndarray):
+        arr = np.asarray(values, dtype=object)  # keep each element's own type for the checks
     if arr.ndim != 1:
         raise LayoutError(field, "must be a 1-D sequence of ints", shape=arr.shape)
+    if arr.size == 0:
+        return frozen_array(np.zeros(0, dtype=np.int32))
     if arr.dtype == np.bool_:
         raise LayoutError(field, "must hold ints, not bools")
-    if arr.dtype.kind not in "iu":
-        if arr.dtype.kind == "f":
-            bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
-            if bad.size:
-                i = int(bad[0])
-                raise LayoutError(field, "must hold integers", request=i, value=arr[i].item())
-        elif arr.size:
-            try:
-                as_int = [int(v) for v in arr.tolist()]
-            except (TypeError, ValueError):
-                raise LayoutError(field, "must hold integers", dtype=str(arr.dtype)) from None
-            for i, (v, raw) in enumerate(zip(as_int, arr.tolist())):
-                if isinstance(raw, bool) or v != raw:
-                    raise LayoutError(field, "must hold integers", request=i, value=raw)
-        arr = arr.astype(np.int64) if arr.size else np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iuf":
+        _first_non_integer(field, arr)
+        arr = np.asarray([int(v) for v in arr.tolist()], dtype=object)  # error-free: all ints
+    if arr.dtype.kind == "f":
+        bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
+        if bad.size:
+            i = int(bad[0])
+            raise LayoutError(field, "must hold integers", request=i, value=_scalar(arr[i]))
     low = np.flatnonzero(arr < minimum)
     if low.size:
         i = int(low[0])
-        raise LayoutError(field, f"must be >= {minimum}", request=i, value=int(arr[i]))
+        raise LayoutError(field, f"must be >= {minimum}", request=i, value=_scalar(arr[i]))
     high = np.flatnonzero(arr > _INT32_MAX)
     if high.size:
         i = int(high[0])
-        raise LayoutError(field, "exceeds int32", request=i, value=int(arr[i]))
-    return frozen_array(arr)
+        raise LayoutError(field, "exceeds int32", request=i, value=_scalar(arr[i]))
+    return frozen_array(arr.astype(np.int64))

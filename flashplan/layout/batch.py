@@ -9,7 +9,7 @@ import attrs
 import numpy as np
 
 from flashplan.errors import LayoutError
-from flashplan.layout.arrays import ArrayLike, IntArray, array_key, as_lengths
+from flashplan.layout.arrays import ArrayLike, IntArray, array_key, as_int, as_lengths, frozen_array, is_int
 from flashplan.layout.group import AttentionGroup
 
 __all__ = ["BatchLayout", "Mode"]
@@ -27,7 +27,7 @@ class Mode(enum.Enum):
 
 
 def _check_page_size(instance: BatchLayout, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise LayoutError("page_size", "must be a positive int", page_size=value)
 
 
@@ -80,7 +80,7 @@ class BatchLayout:
     seq_lens: IntArray = attrs.field(eq=array_key)
     prefix_lens: IntArray = attrs.field(eq=array_key)
     encoder_lens: IntArray | None = attrs.field(eq=array_key)
-    page_size: int = attrs.field(validator=_check_page_size)
+    page_size: int = attrs.field(converter=as_int, validator=_check_page_size)
     groups: tuple[AttentionGroup, ...] = attrs.field(converter=_to_groups, validator=_check_groups)
 
     def __attrs_post_init__(self) -> None:
@@ -176,7 +176,7 @@ class BatchLayout:
     @property
     def extend_lens(self) -> IntArray:
         """New tokens per request, int32 ``[bs]`` (tokens)."""
-        return self.seq_lens - self.prefix_lens
+        return frozen_array(self.seq_lens - self.prefix_lens)
 
     @property
     def total_new_tokens(self) -> int:
@@ -190,16 +190,16 @@ class BatchLayout:
         0 without encoder; else the encoder's length rounded up to a page boundary.
         """
         if self.encoder_lens is None:
-            return np.zeros_like(self.seq_lens)
+            return frozen_array(np.zeros_like(self.seq_lens))
         ps = self.page_size
-        return ((self.encoder_lens.astype(np.int64) + ps - 1) // ps * ps).astype(np.int32)
+        return frozen_array((self.encoder_lens.astype(np.int64) + ps - 1) // ps * ps)
 
     @property
     def pages_needed(self) -> IntArray:
         """Pages each request's page-table row must hold, int32 ``[bs]`` (pages)."""
         ps = self.page_size
         end = self.kv_offsets.astype(np.int64) + self.seq_lens
-        return ((end + ps - 1) // ps).astype(np.int32)
+        return frozen_array((end + ps - 1) // ps)
 
     def with_groups(self, *groups: AttentionGroup) -> BatchLayout:
         """The same batch planned for other groups."""

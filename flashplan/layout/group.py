@@ -7,12 +7,13 @@ import math
 import attrs
 
 from flashplan.errors import LayoutError
+from flashplan.layout.arrays import as_int, is_int
 
 __all__ = ["AttentionGroup"]
 
 
 def _check_window(instance: AttentionGroup, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise LayoutError("window_left", "must be an int", window_left=value)
     if value < -1:
         raise LayoutError("window_left", "must be -1 (full attention) or >= 0", window_left=value)
@@ -53,7 +54,7 @@ class AttentionGroup:
         sm_scale: softmax scale; ``None`` means ``1 / sqrt(head_dim)``.
     """
 
-    window_left: int = attrs.field(default=-1, validator=_check_window)
+    window_left: int = attrs.field(default=-1, converter=as_int, validator=_check_window)
     cross_attention: bool = attrs.field(default=False, converter=bool)
     causal: bool = attrs.field(default=True, converter=bool)
     logits_soft_cap: float = attrs.field(default=0.0, converter=float, validator=_check_soft_cap)

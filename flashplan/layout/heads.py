@@ -6,6 +6,7 @@ import attrs
 import torch
 
 from flashplan.errors import LayoutError
+from flashplan.layout.arrays import as_int, is_int
 
 __all__ = ["HeadConfig"]
 
@@ -13,7 +14,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _positive_int(instance: HeadConfig, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise LayoutError(attribute.name, "must be a positive int", **{attribute.name: value})
 
 
@@ -42,9 +43,9 @@ class HeadConfig:
         out_dtype: dtype of the attention output (default: ``q_dtype``).
     """
 
-    num_qo_heads: int = attrs.field(validator=_positive_int)
-    num_kv_heads: int = attrs.field(validator=_positive_int)
-    head_dim: int = attrs.field(validator=_positive_int)
+    num_qo_heads: int = attrs.field(converter=as_int, validator=_positive_int)
+    num_kv_heads: int = attrs.field(converter=as_int, validator=_positive_int)
+    head_dim: int = attrs.field(converter=as_int, validator=_positive_int)
     q_dtype: torch.dtype = attrs.field(default=torch.bfloat16, validator=_float_dtype)
     kv_dtype: torch.dtype = attrs.field(validator=_float_dtype)
     out_dtype: torch.dtype = attrs.field(validator=_float_dtype)

@@ -6,7 +6,7 @@ import attrs
 import numpy as np
 import torch
 
-from flashplan.errors import PageTableError
+from flashplan.errors import LayoutError, PageTableError
 from flashplan.layout.arrays import ArrayLike, IntArray, as_lengths, cumsum0
 
 __all__ = ["PageTable"]
@@ -19,6 +19,15 @@ def _check_pages(instance: PageTable, attribute: attrs.Attribute[torch.Tensor],
             "pages", "must be an int32 tensor [rows, max_pages]",
             dtype=getattr(value, "dtype", type(value)), shape=tuple(getattr(value, "shape", ())),
         )
+
+
+def _rows(rows: ArrayLike) -> IntArray:
+    try:
+        return as_lengths("rows", rows)
+    except PageTableError:
+        raise
+    except LayoutError as err:
+        raise PageTableError(err.field, err.message, request=err.request, **err.values) from None
 
 
 @attrs.frozen(eq=False)
@@ -36,7 +45,7 @@ class PageTable:
     """
 
     pages: torch.Tensor = attrs.field(validator=_check_pages)
-    rows: IntArray = attrs.field(converter=lambda r: as_lengths("rows", r))
+    rows: IntArray = attrs.field(converter=lambda r: _rows(r))
 
     def __attrs_post_init__(self) -> None:
         num_rows = self.pages.shape[0]

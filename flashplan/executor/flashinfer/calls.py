@@ -15,6 +15,7 @@ import enum
 from typing import Any
 
 import attrs
+import numpy as np
 import numpy.typing as npt
 
 from flashplan.executor.flashinfer.policy import (
@@ -22,6 +23,7 @@ from flashplan.executor.flashinfer.policy import (
     decode_uses_tensor_cores,
     prefill_backend,
 )
+from flashplan.layout.arrays import cumsum0, frozen_array
 from flashplan.layout.group import AttentionGroup
 from flashplan.plan.spec import GroupPlan, KernelPath, PlanSpec
 
@@ -29,9 +31,11 @@ __all__ = [
     "GatheredIndices",
     "GroupCalls",
     "HostArray",
+    "PageGather",
     "PlanCall",
     "WrapperKey",
     "WrapperKind",
+    "flashinfer_mask_layout",
     "host_arrays",
     "translate",
 ]
@@ -100,6 +104,23 @@ class PlanCall:
 
 
 @attrs.frozen(eq=False)
+class PageGather:
+    """What the executor gathers from the page table for one paged call.
+
+    Attributes:
+        start_page: int32 ``[bs]`` (pages) first column read in each request's row.
+        num_pages: int32 ``[bs]`` (pages).
+        page_indptr: int32 ``[bs + 1]`` (pages) offsets into the gathered ``kv_indices``.
+        total_pages: ``page_indptr[-1]``.
+    """
+
+    start_page: npt.NDArray[np.int32]
+    num_pages: npt.NDArray[np.int32]
+    page_indptr: npt.NDArray[np.int32]
+    total_pages: int
+
+
+@attrs.frozen(eq=False)
 class GroupCalls:
     """Every FlashInfer call of one group.
 
@@ -108,12 +129,14 @@ class GroupCalls:
         path: kernel path of the group.
         paged: the paged wrapper's plan call (decode or paged prefill), if any.
         ragged: the ragged prefill wrapper's plan call, if any.
+        gather: the page gather feeding the paged call, if any.
     """
 
     group_index: int
     path: KernelPath
     paged: PlanCall | None
     ragged: PlanCall | None
+    gather: PageGather | None
 
     @property
     def merges(self) -> bool:
@@ -155,35 +178,41 @@ def _group_calls(
 ) -> GroupCalls:
     heads = spec.heads
     paged_call = ragged_call = None
+    gather = None
     if gp.paged is not None:
         p = gp.paged
+        masked = p.packed_mask is not None
+        gather = _gather_for(p.start_page, p.num_pages, p.kv_lens, masked=masked)
+        last_page_len = p.last_page_len
         paged_args: list[tuple[str, Any]] = []
         if gp.path is KernelPath.DECODE:
             key = WrapperKey(WrapperKind.DECODE, gp.group, "fa2",
                              decode_uses_tensor_cores(heads, policy))
             paged_args += [
-                ("indptr", HostArray("page_indptr", p.page_indptr)),
+                ("indptr", HostArray("page_indptr", gather.page_indptr)),
                 ("indices", GatheredIndices(index)),
-                ("last_page_len", HostArray("last_page_len", p.last_page_len)),
+                ("last_page_len", HostArray("last_page_len", last_page_len)),
                 ("head_dim", heads.head_dim),
                 ("page_size", spec.page_size),
             ]
         else:
-            masked = p.packed_mask is not None
             backend = prefill_backend(heads, policy, custom_mask=masked, sm90=sm90)
             key = WrapperKey(WrapperKind.PAGED_PREFILL, gp.group, backend, False)
             paged_args += [
                 ("qo_indptr", HostArray("qo_indptr", spec.qo_indptr)),
-                ("paged_kv_indptr", HostArray("page_indptr", p.page_indptr)),
+                ("paged_kv_indptr", HostArray("page_indptr", gather.page_indptr)),
                 ("paged_kv_indices", GatheredIndices(index)),
-                ("paged_kv_last_page_len", HostArray("last_page_len", p.last_page_len)),
+                ("paged_kv_last_page_len", HostArray("last_page_len", last_page_len)),
                 ("head_dim_qk", heads.head_dim),
                 ("page_size", spec.page_size),
                 ("causal", p.causal),
             ]
             if masked:
-                assert p.packed_mask is not None
-                paged_args.append(("packed_custom_mask", HostArray("packed_mask", p.packed_mask)))
+                assert p.packed_mask is not None and p.mask_indptr is not None
+                laid_out = flashinfer_mask_layout(
+                    p.packed_mask, p.mask_indptr, np.diff(spec.qo_indptr), p.kv_lens
+                )
+                paged_args.append(("packed_custom_mask", HostArray("packed_mask", laid_out)))
         paged_call = PlanCall(key, tuple(paged_args + _common(spec, gp)))
     if gp.ragged is not None:
         r = gp.ragged
@@ -196,7 +225,62 @@ def _group_calls(
             ("causal", r.causal),
         ]
         ragged_call = PlanCall(key, tuple(ragged_args + _common(spec, gp)))
-    return GroupCalls(group_index=index, path=gp.path, paged=paged_call, ragged=ragged_call)
+    return GroupCalls(group_index=index, path=gp.path, paged=paged_call, ragged=ragged_call,
+                      gather=gather)
+
+
+def _gather_for(
+    start_page: npt.NDArray[np.int32], num_pages: npt.NDArray[np.int32],
+    kv_lens: npt.NDArray[np.int32], *, masked: bool,
+) -> PageGather:
+    """The page gather of a paged call.
+
+    With a custom mask, an empty segment is given one (unread) page and
+    ``last_page_len = 0``: flashinfer 0.7.4 sizes each request's mask as
+    ``qo_len * ((pages - 1) * page_size + last_page_len)`` without clamping, so
+    zero pages would give a negative size and shift every later request's mask.
+    The kernel still sees ``kv_len = 0`` (FlashInfer clamps there).
+    """
+    if masked:
+        empty = kv_lens == 0
+        if np.any(empty):
+            start_page = frozen_array(np.where(empty, 0, start_page))
+            num_pages = frozen_array(np.where(empty, 1, num_pages))
+    page_indptr = cumsum0(num_pages)
+    return PageGather(start_page=start_page, num_pages=num_pages, page_indptr=page_indptr,
+                      total_pages=int(page_indptr[-1]))
+
+
+def flashinfer_mask_layout(
+    packed: npt.NDArray[np.uint8],
+    mask_indptr: npt.NDArray[np.int32],
+    qo_lens: npt.NDArray[np.int32],
+    kv_lens: npt.NDArray[np.int32],
+) -> npt.NDArray[np.uint8]:
+    """Place each request's packed mask where flashinfer 0.7.4's kernel reads it.
+
+    Given ``packed_custom_mask``, flashinfer 0.7.4's ``plan()`` computes the mask
+    offsets as the running sum of ``qo_len * kv_len`` — a count of *bits* — and
+    its kernel adds them to a *byte* pointer (known bug, flashinfer PR #2201). So
+    request ``i``'s bytes must start at byte ``sum_{r<i} qo_r * kv_r``. This
+    returns a uint8 buffer of that size (one byte per mask element, like an
+    unpacked mask) holding the plan's compact, byte-aligned packed bytes at those
+    offsets; requests' gaps are zero.
+
+    Args:
+        packed: uint8 ``[mask_indptr[-1]]`` compact packed mask (DESIGN layout).
+        mask_indptr: int32 ``[bs + 1]`` (bytes) of ``packed``.
+        qo_lens, kv_lens: int32 ``[bs]`` (tokens) rows and columns per request.
+    """
+    bits = qo_lens.astype(np.int64) * kv_lens.astype(np.int64)
+    bit_offsets = np.concatenate([[0], np.cumsum(bits)])
+    nbytes = np.diff(mask_indptr.astype(np.int64))
+    req = np.repeat(np.arange(nbytes.shape[0]), nbytes)
+    dest = bit_offsets[req] + np.arange(req.shape[0]) - mask_indptr[:-1].astype(np.int64)[req]
+    out = np.zeros(max(int(bit_offsets[-1]), 1), dtype=np.uint8)
+    out[dest] = packed
+    out.flags.writeable = False
+    return out
 
 
 def host_arrays(calls: tuple[GroupCalls, ...]) -> list[HostArray]:

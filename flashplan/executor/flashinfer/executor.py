@@ -161,10 +161,9 @@ class FlashInferExecutor:
             arrays += [np.zeros_like(enc_lens), enc_lens, spec.encoder_indptr]
         gather_index: dict[int, int] = {}
         for gc in calls:
-            part = spec.group_plans[gc.group_index].paged
-            if part is not None:
+            if gc.gather is not None:
                 gather_index[gc.group_index] = len(arrays)
-                arrays += [part.start_page, part.num_pages, part.page_indptr]
+                arrays += [gc.gather.start_page, gc.gather.num_pages, gc.gather.page_indptr]
         input_index: dict[int, int] = {}
         for host in plan_inputs:
             if host.values.dtype == np.int32:
@@ -177,7 +176,7 @@ class FlashInferExecutor:
         # Page ids of every paged call, gathered on the device.
         gathered: dict[int, torch.Tensor] = {}
         for group_index, first in gather_index.items():
-            part = spec.group_plans[group_index].paged
+            part = calls[group_index].gather
             assert part is not None
             out = torch.empty(max(part.total_pages, 1), dtype=torch.int32, device=self.device)
             gather_page_indices(

@@ -1,0 +1,340 @@
+"""``python -m flashplan explain``: show the plan of a small layout and what each query sees.
+
+Example::
+
+    python -m flashplan explain --seq-lens 7,40 --prefix-lens 0,33 --window 4
+
+prints the plan (:func:`flashplan.cli.render.describe_plan`) and, per group, a picture of
+the visibility rules (:func:`flashplan.oracle.visibility`: rows are queries with their
+absolute positions, columns are keys, ``#`` visible, ``.`` hidden). It then checks that
+the plan's kernel calls (:meth:`flashplan.PlanSpec.materialize`) show exactly those keys,
+and exits with 1 if they do not. ``--png FILE`` draws the same pictures with matplotlib,
+colouring each visible key by the kernel call that covers it (paged or ragged) and the
+keys a kernel reads but masks out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from flashplan.cli.render import (
+    COVER_NONE,
+    COVER_PAGED,
+    COVER_RAGGED,
+    ascii_visibility,
+    describe_group,
+    describe_header,
+    kernel_coverage,
+    prefix_lens,
+)
+from flashplan.errors import LayoutError
+from flashplan.layout.batch import BatchLayout
+from flashplan.layout.group import AttentionGroup
+from flashplan.layout.heads import HeadConfig
+from flashplan.oracle import visibility
+from flashplan.plan.materialize import PlanIntegrityError
+from flashplan.plan.planner import plan
+from flashplan.plan.spec import PlanSpec
+
+__all__ = [
+    "MissingDependencyError",
+    "build_layout",
+    "check_plan",
+    "command",
+    "configure",
+    "draw_png",
+    "explain",
+    "int_list",
+]
+
+#: Heads used by ``explain`` (they do not change the plan's arrays).
+EXPLAIN_HEADS = HeadConfig(8, 2, 64)
+
+
+class MissingDependencyError(RuntimeError):
+    """An optional dependency (matplotlib for ``--png``) is not installed."""
+
+
+def int_list(text: str) -> list[int]:
+    """Parse ``"7,40"`` (commas, optional spaces) into ``[7, 40]`` for argparse."""
+    parts = [p.strip() for p in text.split(",")]
+    if parts == [""]:
+        return []
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers such as 7,40; got {text!r}"
+        ) from None
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add ``explain``'s arguments to ``parser``."""
+    parser.add_argument(
+        "--seq-lens",
+        type=int_list,
+        required=True,
+        metavar="L,L,...",
+        help="decoder KV length of each request after the step (new tokens included)",
+    )
+    parser.add_argument(
+        "--prefix-lens",
+        type=int_list,
+        default=None,
+        metavar="P,P,...",
+        help="tokens already cached per request (extend; default 0)",
+    )
+    parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="a decode step: one new token per request (prefix = seq - 1)",
+    )
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (16)")
+    parser.add_argument(
+        "--window",
+        type=int,
+        action="append",
+        default=[],
+        metavar="W",
+        help="add a sliding-window group with window_left W (a query at p "
+        "sees keys p-W..p; HF sliding_window = W + 1); repeatable",
+    )
+    parser.add_argument(
+        "--cross", action="store_true", help="add a cross-attention group (needs --encoder-lens)"
+    )
+    parser.add_argument(
+        "--encoder-lens",
+        type=int_list,
+        default=None,
+        metavar="N,N,...",
+        help="encoder tokens per request (their pages come first in the page-table row)",
+    )
+    parser.add_argument(
+        "--bidirectional",
+        action="store_true",
+        help="make the full-attention group non-causal (each new token "
+        "sees every key of its request)",
+    )
+    parser.add_argument(
+        "--path",
+        choices=("auto", "paged", "ragged"),
+        default="auto",
+        help="extend path of self-attention groups (auto)",
+    )
+    parser.add_argument(
+        "--max-cols", type=int, default=80, help="widest picture drawn in full, in keys (80)"
+    )
+    parser.add_argument(
+        "--png",
+        metavar="FILE",
+        default=None,
+        help="also draw the pictures into a PNG file (needs matplotlib)",
+    )
+
+
+def build_layout(args: argparse.Namespace) -> BatchLayout:
+    """The layout described by ``explain``'s arguments.
+
+    Raises:
+        LayoutError: invalid lengths, page size, window or encoder lengths, or
+            ``--prefix-lens`` together with ``--decode``.
+    """
+    base = AttentionGroup.bidirectional() if args.bidirectional else AttentionGroup.full()
+    groups = [base]
+    for w in args.window:
+        g = AttentionGroup() if w == -1 else AttentionGroup.sliding(w)
+        if g not in groups:
+            groups.append(g)
+    if args.cross:
+        groups.append(AttentionGroup.cross())
+    if args.decode:
+        if args.prefix_lens is not None:
+            raise LayoutError(
+                "prefix_lens", "cannot be given with --decode (a decode step has prefix = seq - 1)"
+            )
+        return BatchLayout.decode(
+            args.seq_lens, page_size=args.page_size, groups=groups, encoder_lens=args.encoder_lens
+        )
+    return BatchLayout.extend(
+        args.seq_lens,
+        args.prefix_lens,
+        page_size=args.page_size,
+        groups=groups,
+        encoder_lens=args.encoder_lens,
+    )
+
+
+def check_plan(spec: PlanSpec, layout: BatchLayout, group: AttentionGroup) -> str | None:
+    """``None`` when the plan's kernel calls show exactly the oracle's keys, else why not."""
+    try:
+        got = spec.materialize(group)
+    except PlanIntegrityError as exc:
+        return str(exc)
+    for i, (g, want) in enumerate(zip(got, visibility(layout, group), strict=True)):
+        if g.shape != want.shape or not np.array_equal(g, want):
+            return f"request {i}: the kernel calls do not show the keys the rules say"
+    return None
+
+
+def explain(
+    layout: BatchLayout,
+    *,
+    extend_path: str = "auto",
+    heads: HeadConfig = EXPLAIN_HEADS,
+    max_cols: int = 80,
+) -> tuple[str, bool]:
+    """The text ``explain`` prints for ``layout``, and whether every plan check passed."""
+    spec = plan(layout, heads, extend_path=extend_path)
+    ok = True
+    seq, pre = layout.seq_lens, layout.prefix_lens
+    blocks = [
+        f"layout: {layout.mode.value}, seq_lens {_fmt(seq)}, prefix_lens {_fmt(pre)}, "
+        f"extend_lens {_fmt(layout.extend_lens)}, page_size {layout.page_size}"
+        + ("" if layout.encoder_lens is None else f", encoder_lens {_fmt(layout.encoder_lens)}"),
+        describe_header(spec),
+    ]
+    starts = prefix_lens(spec)
+    for index, gp in enumerate(spec.group_plans):
+        group = gp.group
+        key_name = "encoder keys" if group.cross_attention else "keys"
+        pictures = ascii_visibility(
+            visibility(layout, group), q_start=starts, key_name=key_name, max_cols=max_cols
+        )
+        problem = check_plan(spec, layout, group)
+        if problem is None:
+            verdict = "check: the plan's kernel calls show exactly these keys"
+        else:
+            ok = False
+            verdict = f"MISMATCH: {problem}"
+        blocks.append(
+            describe_group(spec, gp, index=index)
+            + "\n\n  visibility ('#' visible, '.' hidden; rows: queries by position):\n"
+            + _indent(pictures, "  ")
+            + f"\n  {verdict}"
+        )
+    return "\n\n".join(blocks), ok
+
+
+def _fmt(a: Sequence[int] | np.ndarray) -> str:
+    return "[" + ", ".join(str(int(v)) for v in a) + "]"
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line if line else line for line in text.splitlines())
+
+
+# ---------------------------------------------------------------------------- PNG
+_COLOURS = {
+    "hidden": (1.0, 1.0, 1.0),
+    "masked": (0.85, 0.85, 0.85),
+    "paged": (0.12, 0.47, 0.71),
+    "ragged": (1.0, 0.50, 0.05),
+    "unread": (0.84, 0.15, 0.16),
+}
+
+
+def _int_ticks(first: int, count: int, most: int = 8) -> list[int]:
+    """At most ``most`` integer ticks over ``first .. first + count - 1``."""
+    step = max(1, -(-count // most))
+    ticks = list(range(first, first + count, step))
+    return ticks
+
+
+def draw_png(spec: PlanSpec, layout: BatchLayout, path: str) -> None:
+    """Draw every group's visibility pictures into the PNG file ``path``.
+
+    One row of panels per group, one panel per request; rows are queries (by absolute
+    position), columns are keys. A visible key is blue when the paged call (decode or
+    paged prefill) covers it and orange when the ragged call does; light grey keys are
+    read by a kernel but masked out (leading keys of a page, or the window); white keys
+    are not read. Red would mark a visible key no call reads (a planner bug).
+
+    Raises:
+        MissingDependencyError: matplotlib is not installed.
+        OSError: the file cannot be written.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError:
+        raise MissingDependencyError(
+            "--png needs matplotlib: pip install 'flashplan[plot]' (or pip install matplotlib)"
+        ) from None
+
+    bs, ng = layout.batch_size, len(spec.group_plans)
+    starts = prefix_lens(spec)
+    fig = Figure(figsize=(max(4.0, 3.2 * max(bs, 1)), 2.8 * ng + 0.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(ng, max(bs, 1), squeeze=False)
+    for r, gp in enumerate(spec.group_plans):
+        masks = visibility(layout, gp.group)
+        cover = kernel_coverage(spec, gp.group)
+        for i in range(max(bs, 1)):
+            ax = axes[r][i]
+            ax.set_title(f"{gp.group.describe()}\nrequest {i} [{gp.path.value}]", fontsize=8)
+            if i >= bs or masks[i].size == 0:
+                ax.axis("off")
+                ax.text(
+                    0.5,
+                    0.5,
+                    "no queries or no keys",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    transform=ax.transAxes,
+                )
+                continue
+            m, c = masks[i], cover[i][None, :]
+            rgb = np.empty((*m.shape, 3))
+            rgb[:] = _COLOURS["hidden"]
+            rgb[~m & (c != COVER_NONE)] = _COLOURS["masked"]
+            rgb[m & (c == COVER_PAGED)] = _COLOURS["paged"]
+            rgb[m & (c == COVER_RAGGED)] = _COLOURS["ragged"]
+            rgb[m & (c == COVER_NONE)] = _COLOURS["unread"]
+            e, n = m.shape
+            p0 = int(starts[i])
+            ax.imshow(
+                rgb,
+                interpolation="nearest",
+                aspect="auto",
+                extent=(-0.5, n - 0.5, p0 + e - 0.5, p0 - 0.5),
+            )
+            ax.set_xlabel("encoder key" if gp.group.cross_attention else "key", fontsize=8)
+            ax.set_ylabel("query position", fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.set_xticks(_int_ticks(0, n))
+            ax.set_yticks(_int_ticks(p0, e))
+    handles = [
+        Patch(color=_COLOURS["paged"], label="visible, paged call (decode / paged prefill)"),
+        Patch(color=_COLOURS["ragged"], label="visible, ragged call (new tokens)"),
+        Patch(color=_COLOURS["masked"], label="read by a kernel, masked out"),
+        Patch(facecolor=_COLOURS["hidden"], edgecolor="0.6", label="not read"),
+    ]
+    fig.legend(handles=handles, loc="outside lower center", ncol=2, fontsize=8)
+    fig.savefig(path, dpi=110)
+
+
+# ---------------------------------------------------------------------------- command
+def command(args: argparse.Namespace) -> int:
+    """Run ``explain``; return the exit status (0 ok, 1 plan mismatch or PNG failure).
+
+    Raises:
+        FlashplanError: invalid layout (the caller reports it and exits with 2).
+    """
+    layout = build_layout(args)
+    text, ok = explain(layout, extend_path=args.path, max_cols=args.max_cols)
+    print(text)
+    if args.png:
+        spec = plan(layout, EXPLAIN_HEADS, extend_path=args.path)
+        try:
+            draw_png(spec, layout, args.png)
+        except (MissingDependencyError, OSError) as exc:
+            print(f"flashplan explain: error: {exc}", file=sys.stderr)
+            return 1
+        print(f"\nwrote {args.png}")
+    return 0 if ok else 1

@@ -1,0 +1,414 @@
+"""Human-readable renderings of plans and visibility masks (pure functions, host only).
+
+:func:`describe_plan` prints what a :class:`~flashplan.PlanSpec` asks the kernels to do,
+group by group and request by request. :func:`ascii_visibility` draws per-request boolean
+masks (rows = queries, columns = keys; ``#`` visible, ``.`` hidden), e.g. the oracle's
+:func:`flashplan.oracle.visibility` or :meth:`~flashplan.PlanSpec.materialize`.
+:func:`kernel_coverage` says which kernel call of a group reads which key.
+
+Positions and keys in the output are in the group's key space: decoder positions
+``0 .. seq_len - 1`` for self-attention groups, encoder positions ``0 .. enc_len - 1`` for
+cross-attention groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from flashplan.layout.arrays import IntArray
+from flashplan.plan.spec import GroupPlan, KernelPath, PlanSpec
+
+__all__ = [
+    "COVER_NONE",
+    "COVER_PAGED",
+    "COVER_RAGGED",
+    "ascii_visibility",
+    "decoder_offsets",
+    "describe_group",
+    "describe_header",
+    "describe_plan",
+    "first_visible_keys",
+    "kernel_coverage",
+    "prefix_lens",
+]
+
+#: :func:`kernel_coverage` value: no kernel call of the group reads the key.
+COVER_NONE = 0
+#: :func:`kernel_coverage` value: the paged call (decode or paged prefill) reads the key.
+COVER_PAGED = 1
+#: :func:`kernel_coverage` value: the ragged call (this step's new K/V) reads the key.
+COVER_RAGGED = 2
+
+_PATH_TEXT = {
+    KernelPath.DECODE: "decode kernel over the paged KV (one query per request)",
+    KernelPath.PAGED: "paged prefill over the visible KV, new tokens included "
+    "(their K/V is written to the cache first)",
+    KernelPath.RAGGED: "ragged prefill over the new tokens only (no cached prefix)",
+    KernelPath.RAGGED_PAGED: "ragged prefill over the new tokens + paged prefill over the "
+    "cached prefix, merged through their base-2 LSE",
+}
+
+
+# ---------------------------------------------------------------------------- plan text
+def decoder_offsets(spec: PlanSpec) -> IntArray:
+    """Logical token where each request's decoder KV starts (tokens), int32 ``[bs]``.
+
+    0 without encoder, else the encoder length rounded up to a page boundary.
+    """
+    if spec.encoder_indptr is None:
+        return np.zeros(spec.batch_size, dtype=np.int32)
+    ps = spec.page_size
+    enc = np.diff(spec.encoder_indptr).astype(np.int64)
+    return ((enc + ps - 1) // ps * ps).astype(np.int32)
+
+
+def prefix_lens(spec: PlanSpec) -> IntArray:
+    """Cached decoder tokens before this step (tokens), int32 ``[bs]``, from the plan."""
+    return (spec.new_token_start.astype(np.int64) - decoder_offsets(spec)).astype(np.int32)
+
+
+def _dtype_name(dtype: object) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def describe_header(spec: PlanSpec) -> str:
+    """The batch-wide lines of :func:`describe_plan` (mode, sizes, heads, groups)."""
+    key, heads = spec.key, spec.heads
+    bs = spec.batch_size
+    dtypes = _dtype_name(heads.q_dtype)
+    if heads.kv_dtype != heads.q_dtype or heads.out_dtype != heads.q_dtype:
+        dtypes = (
+            f"q {_dtype_name(heads.q_dtype)}, kv {_dtype_name(heads.kv_dtype)}, "
+            f"out {_dtype_name(heads.out_dtype)}"
+        )
+    lines = [
+        f"plan: {key.mode.value}, {bs} request{'s' if bs != 1 else ''}, "
+        f"page_size {key.page_size}, heads {heads.num_qo_heads} q / {heads.num_kv_heads} kv "
+        f"x {heads.head_dim} ({dtypes})",
+        f"  new tokens: total_q {spec.total_q}, max_q_len {spec.max_q_len}, "
+        f"qo_indptr {_list(spec.qo_indptr)}",
+        f"  pages_needed per table row: {_list(spec.pages_needed)}",
+    ]
+    if spec.encoder_indptr is not None:
+        lines.append(
+            f"  encoder: lens {_list(np.diff(spec.encoder_indptr))}, "
+            f"rows of k_enc/v_enc (encoder_indptr) {_list(spec.encoder_indptr)}, "
+            f"decoder KV starts at token {_list(decoder_offsets(spec))}"
+        )
+    groups = ", ".join(
+        f"{g.describe()} [{p.value}]" for g, p in zip(key.groups, key.paths, strict=True)
+    )
+    lines.append(f"  groups: {groups}")
+    return "\n".join(lines)
+
+
+def _window_text(gp: GroupPlan) -> str:
+    g = gp.group
+    if g.cross_attention:
+        return "cross-attention: every query sees all encoder keys of its request (non-causal)"
+    if not g.causal:
+        return "non-causal: every new token sees every key of its request"
+    w = gp.window_left
+    if w < 0:
+        return "window_left -1 (full attention): a query at position p sees keys 0..p"
+    return (
+        f"window_left {w}: a query at position p sees keys p-{w}..p "
+        f"({w + 1} keys; Hugging Face sliding_window = {w + 1})"
+    )
+
+
+def _range(lo: int, hi: int) -> str:
+    """``[lo, hi)`` or ``-`` when empty."""
+    return f"[{lo}, {hi})" if hi > lo else "-"
+
+
+def _positions(lo: int, n: int) -> str:
+    if n <= 0:
+        return "-"
+    return str(lo) if n == 1 else f"{lo}..{lo + n - 1}"
+
+
+def first_visible_keys(spec: PlanSpec, gp: GroupPlan) -> npt.NDArray[np.int64]:
+    """Per request, the smallest key any of its queries sees; -1 when it sees none."""
+    qo = np.diff(spec.qo_indptr).astype(np.int64)
+    n_keys = gp.num_keys.astype(np.int64)
+    g = gp.group
+    if g.cross_attention or not g.causal or gp.window_left < 0:
+        first = np.zeros_like(n_keys)
+    else:
+        first = np.maximum(prefix_lens(spec).astype(np.int64) - gp.window_left, 0)
+    return np.where((qo > 0) & (n_keys > first), first, -1)
+
+
+def describe_group(spec: PlanSpec, gp: GroupPlan, *, index: int | None = None) -> str:
+    """The lines of :func:`describe_plan` for one group."""
+    g = gp.group
+    name = g.describe() if index is None else f"{index}: {g.describe()}"
+    lines = [f"group {name}", f"  path {gp.path.value}: {_PATH_TEXT[gp.path]}"]
+    lines.append(f"  {_window_text(gp)}")
+    parts = []
+    if gp.paged is not None:
+        p = gp.paged
+        mask = "custom mask" if p.packed_mask is not None else "no custom mask"
+        parts.append(
+            f"paged call: {'causal' if p.causal else 'non-causal'}, {mask}, "
+            f"{p.total_pages} page{'' if p.total_pages == 1 else 's'}, max_kv_len {p.max_kv_len}"
+        )
+    if gp.ragged is not None:
+        r = gp.ragged
+        parts.append(
+            f"ragged call: {'causal' if r.causal else 'non-causal'}, max_kv_len {r.max_kv_len}"
+        )
+    lines.append("  " + "; ".join(parts))
+
+    ps = spec.page_size
+    qo_ptr = spec.qo_indptr.astype(np.int64)
+    prefix = prefix_lens(spec).astype(np.int64)
+    n_keys = gp.num_keys.astype(np.int64)
+    trim = first_visible_keys(spec, gp)
+    headers = ["req", "queries", "positions"]
+    if gp.paged is not None:
+        headers += ["start_page", "pages", "last_page_len", "kv_len", "paged keys"]
+    if gp.ragged is not None:
+        headers += ["k_new rows", "ragged keys"]
+    headers += ["trim", "mask"]
+    rows = []
+    for i in range(spec.batch_size):
+        q0, q1 = int(qo_ptr[i]), int(qo_ptr[i + 1])
+        row = [str(i), _range(q0, q1), _positions(int(prefix[i]), q1 - q0)]
+        has_mask = False
+        if gp.paged is not None:
+            p = gp.paged
+            kv = int(p.kv_lens[i])
+            first = int(p.start_page[i]) * ps - int(gp.key_offset[i])
+            row += [
+                str(int(p.start_page[i])),
+                str(int(p.num_pages[i])),
+                str(int(p.last_page_len[i])),
+                str(kv),
+                _range(first, first + kv) if kv else "-",
+            ]
+            if p.mask_indptr is not None:
+                has_mask = int(p.mask_indptr[i + 1]) > int(p.mask_indptr[i])
+        if gp.ragged is not None:
+            r0, r1 = int(gp.ragged.kv_indptr[i]), int(gp.ragged.kv_indptr[i + 1])
+            hi = int(n_keys[i])
+            row += [_range(r0, r1), _range(hi - (r1 - r0), hi)]
+        row += [str(int(trim[i])) if trim[i] >= 0 else "-", "yes" if has_mask else "no"]
+        rows.append(row)
+    lines += ["  " + line for line in _table(headers, rows)]
+    return "\n".join(lines)
+
+
+def describe_plan(spec: PlanSpec) -> str:
+    """A readable account of ``spec``: per group, its path, window and per-request calls.
+
+    Per request: the query range (``qo_indptr``) and absolute positions of its new tokens;
+    for the paged call the first page-table column read (``start_page``), the number of
+    pages, ``last_page_len``, the keys the kernel sees (``kv_len``) and which keys of the
+    group's key space they are; for the ragged call the rows of ``k_new`` / ``v_new`` and
+    the keys they are; ``trim``, the first key any query of the request sees (``-`` when
+    it sees none: no queries or no keys); and whether the paged call carries a custom
+    mask for the request.
+    """
+    blocks = [describe_header(spec)]
+    blocks += [describe_group(spec, gp, index=k) for k, gp in enumerate(spec.group_plans)]
+    return "\n\n".join(blocks)
+
+
+def _list(a: Sequence[int] | npt.NDArray[np.integer]) -> str:
+    return "[" + ", ".join(str(int(v)) for v in a) + "]"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    """Right-aligned columns, two spaces apart (text columns left-aligned)."""
+    widths = [max([len(h)] + [len(r[c]) for r in rows]) for c, h in enumerate(headers)]
+    left = {
+        c
+        for c, h in enumerate(headers)
+        if h in ("queries", "positions") or "keys" in h or "rows" in h
+    }
+
+    def fmt(cells: list[str]) -> str:
+        out = [
+            cell.ljust(w) if c in left else cell.rjust(w)
+            for c, (cell, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(out).rstrip()
+
+    return [fmt(headers)] + [fmt(r) for r in rows]
+
+
+# ---------------------------------------------------------------------------- coverage
+def kernel_coverage(spec: PlanSpec, group: object) -> list[npt.NDArray[np.int8]]:
+    """Which kernel call of ``group`` reads each key, per request.
+
+    Returns one int8 array ``[num_keys_i]`` per request (keys in the group's key space):
+    :data:`COVER_PAGED` for keys the paged call (decode or paged prefill) reads,
+    :data:`COVER_RAGGED` for keys the ragged call reads (this step's new tokens),
+    :data:`COVER_NONE` for keys no call reads. A key read by a call may still be hidden
+    from a query by the kernel's causal flag, window or custom mask.
+    """
+    gp = spec.group_plan(group)  # type: ignore[arg-type]
+    ps = spec.page_size
+    out = []
+    for i in range(spec.batch_size):
+        n = int(gp.num_keys[i])
+        cover = np.zeros(n, dtype=np.int8)
+        if gp.paged is not None and gp.paged.kv_lens[i] > 0:
+            first = int(gp.paged.start_page[i]) * ps - int(gp.key_offset[i])
+            lo, hi = max(first, 0), min(first + int(gp.paged.kv_lens[i]), n)
+            cover[lo:hi] = COVER_PAGED
+        if gp.ragged is not None:
+            m = int(gp.ragged.kv_indptr[i + 1] - gp.ragged.kv_indptr[i])
+            cover[max(n - m, 0) : n] = COVER_RAGGED
+        out.append(cover)
+    return out
+
+
+# ---------------------------------------------------------------------------- pictures
+_GAP = " ~ "
+
+
+def _columns(n: int, max_cols: int, first_visible: int) -> list[int | None]:
+    """Key index of each display column (``None`` = the gap marker): head, gap, tail.
+
+    The head is the first ``max_cols // 4`` keys; when the first visible key of the drawn
+    rows would fall into the gap, the tail is widened (down to a 4-key head) to show it.
+    """
+    if n <= max_cols:
+        return list(range(n))
+    room = max_cols - len(_GAP)
+    head = max(max_cols // 4, 1)
+    tail = room - head
+    if head <= first_visible < n - tail:
+        want = n - max(first_visible - 2, 0)
+        if want <= room - 4:
+            tail, head = want, room - want
+    return [*range(head), *([None] * len(_GAP)), *range(n - tail, n)]
+
+
+def _ruler(cols: list[int | None]) -> tuple[str, str]:
+    """Two lines: key labels and ``|`` ticks under the labelled columns."""
+    width = len(cols)
+    labels = [" "] * (width + 8)
+    ticks = [" "] * width
+    taken: list[tuple[int, int]] = []
+    keyed = [(c, k) for c, k in enumerate(cols) if k is not None]
+    if not keyed:
+        return "", ""
+    # Priority: first key, last key, first key after the gap, then multiples of 10.
+    wanted = [keyed[0], keyed[-1]]
+    wanted += [(c, k) for c, k in keyed if c > 0 and cols[c - 1] is None]
+    wanted += [(c, k) for c, k in keyed if k % 10 == 0]
+    for c, k in wanted:
+        text = str(k)
+        lo, hi = c, c + len(text)
+        if any(lo <= t_hi and t_lo <= hi for t_lo, t_hi in taken):  # keep one blank between
+            continue
+        taken.append((lo, hi))
+        labels[lo:hi] = text
+        ticks[c] = "|"
+    return "".join(labels).rstrip(), "".join(ticks).rstrip()
+
+
+def _picture(
+    mask: npt.NDArray[np.bool_],
+    q_start: int,
+    *,
+    max_cols: int,
+    max_rows: int,
+    indent: str,
+) -> list[str]:
+    e, n = mask.shape
+    half = max(max_rows // 2, 1)
+    if e > max_rows:
+        shown: list[int | None] = [*range(half), None, *range(e - half, e)]
+    else:
+        shown = list(range(e))
+    drawn = mask[[j for j in shown if j is not None]]
+    seen_cols = np.flatnonzero(drawn.any(axis=0))
+    cols = _columns(n, max_cols, int(seen_cols[0]) if seen_cols.size else n)
+    keyed = np.array([k for k in cols if k is not None], dtype=np.int64)
+    pos_w = max(3, len(str(q_start + max(e - 1, 0))))
+    pad = indent + " " * (pos_w + 2)
+    lines = []
+    if n:
+        label_line, tick_line = _ruler(cols)
+        lines += [pad + label_line, pad + tick_line]
+    for j in shown:
+        if j is None:
+            lines.append(f"{indent}{'~':>{pos_w}}  ({e - 2 * half} rows not shown)")
+            continue
+        row = mask[j]
+        cells = np.full(len(cols), " ", dtype="<U1")
+        is_key = np.array([k is not None for k in cols], dtype=bool)
+        cells[is_key] = np.where(row[keyed], "#", ".")
+        if not is_key.all():
+            cells[~is_key] = list(_GAP)
+        vis = np.flatnonzero(row)
+        if vis.size == 0:
+            note = "0"
+        elif vis.size == int(vis[-1]) - int(vis[0]) + 1:
+            note = f"{vis.size}: {vis[0]}..{vis[-1]}"
+        else:
+            note = f"{vis.size}: {vis[0]}..{vis[-1]} (with gaps)"
+        lines.append(f"{indent}{q_start + j:>{pos_w}}  {''.join(cells)}   {note}")
+    return lines
+
+
+def ascii_visibility(
+    masks: Sequence[npt.NDArray[np.bool_]],
+    *,
+    q_start: Sequence[int] | npt.NDArray[np.integer] | None = None,
+    key_name: str = "keys",
+    max_cols: int = 80,
+    max_rows: int = 32,
+    indent: str = "  ",
+) -> str:
+    """Draw per-request visibility masks as text.
+
+    One picture per request: a ruler of key indices, then one row per query labelled
+    with its absolute position, ``#`` where the query sees the key and ``.`` where it
+    does not, and after the row how many keys it sees and the first..last of them.
+    Pictures wider than ``max_cols`` keys show the first ``max_cols // 4`` keys, a
+    `` ~ `` gap and the last keys (the per-row counts still cover every key); more than
+    ``max_rows`` queries show the first and last ``max_rows // 2`` rows.
+
+    Args:
+        masks: one boolean array ``[num_queries_i, num_keys_i]`` per request.
+        q_start: absolute position of each request's first query (default 0): for a
+            self group the request's cached prefix length ``P``.
+        key_name: what the columns are, for the per-request title (``"keys"``,
+            ``"encoder keys"``).
+        max_cols: widest picture drawn in full (>= 8).
+        max_rows: most query rows drawn in full (>= 2).
+        indent: prefix of every line.
+    """
+    max_cols = max(int(max_cols), 8)
+    max_rows = max(int(max_rows), 2)
+    starts = [0] * len(masks) if q_start is None else [int(s) for s in q_start]
+    if len(starts) != len(masks):
+        raise ValueError(f"q_start has {len(starts)} entries for {len(masks)} masks")
+    if not masks:
+        return "(no requests)"
+    lines: list[str] = []
+    for i, (m, s) in enumerate(zip(masks, starts, strict=True)):
+        m = np.asarray(m, dtype=bool)
+        if m.ndim != 2:
+            raise ValueError(f"masks[{i}] must be 2-D [queries, keys], got shape {m.shape}")
+        e, n = m.shape
+        qs = "query" if e == 1 else "queries"
+        where = f" at position{'s' if e > 1 else ''} {_positions(s, e)}" if e else ""
+        keys = key_name.removesuffix("s") if n == 1 else key_name
+        lines.append(f"request {i}: {e} {qs}{where}; {n} {keys}")
+        if e == 0:
+            continue
+        if n == 0:
+            lines.append(f"{indent}(no {key_name}: every query sees nothing, output 0, LSE -inf)")
+            continue
+        lines += _picture(m, s, max_cols=max_cols, max_rows=max_rows, indent=indent)
+    return "\n".join(lines)

@@ -1,0 +1,262 @@
+"""Merging two partial attention states (e.g. a ragged and a paged segment of the keys).
+
+A partial state of query token ``n`` and head ``h`` over a segment of keys is its output
+``v[n, h, :]`` (the softmax-weighted mean of the segment's values) and its log-sum-exp
+``s[n, h]`` of the scaled logits, in **base 2** (FlashInfer's convention:
+``s = log2(sum_k 2^(logit_k * log2(e)))``). Two states of disjoint key segments merge to
+the state over their union::
+
+    s = log2(2^s_a + 2^s_b)
+    v = 2^(s_a - s) · v_a + 2^(s_b - s) · v_b
+
+computed in float32 (float64 for float64 values, torch twin only) with the maximum
+factored out (no overflow for any finite lse). An
+empty segment has ``s = -inf`` and contributes weight 0 (its ``v`` is not even read, so
+garbage there is harmless); when both are empty the result is ``v = 0``, ``s = -inf``,
+never NaN.
+
+:func:`merge_state_torch` has no Triton dependency: the reference executor imports it
+from here and gets the same base-2 convention and the same edge cases.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Literal
+
+import torch
+
+from flashplan.errors import FlashplanError
+
+__all__ = ["merge_state_torch", "merge_state_triton", "triton_mode"]
+
+try:  # Triton is optional: merge_state_torch works without it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    _HAS_TRITON = False
+else:
+    _HAS_TRITON = True
+
+_V_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the kernel's
+_V_DTYPES_TORCH = (*_V_DTYPES, torch.float64)  # the torch twin's (reference executor)
+
+if _HAS_TRITON:
+
+    @triton.jit
+    def _merge_state_kernel(
+        v_a_ptr,
+        s_a_ptr,
+        v_b_ptr,
+        s_b_ptr,
+        v_out_ptr,
+        s_out_ptr,
+        num_heads,
+        head_dim,
+        v_a_stride_n,
+        v_a_stride_h,
+        v_a_stride_d,
+        v_b_stride_n,
+        v_b_stride_h,
+        v_b_stride_d,
+        s_a_stride_n,
+        s_a_stride_h,
+        s_b_stride_n,
+        s_b_stride_h,
+        BLOCK_D: tl.constexpr,
+    ):
+        # One program per (token, head) pair, flattened into grid axis 0 (no limit on the
+        # number of heads, unlike grid axes 1 and 2).
+        pid = tl.program_id(0).to(tl.int64)
+        n = pid // num_heads
+        h = pid - n * num_heads
+        s_a = tl.load(s_a_ptr + n * s_a_stride_n + h * s_a_stride_h).to(tl.float32)
+        s_b = tl.load(s_b_ptr + n * s_b_stride_n + h * s_b_stride_h).to(tl.float32)
+        m = tl.maximum(s_a, s_b)
+        valid = m > float("-inf")
+        m0 = tl.where(valid, m, 0.0)
+        w_a = tl.exp2(s_a - m0)  # exp2(-inf) = 0 for an empty side
+        w_b = tl.exp2(s_b - m0)
+        denom = tl.where(valid, w_a + w_b, 1.0)  # in [1, 2] when valid
+        s = tl.where(valid, m0 + tl.log2(denom), float("-inf"))
+        c_a = w_a / denom
+        c_b = w_b / denom
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < head_dim
+        # A side with weight 0 is not read: its v may be anything (NaN included). The
+        # masks are single comparisons (the interpreter rejects scalar & block masks).
+        v_a = tl.load(
+            v_a_ptr + n * v_a_stride_n + h * v_a_stride_h + d * v_a_stride_d,
+            mask=d < tl.where(c_a > 0.0, head_dim, 0),
+            other=0.0,
+        ).to(tl.float32)
+        v_b = tl.load(
+            v_b_ptr + n * v_b_stride_n + h * v_b_stride_h + d * v_b_stride_d,
+            mask=d < tl.where(c_b > 0.0, head_dim, 0),
+            other=0.0,
+        ).to(tl.float32)
+        v = v_a * c_a + v_b * c_b
+        tl.store(v_out_ptr + pid * head_dim + d, v.to(v_out_ptr.dtype.element_ty), mask=d_mask)
+        tl.store(s_out_ptr + pid, s)
+
+
+def triton_mode() -> Literal["compiled", "interpret", "unavailable"]:
+    """How this module's Triton kernel runs.
+
+    Returns:
+        ``"unavailable"`` when Triton is not installed; ``"interpret"`` when the kernel was
+        defined (at this module's import) with ``TRITON_INTERPRET=1``, so that it runs on
+        CPU tensors through Triton's interpreter; ``"compiled"`` otherwise (a real GPU
+        kernel; CPU tensors then go to :func:`merge_state_torch`).
+    """
+    if not _HAS_TRITON:
+        return "unavailable"
+    if isinstance(_merge_state_kernel, triton.runtime.JITFunction):
+        return "compiled"
+    return "interpret"
+
+
+def _check_states(
+    v_a: torch.Tensor,
+    s_a: torch.Tensor,
+    v_b: torch.Tensor,
+    s_b: torch.Tensor,
+    v_dtypes: tuple[torch.dtype, ...] = _V_DTYPES,
+) -> None:
+    """Validate shapes, dtypes and devices of two partial states (metadata only)."""
+    if v_a.dim() != 3:
+        raise FlashplanError(
+            f"v_a: expected [tokens, heads, head_dim], got shape {tuple(v_a.shape)}"
+        )
+    if v_b.shape != v_a.shape:
+        raise FlashplanError(f"v_b: shape {tuple(v_b.shape)} != v_a's {tuple(v_a.shape)}")
+    for name, s in (("s_a", s_a), ("s_b", s_b)):
+        if s.shape != v_a.shape[:2]:
+            raise FlashplanError(
+                f"{name}: shape {tuple(s.shape)}, expected [tokens, heads] = {tuple(v_a.shape[:2])}"
+            )
+        if s.dtype != torch.float32:
+            raise FlashplanError(f"{name}: dtype must be torch.float32, got {s.dtype}")
+    for name, v in (("v_a", v_a), ("v_b", v_b)):
+        if v.dtype not in v_dtypes:
+            raise FlashplanError(f"{name}: dtype must be one of {v_dtypes}, got {v.dtype}")
+    for name, t in (("s_a", s_a), ("v_b", v_b), ("s_b", s_b)):
+        if t.device != v_a.device:
+            raise FlashplanError(f"{name}: on {t.device}, expected {v_a.device} like v_a")
+
+
+def merge_state_triton(
+    v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attention states with a Triton kernel (base-2 LSE).
+
+    Grid: one program per (token, head) pair, flattened on grid axis 0, so any head
+    count works; each program handles one ``head_dim`` vector (padded to a power of
+    two). No value is read back to the host. On CPU tensors the kernel runs under
+    Triton's interpreter when it was defined with ``TRITON_INTERPRET=1``, otherwise this
+    calls :func:`merge_state_torch`.
+
+    Args:
+        v_a: ``[tokens, heads, head_dim]`` bf16 / fp16 / fp32 output over key segment A;
+            any strides.
+        s_a: float32 ``[tokens, heads]`` base-2 log-sum-exp of segment A; -inf = empty.
+        v_b: like ``v_a`` (same shape, any of the three dtypes), segment B. (float64
+            values are refused: use :func:`merge_state_torch`.)
+        s_b: like ``s_a``, segment B.
+
+    Returns:
+        ``(v, s)``: ``v`` contiguous ``[tokens, heads, head_dim]`` in ``v_a``'s dtype
+        (merged in float32, then cast), ``s`` contiguous float32 ``[tokens, heads]``
+        base-2 log-sum-exp of the union (-inf where both sides are empty, with ``v = 0``).
+
+    Raises:
+        FlashplanError: shape, dtype or device mismatch.
+        RuntimeError: a non-CPU device without Triton installed.
+    """
+    _check_states(v_a, s_a, v_b, s_b)
+    mode = triton_mode()
+    if v_a.device.type == "cpu" and mode != "interpret":
+        return merge_state_torch(v_a, s_a, v_b, s_b)
+    if mode == "unavailable":
+        raise RuntimeError(
+            f"Triton is not installed: cannot merge on {v_a.device}; use merge_state_torch()"
+        )
+    tokens, heads, head_dim = v_a.shape
+    v = torch.empty((tokens, heads, head_dim), dtype=v_a.dtype, device=v_a.device)
+    s = torch.empty((tokens, heads), dtype=torch.float32, device=v_a.device)
+    programs = tokens * heads
+    if programs == 0:
+        return v, s
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    with _device_guard(v_a.device):
+        _merge_state_kernel[(programs,)](
+            v_a,
+            s_a,
+            v_b,
+            s_b,
+            v,
+            s,
+            heads,
+            head_dim,
+            *v_a.stride(),
+            *v_b.stride(),
+            *s_a.stride(),
+            *s_b.stride(),
+            BLOCK_D=block_d,
+            num_warps=max(1, min(8, block_d // 128)),
+        )
+    return v, s
+
+
+def merge_state_torch(
+    v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attention states in plain torch (base-2 LSE); any device.
+
+    The CPU path of :func:`merge_state_triton`, its test oracle, and the merge that the
+    reference executor uses. Same math and edge cases as the kernel: float32 (float64
+    when either ``v`` is float64, which only this twin accepts), maximum factored out, a
+    side with ``s = -inf`` contributes exactly 0 (its ``v`` is masked out, NaN included),
+    both sides empty give ``v = 0`` and ``s = -inf``. Vectorized, no sync.
+
+    Args:
+        v_a: ``[tokens, heads, head_dim]`` bf16 / fp16 / fp32 / fp64 output over key
+            segment A.
+        s_a: float32 ``[tokens, heads]`` base-2 log-sum-exp of segment A; -inf = empty.
+        v_b: like ``v_a`` (same shape, any of the four dtypes), segment B.
+        s_b: like ``s_a``, segment B.
+
+    Returns:
+        ``(v, s)``: ``v`` contiguous ``[tokens, heads, head_dim]`` in ``v_a``'s dtype,
+        ``s`` contiguous float32 ``[tokens, heads]`` base-2 log-sum-exp of the union.
+
+    Raises:
+        FlashplanError: shape, dtype or device mismatch.
+    """
+    _check_states(v_a, s_a, v_b, s_b, _V_DTYPES_TORCH)
+    fp64 = torch.float64 in (v_a.dtype, v_b.dtype)
+    math_dtype = torch.float64 if fp64 else torch.float32
+    s_a = s_a.to(math_dtype)
+    s_b = s_b.to(math_dtype)
+    m = torch.maximum(s_a, s_b)
+    valid = m > float("-inf")
+    m0 = torch.where(valid, m, torch.zeros_like(m))
+    w_a = torch.exp2(s_a - m0)
+    w_b = torch.exp2(s_b - m0)
+    denom = torch.where(valid, w_a + w_b, torch.ones_like(m))
+    s = torch.where(valid, m0 + torch.log2(denom), torch.full_like(m, float("-inf")))
+    c_a = (w_a / denom).unsqueeze(-1)
+    c_b = (w_b / denom).unsqueeze(-1)
+    zero = torch.zeros((), dtype=math_dtype, device=v_a.device)
+    part_a = torch.where(c_a > 0, v_a.to(math_dtype) * c_a, zero)
+    part_b = torch.where(c_b > 0, v_b.to(math_dtype) * c_b, zero)
+    # Elementwise ops keep the inputs' memory layout; return the kernel's (contiguous) one.
+    v = (part_a + part_b).to(v_a.dtype).contiguous()
+    return v, s.to(torch.float32).contiguous()
+
+
+def _device_guard(device: torch.device) -> AbstractContextManager[object]:
+    """A context that makes ``device`` current for a Triton launch (CUDA devices only)."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return nullcontext()

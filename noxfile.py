@@ -1,0 +1,77 @@
+"""Nox sessions for flashplan.
+
+CPU sessions install ``torch==2.13.0`` *before* the project so that pip never resolves
+``torch>=2.4`` to a multi-GB CUDA build. Venvs are reusable: ``nox -r`` (or ``-R``).
+
+    nox -s tests            # CPU test suite (everything not marked ``gpu``)
+    nox -s lint             # ruff check + ruff format --check
+    nox -s typecheck        # mypy
+    nox -s demo             # python -m flashplan demo
+    nox -s gpu              # GPU tests, in the *current* environment (see its docstring)
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.sessions = ["lint", "typecheck", "tests", "demo"]
+nox.options.reuse_existing_virtualenvs = True
+
+PYTHON = "3.11"
+TORCH_CPU = "torch==2.13.0"
+RUFF = "ruff==0.17.6"  # keep in sync with .ci/run
+LINT_PATHS = ["flashplan", "tests", "benchmarks", "noxfile.py"]
+
+
+def _install_project(session: nox.Session, extras: str) -> None:
+    session.install(TORCH_CPU)
+    session.install("-e", f".[{extras}]")
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """Run the CPU test suite (``-m "not gpu"``). Extra args are passed to pytest."""
+    _install_project(session, "test,flashinfer")
+    args = session.posargs or ["-q", "-m", "not gpu"]
+    session.run("python", "-m", "pytest", *args)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff check + ruff format --check."""
+    session.install(RUFF)
+    paths = [p for p in LINT_PATHS if os.path.exists(p)]
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy over ``flashplan`` (config in pyproject.toml)."""
+    _install_project(session, "test,flashinfer,dev")
+    session.run("mypy", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """Run ``python -m flashplan demo`` on the CPU (reference executor)."""
+    _install_project(session, "flashinfer")
+    session.run("python", "-m", "flashplan", "demo", *session.posargs)
+
+
+@nox.session(python=False)
+def gpu(session: nox.Session) -> None:
+    """Run the GPU tests (``pytest -m gpu tests``) in the CURRENT environment.
+
+    This session creates no venv and installs nothing (``python=False``, i.e. nox's
+    ``venv_backend="none"``): on the GPU machine, first set up an environment with a
+    CUDA build of torch and the project, e.g.::
+
+        pip install -e '.[test,flashinfer]'   # keeps the CUDA torch already there
+        nox -s gpu                              # or: python -m pytest -m gpu tests
+
+    Extra args are passed to pytest.
+    """
+    session.run("python", "-m", "pytest", "-m", "gpu", "tests", *session.posargs, external=True)

@@ -1,0 +1,284 @@
+"""The command line: ``python -m flashplan demo`` / ``explain`` and the text renderings.
+
+Expected lines are derived by hand from the semantics (DESIGN §2), not copied from the
+tool's output: e.g. a decode query at position 4 with ``window_left = 2`` sees keys 2..4.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from flashplan import AttentionGroup, BatchLayout, HeadConfig, plan
+from flashplan.__main__ import main
+from flashplan.cli.demo import run_demo, tolerance_for
+from flashplan.cli.render import (
+    COVER_NONE,
+    COVER_PAGED,
+    COVER_RAGGED,
+    ascii_visibility,
+    describe_plan,
+    kernel_coverage,
+)
+
+HEADS = HeadConfig(8, 2, 64)
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _cpu_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the demo must run (and pass) on the CPU
+    # Import this checkout's flashplan even when it is not installed.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "flashplan", *args],
+        capture_output=True,
+        text=True,
+        env=_cpu_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+def _explain(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    assert main(["explain", *args]) == 0
+    return capsys.readouterr().out
+
+
+def _group_block(text: str, title: str) -> list[str]:
+    """The lines of the block of the group titled ``group N: <title>``."""
+    blocks = text.split("\n\n")
+    for k, block in enumerate(blocks):
+        first = block.splitlines()[0]
+        if first.startswith("group ") and first.split(": ", 1)[1] == title:
+            # the group's block runs until the next "group" block
+            rest = []
+            for later in blocks[k + 1 :]:
+                if later.startswith("group "):
+                    break
+                rest.append(later)
+            return "\n\n".join([block, *rest]).splitlines()
+    raise AssertionError(f"no group {title!r} in:\n{text}")
+
+
+def _plan_row(lines: list[str], req: int) -> list[str]:
+    """Whitespace-split cells of request ``req``'s row in a group's plan table."""
+    header = next(k for k, line in enumerate(lines) if line.strip().startswith("req "))
+    return lines[header + 1 + req].split()
+
+
+def _picture_row(lines: list[str], position: int) -> str:
+    """The picture row of the query at ``position``: its cells and note, after the label."""
+    start = next(k for k, line in enumerate(lines) if "visibility (" in line)
+    rows = [
+        line.strip()
+        for line in lines[start:]
+        if line.strip().startswith(f"{position}  ") and ("#" in line or "." in line)
+    ]
+    return rows[0].removeprefix(f"{position}  ")
+
+
+# ---------------------------------------------------------------------------- demo
+def test_demo_in_process_reports_error_below_tolerance() -> None:
+    out = io.StringIO()
+    worst = run_demo("cpu", stream=out)
+    text = out.getvalue()
+    assert 0.0 <= worst <= tolerance_for(torch.float32)
+    assert "ReferenceExecutor" in text
+    # Every group of every batch reports its error and correct KV writes.
+    assert text.count("kv writes ok") == 2 + 3 + 3
+    assert "WRONG" not in text
+    assert "path ragged+paged" in text and "path decode" in text
+    assert text.rstrip().endswith("OK")
+
+
+def test_demo_subprocess_exits_zero() -> None:
+    proc = _run_cli("demo")
+    assert proc.returncode == 0, proc.stderr
+    assert "worst error" in proc.stdout
+    assert proc.stdout.rstrip().endswith("OK")
+    assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------- explain
+def test_explain_decode_window_shows_last_three_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _explain(capsys, "--decode", "--seq-lens", "5", "--window", "2")
+    window = _group_block(text, "self causal window=2")
+    full = _group_block(text, "self causal")
+    # window_left 2: the query at position 4 sees keys 2, 3, 4 (HF sliding_window 3).
+    assert _picture_row(window, 4) == "..###   3: 2..4"
+    assert _picture_row(full, 4) == "#####   5: 0..4"
+    assert any("Hugging Face sliding_window = 3" in line for line in window)
+    # One page of 5 tokens; the kernel reads keys [0, 5) and the window trims to key 2.
+    assert _plan_row(window, 0) == [
+        "0",
+        "[0,",
+        "1)",
+        "4",
+        "0",
+        "1",
+        "5",
+        "5",
+        "[0,",
+        "5)",
+        "2",
+        "no",
+    ]
+    assert "check: the plan's kernel calls show exactly these keys" in window[-1]
+
+
+def test_explain_extend_window_paged_and_ragged(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--seq-lens", "7,40", "--prefix-lens", "0,33", "--window", "4"]
+    paged = _group_block(_explain(capsys, *args, "--path", "paged"), "self causal window=4")
+    # Request 1: queries at 33..39 see p-4..p. Paged-only trim min(L, W + E) = 11 keys from
+    # key 29, which lives in page 1 (keys 16..31): the kernel reads pages 1, 2 = 24 keys
+    # [16, 40) with last_page_len 40 - 32 = 8; the window hides 16..28.
+    assert _plan_row(paged, 1) == [
+        "1", "[7,", "14)", "33..39", "1", "2", "8", "24", "[16,", "40)", "29", "no",
+    ]  # fmt: skip
+    assert _picture_row(paged, 33) == "." * 29 + "#####" + "." * 6 + "   5: 29..33"
+    assert _picture_row(paged, 39) == "." * 35 + "#####" + "   5: 35..39"
+    # Request 0 (no prefix): query 6 sees keys 2..6.
+    assert _picture_row(paged, 6) == "..#####   5: 2..6"
+
+    ragged = _group_block(_explain(capsys, *args, "--path", "ragged"), "self causal window=4")
+    assert "path ragged+paged" in ragged[1]
+    # Prefix part: keys [29, 33) needed -> from page 1: [16, 33), 17 keys, last page 1 key;
+    # the window bites inside it, so the paged call carries a custom mask. Ragged part:
+    # the 7 new tokens, rows [7, 14) of k_new, keys [33, 40).
+    assert _plan_row(ragged, 1) == [
+        "1", "[7,", "14)", "33..39", "1", "2", "1", "17", "[16,", "33)",
+        "[7,", "14)", "[33,", "40)", "29", "yes",
+    ]  # fmt: skip
+    assert _picture_row(ragged, 33) == _picture_row(paged, 33)
+
+
+def test_explain_page_math_and_cross(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _explain(
+        capsys, "--seq-lens", "17,3", "--prefix-lens", "16,0", "--cross",
+        "--encoder-lens", "20,0", "--path", "paged",
+    )  # fmt: skip
+    # Encoder 20 tokens -> 2 pages; decoder KV of request 0 starts at token 32.
+    assert "decoder KV starts at token [32, 0]" in text
+    cross = _group_block(text, "cross bidirectional")
+    assert _plan_row(cross, 0) == [
+        "0", "[0,", "1)", "16", "0", "2", "4", "20", "[0,", "20)", "0", "no",
+    ]  # fmt: skip
+    # Request 1 has no encoder tokens: empty segment, last_page_len 0, no visible key.
+    assert _plan_row(cross, 1) == ["1", "[1,", "4)", "0..2", "0", "0", "0", "0", "-", "-", "no"]
+    assert any("(no encoder keys: every query sees nothing" in line for line in cross)
+    full = _group_block(text, "self causal")
+    # 17 decoder tokens from token 32: pages 2 and 3 of the row, 17 = 16 + 1 keys.
+    assert _plan_row(full, 0) == [
+        "0", "[0,", "1)", "16", "2", "2", "1", "17", "[0,", "17)", "0", "no",
+    ]  # fmt: skip
+    assert _picture_row(cross, 16) == "#" * 20 + "   20: 0..19"
+
+
+def test_explain_bidirectional(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _explain(capsys, "--seq-lens", "4", "--prefix-lens", "1", "--bidirectional")
+    block = _group_block(text, "self bidirectional")
+    for pos in (1, 2, 3):
+        assert _picture_row(block, pos) == "####   4: 0..3"
+
+
+def test_explain_truncates_wide_pictures(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _explain(capsys, "--decode", "--seq-lens", "300", "--window", "2")
+    row = _picture_row(_group_block(text, "self causal window=2"), 299)
+    assert " ~ " in row
+    assert row.endswith("..###   3: 297..299")
+    assert len(row) < 120
+
+
+def test_explain_png(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "plan.png"
+    args = ["--seq-lens", "7,40", "--prefix-lens", "0,33", "--window", "4", "--path", "ragged"]
+    text = _explain(capsys, *args, "--png", str(target))
+    assert f"wrote {target}" in text
+    data = target.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--seq-lens=5,-2"], "seq_lens[1]: must be >= 0"),
+        (["--seq-lens", "5", "--prefix-lens", "7"], "prefix_lens[0]: must not exceed seq_lens"),
+        (["--seq-lens", "5,6", "--prefix-lens", "1"], "prefix_lens: batch size differs"),
+        (["--seq-lens", "5", "--window", "-3"], "window_left: must be -1"),
+        (["--seq-lens", "5", "--page-size", "0"], "page_size: must be a positive int"),
+        (["--seq-lens", "5", "--cross"], "encoder_lens: a cross-attention group needs"),
+        (["--seq-lens", "5", "--decode", "--prefix-lens", "4"], "prefix_lens: cannot be given"),
+        (["--seq-lens", "5,x"], "expected comma-separated integers"),
+    ],
+)
+def test_bad_input_exits_2_with_message(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["explain", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_bad_input_subprocess_no_traceback() -> None:
+    proc = _run_cli("explain", "--seq-lens=5,-2")
+    assert proc.returncode == 2
+    assert "flashplan explain: error: seq_lens[1]: must be >= 0 (value=-2)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_main_without_command_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "demo" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    assert "explain" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- render
+def test_ascii_visibility_rows_and_columns() -> None:
+    mask = np.array([[True, False, True], [False, False, False]])
+    text = ascii_visibility([mask, np.zeros((0, 2), bool)], q_start=[10, 0], indent="")
+    lines = text.splitlines()
+    assert lines[0] == "request 0: 2 queries at positions 10..11; 3 keys"
+    assert " 10  #.#   2: 0..2 (with gaps)" in lines
+    assert " 11  ...   0" in lines
+    assert lines[-1] == "request 1: 0 queries; 2 keys"
+    assert ascii_visibility([]) == "(no requests)"
+
+
+def test_ascii_visibility_truncates_rows() -> None:
+    mask = np.tril(np.ones((100, 100), dtype=bool))
+    text = ascii_visibility([mask], max_rows=10, max_cols=40)
+    assert "(90 rows not shown)" in text
+    assert "99  " in text and "50  " not in text
+    assert max(len(line) for line in text.splitlines()) < 80
+
+
+def test_describe_plan_and_coverage_ragged() -> None:
+    layout = BatchLayout.extend([7, 40], [0, 33], page_size=16)
+    spec = plan(layout, HEADS, extend_path="ragged")
+    text = describe_plan(spec)
+    assert text.startswith("plan: extend, 2 requests, page_size 16")
+    assert "path ragged+paged" in text
+    cover = kernel_coverage(spec, AttentionGroup())
+    assert (cover[0] == COVER_RAGGED).all()
+    assert (cover[1][:33] == COVER_PAGED).all() and (cover[1][33:] == COVER_RAGGED).all()
+    decode = plan(BatchLayout.decode([40], page_size=16, groups=[AttentionGroup.sliding(4)]), HEADS)
+    (c,) = kernel_coverage(decode, AttentionGroup.sliding(4))
+    # Keys 35..39 are needed, page 2 (keys 32..39) is read; keys 0..31 are not.
+    assert (c[:32] == COVER_NONE).all() and (c[32:] == COVER_PAGED).all()
