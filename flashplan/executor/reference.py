@@ -179,7 +179,7 @@ class ReferenceExecutor:
                            torch.from_numpy(token // ps).to(dev)].long()
         visible = _kernel_visibility(qo_lens, part.kv_lens, max_q, max_kv,
                                      causal=part.causal, window_left=gp.window_left)
-        if part.packed_mask is not None:
+        if part.mask is not None:
             visible &= _custom_mask(part, qo_lens, max_q)
         return _Gathered(kv_page=page, kv_slot=torch.from_numpy(token % ps).to(dev),
                          visible=torch.from_numpy(visible).to(dev))

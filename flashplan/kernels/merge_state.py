@@ -40,6 +40,8 @@ else:
 
 _V_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the kernel's
 _V_DTYPES_TORCH = (*_V_DTYPES, torch.float64)  # the torch twin's (reference executor)
+# Elements of v (heads x head_dim) one kernel program merges: whole heads, at least one.
+_ELEMS_PER_PROGRAM = 1024
 
 if _HAS_TRITON:
 
@@ -52,6 +54,7 @@ if _HAS_TRITON:
         v_out_ptr,
         s_out_ptr,
         num_heads,
+        num_head_blocks,
         head_dim,
         v_a_stride_n,
         v_a_stride_h,
@@ -63,15 +66,21 @@ if _HAS_TRITON:
         s_a_stride_h,
         s_b_stride_n,
         s_b_stride_h,
+        BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        # One program per (token, head) pair, flattened into grid axis 0 (no limit on the
-        # number of heads, unlike grid axes 1 and 2).
+        # One program per (token, block of BLOCK_H heads), flattened into grid axis 0: no
+        # limit on the number of heads (grid axes 1 and 2 stop at 65535).
         pid = tl.program_id(0).to(tl.int64)
-        n = pid // num_heads
-        h = pid - n * num_heads
-        s_a = tl.load(s_a_ptr + n * s_a_stride_n + h * s_a_stride_h).to(tl.float32)
-        s_b = tl.load(s_b_ptr + n * s_b_stride_n + h * s_b_stride_h).to(tl.float32)
+        n = pid // num_head_blocks
+        h = (pid - n * num_head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = h < num_heads
+        s_a = tl.load(
+            s_a_ptr + n * s_a_stride_n + h * s_a_stride_h, mask=h_ok, other=float("-inf")
+        ).to(tl.float32)
+        s_b = tl.load(
+            s_b_ptr + n * s_b_stride_n + h * s_b_stride_h, mask=h_ok, other=float("-inf")
+        ).to(tl.float32)
         m = tl.maximum(s_a, s_b)
         valid = m > float("-inf")
         m0 = tl.where(valid, m, 0.0)
@@ -79,25 +88,32 @@ if _HAS_TRITON:
         w_b = tl.exp2(s_b - m0)
         denom = tl.where(valid, w_a + w_b, 1.0)  # in [1, 2] when valid
         s = tl.where(valid, m0 + tl.log2(denom), float("-inf"))
-        c_a = w_a / denom
+        c_a = w_a / denom  # 0 for an empty side and for padding heads
         c_b = w_b / denom
-        d = tl.arange(0, BLOCK_D)
-        d_mask = d < head_dim
-        # A side with weight 0 is not read: its v may be anything (NaN included). The
-        # masks are single comparisons (the interpreter rejects scalar & block masks).
+        d = tl.arange(0, BLOCK_D)[None, :]
+        # A side with weight 0 is not read: its v may be anything (NaN included). Masks
+        # are built as single comparisons against a per-head limit on d.
+        lim_a = tl.where(c_a > 0.0, head_dim, 0)[:, None]
+        lim_b = tl.where(c_b > 0.0, head_dim, 0)[:, None]
         v_a = tl.load(
-            v_a_ptr + n * v_a_stride_n + h * v_a_stride_h + d * v_a_stride_d,
-            mask=d < tl.where(c_a > 0.0, head_dim, 0),
+            v_a_ptr + n * v_a_stride_n + h[:, None] * v_a_stride_h + d * v_a_stride_d,
+            mask=d < lim_a,
             other=0.0,
         ).to(tl.float32)
         v_b = tl.load(
-            v_b_ptr + n * v_b_stride_n + h * v_b_stride_h + d * v_b_stride_d,
-            mask=d < tl.where(c_b > 0.0, head_dim, 0),
+            v_b_ptr + n * v_b_stride_n + h[:, None] * v_b_stride_h + d * v_b_stride_d,
+            mask=d < lim_b,
             other=0.0,
         ).to(tl.float32)
-        v = v_a * c_a + v_b * c_b
-        tl.store(v_out_ptr + pid * head_dim + d, v.to(v_out_ptr.dtype.element_ty), mask=d_mask)
-        tl.store(s_out_ptr + pid, s)
+        v = v_a * c_a[:, None] + v_b * c_b[:, None]
+        row = n * num_heads + h  # output (token, head) index; outputs are contiguous
+        lim_out = tl.where(h_ok, head_dim, 0)[:, None]
+        tl.store(
+            v_out_ptr + row[:, None] * head_dim + d,
+            v.to(v_out_ptr.dtype.element_ty),
+            mask=d < lim_out,
+        )
+        tl.store(s_out_ptr + row, s, mask=h_ok)
 
 
 def triton_mode() -> Literal["compiled", "interpret", "unavailable"]:
@@ -150,9 +166,10 @@ def merge_state_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial attention states with a Triton kernel (base-2 LSE).
 
-    Grid: one program per (token, head) pair, flattened on grid axis 0, so any head
-    count works; each program handles one ``head_dim`` vector (padded to a power of
-    two). No value is read back to the host. On CPU tensors the kernel runs under
+    Grid: one program per (token, block of heads), flattened on grid axis 0, so any head
+    count works; a block holds as many whole heads as fit in about 1024 elements (at
+    least one head; ``head_dim`` padded to a power of two). No value is read back to the
+    host. On CPU tensors the kernel runs under
     Triton's interpreter when it was defined with ``TRITON_INTERPRET=1``, otherwise this
     calls :func:`merge_state_torch`.
 
@@ -184,12 +201,13 @@ def merge_state_triton(
     tokens, heads, head_dim = v_a.shape
     v = torch.empty((tokens, heads, head_dim), dtype=v_a.dtype, device=v_a.device)
     s = torch.empty((tokens, heads), dtype=torch.float32, device=v_a.device)
-    programs = tokens * heads
-    if programs == 0:
+    if tokens * heads == 0:
         return v, s
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_h = min(triton.next_power_of_2(heads), max(1, _ELEMS_PER_PROGRAM // block_d))
+    head_blocks = triton.cdiv(heads, block_h)
     with _device_guard(v_a.device):
-        _merge_state_kernel[(programs,)](
+        _merge_state_kernel[(tokens * head_blocks,)](
             v_a,
             s_a,
             v_b,
@@ -197,13 +215,15 @@ def merge_state_triton(
             v,
             s,
             heads,
+            head_blocks,
             head_dim,
             *v_a.stride(),
             *v_b.stride(),
             *s_a.stride(),
             *s_b.stride(),
+            BLOCK_H=block_h,
             BLOCK_D=block_d,
-            num_warps=max(1, min(8, block_d // 128)),
+            num_warps=max(1, min(8, block_h * block_d // 256)),
         )
     return v, s
 

@@ -8,12 +8,81 @@ mask indptr counts bytes.
 
 from __future__ import annotations
 
+from functools import cached_property
+
+import attrs
 import numpy as np
 import numpy.typing as npt
 
 from flashplan.layout.arrays import IntArray, cumsum0, frozen_array
 
-__all__ = ["mask_indptr", "pack_threshold_rows", "pack_dense", "unpack_request"]
+__all__ = [
+    "CustomMask",
+    "mask_indptr",
+    "pack_dense",
+    "pack_threshold_rows",
+    "threshold_rows",
+    "unpack_request",
+]
+
+
+@attrs.frozen(eq=False)
+class CustomMask:
+    """A per-request custom mask of a paged kernel call.
+
+    Two forms: *threshold rows* — row ``j`` of request ``i`` sees columns
+    ``c >= first_visible[i] + j`` (clipped to ``[0, kv_len]``), the shape of a
+    sliding window seen through a trimmed prefix, stored as one int per request
+    and expanded only where it is used (on the GPU by a kernel, on the host by
+    :attr:`packed`) — or *explicit* packed bytes.
+
+    Attributes:
+        qo_lens: int32 ``[bs]`` (tokens) rows per request.
+        kv_lens: int32 ``[bs]`` (tokens) columns per request (the kernel's kv length).
+        indptr: int32 ``[bs + 1]`` (bytes) offsets of the compact packed form:
+            ``ceil(qo_len * kv_len / 8)`` bytes per request, byte-aligned.
+        first_visible: int64 ``[bs]`` (columns) for the threshold form, else ``None``.
+        explicit: uint8 ``[indptr[-1]]`` packed bytes for the explicit form, else ``None``.
+    """
+
+    qo_lens: IntArray
+    kv_lens: IntArray
+    indptr: IntArray
+    first_visible: npt.NDArray[np.int64] | None = None
+    explicit: npt.NDArray[np.uint8] | None = None
+
+    @classmethod
+    def from_threshold(
+        cls, qo_lens: IntArray, kv_lens: IntArray, first_visible: npt.NDArray[np.int64]
+    ) -> CustomMask:
+        """Threshold-row form (see class docstring)."""
+        return cls(qo_lens, kv_lens, mask_indptr(qo_lens, kv_lens),
+                   first_visible=frozen_array(first_visible, np.int64))
+
+    @classmethod
+    def from_dense(cls, masks: list[npt.NDArray[np.bool_]]) -> CustomMask:
+        """Explicit form from per-request ``[qo_len, kv_len]`` boolean matrices."""
+        packed, indptr = pack_dense(masks)
+        qo = frozen_array(np.array([m.shape[0] for m in masks], dtype=np.int64))
+        kv = frozen_array(np.array([m.shape[1] for m in masks], dtype=np.int64))
+        return cls(qo, kv, indptr, explicit=packed)
+
+    @cached_property
+    def packed(self) -> npt.NDArray[np.uint8]:
+        """uint8 ``[indptr[-1]]``: the compact packed bytes (computed once, on the host)."""
+        if self.explicit is not None:
+            return self.explicit
+        assert self.first_visible is not None
+        return pack_threshold_rows(self.qo_lens, self.kv_lens,
+                                   threshold_rows(self.qo_lens, self.first_visible))[0]
+
+
+def threshold_rows(qo_lens: IntArray, first_visible: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Expand per-request ``first_visible`` to one value per row: ``first_visible[i] + j``."""
+    q = qo_lens.astype(np.int64)
+    req = np.repeat(np.arange(q.shape[0]), q)
+    row = np.arange(req.shape[0]) - np.repeat(cumsum0(q)[:-1].astype(np.int64), q)
+    return first_visible.astype(np.int64)[req] + row
 
 
 def mask_indptr(qo_lens: IntArray, kv_lens: IntArray) -> IntArray:

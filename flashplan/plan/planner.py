@@ -9,7 +9,7 @@ from flashplan.layout.arrays import IntArray, cumsum0, frozen_array
 from flashplan.layout.batch import BatchLayout, Mode
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
-from flashplan.plan.masks import pack_threshold_rows
+from flashplan.plan.masks import CustomMask
 from flashplan.plan.pages import PagedSegments, paged_segments
 from flashplan.plan.policy import default_extend_path
 from flashplan.plan.spec import (
@@ -150,7 +150,7 @@ def _paged_part(
 
 def _part_from_segments(
     seg: PagedSegments, *, causal: bool,
-    packed_mask: np.ndarray | None = None, mask_indptr: IntArray | None = None,
+    mask: CustomMask | None = None,
 ) -> PagedPart:
     return PagedPart(
         page_indptr=seg.page_indptr,
@@ -159,8 +159,7 @@ def _part_from_segments(
         last_page_len=seg.last_page_len,
         kv_lens=seg.kv_lens,
         causal=causal,
-        packed_mask=packed_mask,
-        mask_indptr=mask_indptr,
+        mask=mask,
         total_pages=int(seg.page_indptr[-1]),
         max_kv_len=int(seg.kv_lens.max()) if seg.kv_lens.size else 0,
     )
@@ -186,8 +185,5 @@ def _prefix_part(
     bites = (seg.kv_lens > 0) & (q > 0) & (seg_first < prefix + q - 1 - window)
     if not np.any(bites):
         return _part_from_segments(seg, causal=False)
-    req = np.repeat(np.arange(q.shape[0]), q)
-    row = np.arange(req.shape[0]) - np.repeat(cumsum0(q)[:-1].astype(np.int64), q)
-    first_visible = prefix[req] + row - window - seg_first[req]
-    packed, indptr = pack_threshold_rows(qo_lens, seg.kv_lens, first_visible)
-    return _part_from_segments(seg, causal=False, packed_mask=packed, mask_indptr=indptr)
+    mask = CustomMask.from_threshold(qo_lens, seg.kv_lens, prefix - window - seg_first)
+    return _part_from_segments(seg, causal=False, mask=mask)

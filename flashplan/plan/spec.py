@@ -19,6 +19,7 @@ from flashplan.layout.arrays import IntArray
 from flashplan.layout.batch import Mode
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
+from flashplan.plan.masks import CustomMask
 
 __all__ = [
     "ExtendPath",
@@ -88,10 +89,9 @@ class PagedPart:
         last_page_len: int32 ``[bs]`` (tokens) in ``[1, page_size]``, 0 for an empty segment.
         kv_lens: int32 ``[bs]`` (tokens) keys the kernel sees.
         causal: the kernel's causal flag (bottom-right aligned).
-        packed_mask: uint8 ``[mask_indptr[-1]]`` custom mask or ``None``: per request
-            a row-major ``qo_len x kv_len`` boolean matrix, bit-packed little-endian,
-            each request starting on a byte boundary.
-        mask_indptr: int32 ``[bs + 1]`` (bytes) or ``None``.
+        mask: the custom mask (:class:`~flashplan.plan.masks.CustomMask`) or ``None``:
+            per request a row-major ``qo_len x kv_len`` boolean matrix; its packed
+            form is bit-packed little-endian, each request starting on a byte boundary.
         total_pages: ``page_indptr[-1]``.
         max_kv_len: ``max(kv_lens)`` (tokens), 0 for an empty batch.
     """
@@ -102,10 +102,19 @@ class PagedPart:
     last_page_len: IntArray
     kv_lens: IntArray
     causal: bool
-    packed_mask: npt.NDArray[np.uint8] | None
-    mask_indptr: IntArray | None
+    mask: CustomMask | None
     total_pages: int
     max_kv_len: int
+
+    @property
+    def packed_mask(self) -> npt.NDArray[np.uint8] | None:
+        """uint8 ``[mask_indptr[-1]]``: the mask's compact packed bytes, or ``None``."""
+        return None if self.mask is None else self.mask.packed
+
+    @property
+    def mask_indptr(self) -> IntArray | None:
+        """int32 ``[bs + 1]`` (bytes) of :attr:`packed_mask`, or ``None``."""
+        return None if self.mask is None else self.mask.indptr
 
 
 @attrs.frozen(eq=False)
@@ -151,7 +160,7 @@ class GroupPlan:
     @property
     def uses_custom_mask(self) -> bool:
         """Whether the paged call carries a custom mask."""
-        return self.paged is not None and self.paged.packed_mask is not None
+        return self.paged is not None and self.paged.mask is not None
 
 
 @attrs.frozen(eq=False)

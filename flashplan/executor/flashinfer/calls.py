@@ -23,11 +23,15 @@ from flashplan.executor.flashinfer.policy import (
     decode_uses_tensor_cores,
     prefill_backend,
 )
+from flashplan.errors import UnsupportedError
 from flashplan.layout.arrays import cumsum0, frozen_array
 from flashplan.layout.group import AttentionGroup
 from flashplan.plan.spec import GroupPlan, KernelPath, PlanSpec
 
 __all__ = [
+    "BuiltMask",
+    "DeviceMask",
+    "flashinfer_mask_offsets",
     "GatheredIndices",
     "GroupCalls",
     "HostArray",
@@ -103,6 +107,35 @@ class PlanCall:
         return dict(self.kwargs)
 
 
+@attrs.frozen
+class BuiltMask:
+    """Placeholder: the packed custom mask the executor builds on the device for a
+    group (from :class:`DeviceMask`)."""
+
+    group_index: int
+
+
+@attrs.frozen(eq=False)
+class DeviceMask:
+    """A threshold-row custom mask to expand on the device, in FlashInfer's layout.
+
+    Attributes:
+        first_visible: int32 ``[bs]`` (columns) row 0's first visible column.
+        qo_lens, kv_lens: int32 ``[bs]`` (tokens).
+        byte_offsets: int32 ``[bs]`` (bytes) where flashinfer reads request i's
+            mask (:func:`flashinfer_mask_offsets`).
+        max_bytes: largest per-request packed size (bytes).
+        total_bytes: size of the buffer to allocate (bytes).
+    """
+
+    first_visible: npt.NDArray[np.int32]
+    qo_lens: npt.NDArray[np.int32]
+    kv_lens: npt.NDArray[np.int32]
+    byte_offsets: npt.NDArray[np.int32]
+    max_bytes: int
+    total_bytes: int
+
+
 @attrs.frozen(eq=False)
 class PageGather:
     """What the executor gathers from the page table for one paged call.
@@ -130,6 +163,7 @@ class GroupCalls:
         paged: the paged wrapper's plan call (decode or paged prefill), if any.
         ragged: the ragged prefill wrapper's plan call, if any.
         gather: the page gather feeding the paged call, if any.
+        device_mask: the custom mask to build on the device, if any.
     """
 
     group_index: int
@@ -137,6 +171,7 @@ class GroupCalls:
     paged: PlanCall | None
     ragged: PlanCall | None
     gather: PageGather | None
+    device_mask: DeviceMask | None = None
 
     @property
     def merges(self) -> bool:
@@ -179,6 +214,7 @@ def _group_calls(
     heads = spec.heads
     paged_call = ragged_call = None
     gather = None
+    device_mask = None
     if gp.paged is not None:
         p = gp.paged
         masked = p.packed_mask is not None
@@ -207,10 +243,13 @@ def _group_calls(
                 ("page_size", spec.page_size),
                 ("causal", p.causal),
             ]
-            if masked:
-                assert p.packed_mask is not None and p.mask_indptr is not None
+            if p.mask is not None and p.mask.first_visible is not None:
+                device_mask = _device_mask(p.mask.first_visible, np.diff(spec.qo_indptr),
+                                           p.kv_lens)
+                paged_args.append(("packed_custom_mask", BuiltMask(index)))
+            elif p.mask is not None:
                 laid_out = flashinfer_mask_layout(
-                    p.packed_mask, p.mask_indptr, np.diff(spec.qo_indptr), p.kv_lens
+                    p.mask.packed, p.mask.indptr, np.diff(spec.qo_indptr), p.kv_lens
                 )
                 paged_args.append(("packed_custom_mask", HostArray("packed_mask", laid_out)))
         paged_call = PlanCall(key, tuple(paged_args + _common(spec, gp)))
@@ -226,7 +265,41 @@ def _group_calls(
         ]
         ragged_call = PlanCall(key, tuple(ragged_args + _common(spec, gp)))
     return GroupCalls(group_index=index, path=gp.path, paged=paged_call, ragged=ragged_call,
-                      gather=gather)
+                      gather=gather, device_mask=device_mask)
+
+
+def flashinfer_mask_offsets(
+    qo_lens: npt.NDArray[np.int32], kv_lens: npt.NDArray[np.int32]
+) -> npt.NDArray[np.int64]:
+    """Byte offset at which flashinfer 0.7.4's kernel reads each request's packed mask.
+
+    ``plan()`` computes them as the running sum of ``qo_len * kv_len`` (a bit
+    count) and the kernel adds them to a byte pointer — see
+    :func:`flashinfer_mask_layout`. Returns int64 ``[bs + 1]``.
+    """
+    bits = qo_lens.astype(np.int64) * kv_lens.astype(np.int64)
+    return np.concatenate([[0], np.cumsum(bits)])
+
+
+def _device_mask(
+    first_visible: npt.NDArray[np.int64], qo_lens: npt.NDArray[np.int32],
+    kv_lens: npt.NDArray[np.int32],
+) -> DeviceMask:
+    offsets = flashinfer_mask_offsets(qo_lens, kv_lens)
+    if offsets[-1] > np.iinfo(np.int32).max:
+        raise UnsupportedError(
+            f"custom mask of {int(offsets[-1])} elements exceeds int32 offsets; "
+            "plan this batch with extend_path='paged'"
+        )
+    n_bytes = (qo_lens.astype(np.int64) * kv_lens + 7) // 8
+    lo, hi = -np.int64(2**31 - 1), np.int64(2**31 - 1)
+    return DeviceMask(
+        first_visible=frozen_array(np.clip(first_visible, lo, hi)),
+        qo_lens=qo_lens, kv_lens=kv_lens,
+        byte_offsets=frozen_array(offsets[:-1]),
+        max_bytes=int(n_bytes.max()) if n_bytes.size else 0,
+        total_bytes=max(int(offsets[-1]), 1),
+    )
 
 
 def _gather_for(
@@ -272,8 +345,7 @@ def flashinfer_mask_layout(
         mask_indptr: int32 ``[bs + 1]`` (bytes) of ``packed``.
         qo_lens, kv_lens: int32 ``[bs]`` (tokens) rows and columns per request.
     """
-    bits = qo_lens.astype(np.int64) * kv_lens.astype(np.int64)
-    bit_offsets = np.concatenate([[0], np.cumsum(bits)])
+    bit_offsets = flashinfer_mask_offsets(qo_lens, kv_lens)
     nbytes = np.diff(mask_indptr.astype(np.int64))
     req = np.repeat(np.arange(nbytes.shape[0]), nbytes)
     dest = bit_offsets[req] + np.arange(req.shape[0]) - mask_indptr[:-1].astype(np.int64)[req]

@@ -26,6 +26,7 @@ import torch
 from flashplan.errors import PageTableError, PlanMismatchError
 from flashplan.executor.checks import check_run_args
 from flashplan.executor.flashinfer.calls import (
+    BuiltMask,
     GatheredIndices,
     GroupCalls,
     HostArray,
@@ -37,6 +38,7 @@ from flashplan.executor.flashinfer.calls import (
 from flashplan.executor.flashinfer.merge import merge_states
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.kernels.page_gather import gather_page_indices, token_slots
+from flashplan.kernels.threshold_mask import build_threshold_mask
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.page_table import PageTable
 from flashplan.plan.spec import PlanSpec
@@ -164,6 +166,12 @@ class FlashInferExecutor:
             if gc.gather is not None:
                 gather_index[gc.group_index] = len(arrays)
                 arrays += [gc.gather.start_page, gc.gather.num_pages, gc.gather.page_indptr]
+        mask_index: dict[int, int] = {}
+        for gc in calls:
+            if gc.device_mask is not None:
+                dm = gc.device_mask
+                mask_index[gc.group_index] = len(arrays)
+                arrays += [dm.first_visible, dm.qo_lens, dm.kv_lens, dm.byte_offsets]
         input_index: dict[int, int] = {}
         for host in plan_inputs:
             if host.values.dtype == np.int32:
@@ -193,6 +201,15 @@ class FlashInferExecutor:
                                                   spec.total_encoder, ps)
 
         masks: list[torch.Tensor] = []
+        built: dict[int, torch.Tensor] = {}
+        for group_index, first in mask_index.items():
+            dm = calls[group_index].device_mask
+            assert dm is not None
+            buf = torch.empty(dm.total_bytes, dtype=torch.uint8, device=self.device)
+            build_threshold_mask(*(staging.device_view(first + k) for k in range(4)), buf,
+                                 dm.max_bytes)
+            built[group_index] = buf
+            masks.append(buf)
 
         def resolve(value: Any) -> Any:
             if isinstance(value, HostArray):
@@ -204,6 +221,8 @@ class FlashInferExecutor:
                 return pinned
             if isinstance(value, GatheredIndices):
                 return gathered[value.group_index]
+            if isinstance(value, BuiltMask):
+                return built[value.group_index]
             return value
 
         for gc in calls:
