@@ -58,7 +58,7 @@ def is_int(value: object) -> bool:
 def as_int(value: object) -> object:
     """Convert numpy integer scalars to ``int``; anything else is returned unchanged
     (for attrs converters: validators then see plain ints)."""
-    return int(value) if isinstance(value, np.integer) else value  # type: ignore[arg-type]
+    return int(value) if isinstance(value, np.integer) else value
 
 
 def _scalar(value: object) -> object:

@@ -15,7 +15,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _positive_int(instance: HeadConfig, attribute: attrs.Attribute[int], value: int) -> None:
     if not is_int(value) or value <= 0:
-        raise LayoutError(attribute.name, "must be a positive int", **{attribute.name: value})
+        raise LayoutError(attribute.name, "must be a positive int", value=value)
 
 
 def _float_dtype(
@@ -23,9 +23,7 @@ def _float_dtype(
 ) -> None:
     if value not in _FLOAT_DTYPES:
         raise LayoutError(
-            attribute.name,
-            "must be torch.float16, torch.bfloat16 or torch.float32",
-            **{attribute.name: value},
+            attribute.name, "must be torch.float16, torch.bfloat16 or torch.float32", value=value
         )
 
 

@@ -79,7 +79,7 @@ def _encoder_pages(layout: BatchLayout) -> IntArray:
     if layout.encoder_lens is None:
         return np.zeros_like(layout.seq_lens)
     ps = layout.page_size
-    return (layout.encoder_lens.astype(np.int64) + ps - 1) // ps
+    return frozen_array((layout.encoder_lens.astype(np.int64) + ps - 1) // ps)
 
 
 def _plan_group(

@@ -346,7 +346,7 @@ def flashinfer_mask_layout(
         qo_lens, kv_lens: int32 ``[bs]`` (tokens) rows and columns per request.
     """
     bit_offsets = flashinfer_mask_offsets(qo_lens, kv_lens)
-    nbytes = np.diff(mask_indptr.astype(np.int64))
+    nbytes = (mask_indptr[1:].astype(np.int64) - mask_indptr[:-1]).astype(np.int64)
     req = np.repeat(np.arange(nbytes.shape[0]), nbytes)
     dest = bit_offsets[req] + np.arange(req.shape[0]) - mask_indptr[:-1].astype(np.int64)[req]
     out = np.zeros(max(int(bit_offsets[-1]), 1), dtype=np.uint8)

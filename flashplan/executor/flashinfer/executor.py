@@ -203,11 +203,12 @@ class FlashInferExecutor:
         masks: list[torch.Tensor] = []
         built: dict[int, torch.Tensor] = {}
         for group_index, first in mask_index.items():
-            dm = calls[group_index].device_mask
-            assert dm is not None
-            buf = torch.empty(dm.total_bytes, dtype=torch.uint8, device=self.device)
-            build_threshold_mask(*(staging.device_view(first + k) for k in range(4)), buf,
-                                 dm.max_bytes)
+            rule = calls[group_index].device_mask
+            assert rule is not None
+            buf = torch.empty(rule.total_bytes, dtype=torch.uint8, device=self.device)
+            build_threshold_mask(staging.device_view(first), staging.device_view(first + 1),
+                                 staging.device_view(first + 2), staging.device_view(first + 3),
+                                 buf, rule.max_bytes)
             built[group_index] = buf
             masks.append(buf)
 
@@ -304,5 +305,5 @@ class FlashInferExecutor:
             (o_a, s_a), (o_b, s_b) = states
             out, lse = merge_states(o_a, s_a, o_b, s_b)
             return (out, lse) if return_lse else out
-        return states[0]  # type: ignore[no-any-return]
+        return states[0]
 

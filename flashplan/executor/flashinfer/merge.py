@@ -33,5 +33,5 @@ def merge_states(
     if heads <= merge_state_max_heads(head_dim, v_a.element_size()):
         from flashinfer import merge_state
 
-        return merge_state(v_a, s_a, v_b, s_b)  # type: ignore[no-any-return]
+        return merge_state(v_a, s_a, v_b, s_b)
     return merge_state_triton(v_a, s_a, v_b, s_b)
