@@ -41,7 +41,8 @@ else:
 _V_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the kernel's
 _V_DTYPES_TORCH = (*_V_DTYPES, torch.float64)  # the torch twin's (reference executor)
 # Elements of v (heads x head_dim) one kernel program merges: whole heads, at least one.
-_ELEMS_PER_PROGRAM = 1024
+# On an H200, 512-4096 all reach ~4.5 TB/s on large merges; 128 (one head) gets ~1.3.
+_ELEMS_PER_PROGRAM = 2048
 
 if _HAS_TRITON:
 
@@ -167,7 +168,7 @@ def merge_state_triton(
     """Merge two partial attention states with a Triton kernel (base-2 LSE).
 
     Grid: one program per (token, block of heads), flattened on grid axis 0, so any head
-    count works; a block holds as many whole heads as fit in about 1024 elements (at
+    count works; a block holds as many whole heads as fit in about 2048 elements (at
     least one head; ``head_dim`` padded to a power of two). No value is read back to the
     host. On CPU tensors the kernel runs under
     Triton's interpreter when it was defined with ``TRITON_INTERPRET=1``, otherwise this

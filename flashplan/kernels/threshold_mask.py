@@ -61,18 +61,30 @@ if _HAS_TRITON:
         tl.store(out_ptr + base + b, byte.to(tl.uint8), mask=valid)
 
 
-def _check(first_visible: torch.Tensor, qo_lens: torch.Tensor, kv_lens: torch.Tensor,
-           byte_offsets: torch.Tensor, out: torch.Tensor) -> int:
+def _check(
+    first_visible: torch.Tensor,
+    qo_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    byte_offsets: torch.Tensor,
+    out: torch.Tensor,
+) -> int:
     bs = qo_lens.shape[0]
-    for name, t in (("first_visible", first_visible), ("qo_lens", qo_lens),
-                    ("kv_lens", kv_lens), ("byte_offsets", byte_offsets)):
+    for name, t in (
+        ("first_visible", first_visible),
+        ("qo_lens", qo_lens),
+        ("kv_lens", kv_lens),
+        ("byte_offsets", byte_offsets),
+    ):
         if t.dtype not in (torch.int32, torch.int64) or t.dim() != 1 or t.shape[0] != bs:
-            raise FlashplanError(f"{name}: expected an int32/int64 tensor [{bs}], got "
-                                 f"{t.dtype} {tuple(t.shape)}")
+            raise FlashplanError(
+                f"{name}: expected an int32/int64 tensor [{bs}], got {t.dtype} {tuple(t.shape)}"
+            )
         if t.device != out.device or not t.is_contiguous():
             raise FlashplanError(f"{name}: must be contiguous and on {out.device}")
     if out.dtype != torch.uint8 or out.dim() != 1:
-        raise FlashplanError(f"out: expected a uint8 1-D tensor, got {out.dtype} {tuple(out.shape)}")
+        raise FlashplanError(
+            f"out: expected a uint8 1-D tensor, got {out.dtype} {tuple(out.shape)}"
+        )
     return bs
 
 
@@ -129,8 +141,9 @@ def build_threshold_mask_torch(
     total = int(n_bytes.sum())
     if total == 0:
         return
-    req = torch.repeat_interleave(torch.arange(q.shape[0], device=out.device), n_bytes,
-                                  output_size=total)
+    req = torch.repeat_interleave(
+        torch.arange(q.shape[0], device=out.device), n_bytes, output_size=total
+    )
     starts = torch.cumsum(n_bytes, 0) - n_bytes
     local = torch.arange(total, device=out.device) - starts[req]
     e = local[:, None] * 8 + torch.arange(8, device=out.device)[None, :]

@@ -96,8 +96,9 @@ def cases(
 ) -> Case:
     return Case(
         tokens=draw(st.integers(0, max_tokens)),
-        heads=draw(st.integers(1, max_heads)),
-        head_dim=draw(st.sampled_from([1, 2, 5, 8, 16, 33])),
+        # Large head counts span several head blocks of the kernel (~1024 elements each).
+        heads=draw(st.one_of(st.integers(1, max_heads), st.sampled_from([17, 40]))),
+        head_dim=draw(st.sampled_from([1, 2, 5, 8, 16, 33, 128])),
         dtype_a=draw(st.sampled_from(dtypes)),
         dtype_b=draw(st.sampled_from(dtypes)),
         lse_scale=draw(st.sampled_from([1.0, 30.0, 300.0])),
@@ -191,6 +192,15 @@ def test_edge_cases(impl: str) -> None:
     assert torch.equal(v[2], v_a[2]) and s[2, 0] == 1000.0
     torch.testing.assert_close(v[3], torch.tensor([[0.5, 0.5]]))
     torch.testing.assert_close(s[3, 0], torch.tensor(3.5))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_several_head_blocks(impl: str) -> None:
+    """40 heads of 33 (padded to 64) span three 16-head blocks, the last one partial."""
+    case = Case(3, 40, 33, torch.float16, torch.float32, 30.0, 0.3, "step2", True, 7)
+    state = case.make("cpu")
+    fn = merge_state_triton if impl == "triton" else merge_state_torch
+    assert_close_state(fn(*state), brute_merge(*state), torch.float16)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])

@@ -246,31 +246,50 @@ def test_token_slots_triton_interpreted_matches(
     assert run_slots(table, batch, page_size, dtypes, "cpu", "torch") == expected
 
 
+BLOCK = page_gather._BLOCK  # elements per loop iteration of a kernel program
+
+
 def long_case() -> tuple[Table, Batch]:
-    """Requests longer than one 512-element block, unaligned starts, a page_map."""
+    """Requests spanning 2-3 kernel blocks, unaligned starts, gaps, a page_map."""
     gen = torch.Generator().manual_seed(0)
-    width, pool = 1300, 2000
+    width, pool = 2 * BLOCK + 300, 2000
     values = torch.randint(-1, pool + 1, (3, width), generator=gen).tolist()
     page_map = [*torch.randint(0, 5000, (pool,), generator=gen).tolist(), -1]
     table = Table(values, "row_view", pool, page_map)
-    counts = [1100, 0, 1025]
-    indptr = [3, 3 + 1100, 3 + 1100 + 1, 3 + 1100 + 1 + 1025]  # with gaps
+    counts = [2 * BLOCK + 76, 0, BLOCK + 1]
+    indptr = [3]
+    for count in counts:
+        indptr.append(indptr[-1] + count + 1)  # a gap after each request
     batch = Batch(rows=[2, 0, 1], starts=[5, 0, 100], counts=counts, indptr=indptr)
     return table, batch
+
+
+def long_slots_case() -> tuple[Table, Batch, int]:
+    """Token slots of long requests (page_size 2): several blocks per request."""
+    table, batch = long_case()
+    counts = [2 * BLOCK + 6, 0, BLOCK + 88]
+    indptr = [0]
+    for count in counts:
+        indptr.append(indptr[-1] + count)
+    return table, Batch(batch.rows, [7, 0, 3], counts, indptr), 2
 
 
 @requires_interpreter
 def test_multi_block_requests_interpreted() -> None:
     table, batch = long_case()
     assert run_gather(table, batch, "cpu", "triton") == brute_gather(table, batch)
-    slots = Batch(batch.rows, [7, 0, 3], [1030, 0, 600], batch.indptr)
-    dtypes = (torch.int32, torch.int32)
-    assert run_slots(table, slots, 2, dtypes, "cpu", "triton") == brute_slots(table, slots, 2)
+    table, slots, page_size = long_slots_case()
+    dtypes = (torch.int32, torch.int64)
+    got = run_slots(table, slots, page_size, dtypes, "cpu", "triton")
+    assert got == brute_slots(table, slots, page_size)
 
 
 def test_multi_block_requests_torch() -> None:
     table, batch = long_case()
     assert run_gather(table, batch, "cpu", "torch") == brute_gather(table, batch)
+    table, slots, page_size = long_slots_case()
+    got = run_slots(table, slots, page_size, (torch.int64, torch.int32), "cpu", "torch")
+    assert got == brute_slots(table, slots, page_size)
 
 
 def test_cpu_launcher_works_in_any_mode() -> None:

@@ -217,13 +217,13 @@ def _group_calls(
     device_mask = None
     if gp.paged is not None:
         p = gp.paged
-        masked = p.packed_mask is not None
+        masked = p.mask is not None
         gather = _gather_for(p.start_page, p.num_pages, p.kv_lens, masked=masked)
         last_page_len = p.last_page_len
         paged_args: list[tuple[str, Any]] = []
         if gp.path is KernelPath.DECODE:
             key = WrapperKey(WrapperKind.DECODE, gp.group, "fa2",
-                             decode_uses_tensor_cores(heads, policy))
+                             decode_uses_tensor_cores(heads, policy, spec.batch_size))
             paged_args += [
                 ("indptr", HostArray("page_indptr", gather.page_indptr)),
                 ("indices", GatheredIndices(index)),

@@ -13,7 +13,12 @@ import torch
 
 from flashplan.layout.heads import HeadConfig
 
-__all__ = ["ExecutorPolicy", "decode_uses_tensor_cores", "prefill_backend"]
+__all__ = [
+    "TENSOR_CORE_MIN_BATCH",
+    "ExecutorPolicy",
+    "decode_uses_tensor_cores",
+    "prefill_backend",
+]
 
 _FA3_DTYPES = (torch.float16, torch.bfloat16)
 _FA3_HEAD_DIMS = (64, 128, 256)
@@ -36,17 +41,24 @@ class ExecutorPolicy:
     )
 
 
-def decode_uses_tensor_cores(heads: HeadConfig, policy: ExecutorPolicy) -> bool:
-    """Decode on the tensor-core (prefill) kernel unless the policy says otherwise.
+#: Smallest decode batch that goes to the tensor-core kernel by default.
+TENSOR_CORE_MIN_BATCH = 4
 
-    Measured on the H200 (bf16, head_dim 128, 32 query / 8 KV heads): the
-    tensor-core kernel reads the cache at the copy bandwidth, the CUDA-core
-    decode kernel at about 70% of it; see ``docs/benchmarks.md``.
+
+def decode_uses_tensor_cores(heads: HeadConfig, policy: ExecutorPolicy, batch_size: int) -> bool:
+    """Tensor-core (prefill-kernel) decode for batches of 4 or more, CUDA cores below.
+
+    Measured on the H200 (bf16, head_dim 128, kv 4096, page 16; ``docs/benchmarks.md``):
+    from batch 16 up the tensor-core kernel is 1.3-2.4x faster for GQA (32/8, 32/4)
+    and reaches the copy bandwidth at batch 64+ where the CUDA-core kernel reaches
+    about 70% of it; MHA (32/32) is within 3% either way. At batch 1 the CUDA-core
+    kernel is faster (18-33 us vs 29-44 us); at batch 4 they tie or tensor cores
+    win. The choice selects a wrapper (part of its key), never the plan.
     """
     if policy.decode_tensor_cores is not None:
         return policy.decode_tensor_cores
-    del heads
-    return True
+    del heads  # measured: the head layout does not move the crossover
+    return batch_size >= TENSOR_CORE_MIN_BATCH
 
 
 def prefill_backend(
