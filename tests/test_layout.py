@@ -555,7 +555,8 @@ def test_strategy_knobs(data: st.DataObject) -> None:
 )
 def test_strategies_reach_the_edge_cases(strategy: st.SearchStrategy, condition: object) -> None:
     """The edge cases the planner must handle are actually drawn."""
-    find(strategy, condition, settings=settings(max_examples=600, database=None))  # type: ignore[arg-type]
+    # derandomized: the search is the same on every run, so this can never flake
+    find(strategy, condition, settings=settings(max_examples=1000, database=None, derandomize=True))  # type: ignore[arg-type]
 
 
 def test_core_library_does_not_need_hypothesis() -> None:

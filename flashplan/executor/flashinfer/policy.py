@@ -11,6 +11,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from flashplan.errors import UnsupportedError
 from flashplan.layout.heads import HeadConfig
 
 __all__ = [
@@ -72,12 +73,17 @@ def prefill_backend(
     """
     if custom_mask:
         return "fa2"
-    if policy.prefill_backend != "auto":
-        return policy.prefill_backend
-    fa3_ok = (
-        sm90
-        and heads.q_dtype in _FA3_DTYPES
+    fa3_kernels = (
+        heads.q_dtype in _FA3_DTYPES
         and heads.kv_dtype == heads.q_dtype
         and heads.head_dim in _FA3_HEAD_DIMS
     )
-    return "fa3" if fa3_ok else "fa2"
+    if policy.prefill_backend == "fa3" and not fa3_kernels:
+        raise UnsupportedError(
+            f"prefill_backend='fa3' needs fp16/bf16 q and kv of one dtype and head_dim in "
+            f"{_FA3_HEAD_DIMS}; got q {heads.q_dtype}, kv {heads.kv_dtype}, "
+            f"head_dim {heads.head_dim} (use 'auto' or 'fa2')"
+        )
+    if policy.prefill_backend != "auto":
+        return policy.prefill_backend
+    return "fa3" if sm90 and fa3_kernels else "fa2"

@@ -1,0 +1,658 @@
+"""`translate()` against the *installed* flashinfer, on the CPU (no GPU, no mock wrappers).
+
+For random layouts (decode, extend with and without prefix, every extend path, windows,
+cross groups, soft caps, page sizes 1/2/16, MHA/GQA/MQA) the translated calls must
+
+* bind to the real signatures of the flashinfer wrappers (``plan`` / ``__init__``),
+* carry exactly the plan's values (window, soft cap, scale, causal flags, dtypes, heads,
+  page size, host arrays) and the policy's kernel choices,
+* and, where a custom mask is passed, put every request's mask bits where flashinfer
+  reads them. flashinfer 0.7.4's ``plan()`` computes the packed mask offsets with its
+  host function ``_compute_page_mask_indptr`` as a running sum of ``qo_len * kv_len``
+  (bits), and its kernel adds them to a byte pointer (flashinfer PR #2201). We call that
+  very function on the translated host arrays and read the bits at the offsets it
+  returns, as the kernel does. If flashinfer changes that function (fixes the units,
+  clamps empty segments, renames it), these tests fail and
+  ``flashinfer_mask_layout`` / ``_gather_for`` must be revisited.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import warnings
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import flashplan as fp
+from flashplan import BatchLayout, GroupPlan, HeadConfig, KernelPath, PlanSpec
+from flashplan.executor.flashinfer.calls import (
+    BuiltMask,
+    GatheredIndices,
+    GroupCalls,
+    HostArray,
+    PlanCall,
+    WrapperKind,
+    _gather_for,
+    flashinfer_mask_layout,
+    host_arrays,
+    translate,
+)
+from flashplan.executor.flashinfer.merge import merge_state_max_heads
+from flashplan.executor.flashinfer.policy import (
+    TENSOR_CORE_MIN_BATCH,
+    ExecutorPolicy,
+    decode_uses_tensor_cores,
+    prefill_backend,
+)
+from flashplan.kernels.threshold_mask import build_threshold_mask_torch
+from flashplan.plan.masks import CustomMask, pack_dense, unpack_request
+from flashplan.testing import (
+    attention_groups,
+    decode_layouts,
+    extend_layouts,
+    head_configs,
+)
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    flashinfer = pytest.importorskip("flashinfer")
+    from flashinfer.page import get_seq_lens as _get_seq_lens
+
+    # Private in flashinfer: imported by name on purpose, so that a rename fails loudly.
+    from flashinfer.prefill import _compute_page_mask_indptr
+
+PAGE_SIZES = (1, 2, 16)
+HEAD_DIMS = (64, 96, 128, 256)  # 96: a head size FA3 does not take
+PATHS = ("auto", "paged", "ragged")
+_FA3_DTYPES = (torch.float16, torch.bfloat16)
+_WORKSPACE = object()  # stands in for the float workspace tensor when binding __init__
+
+
+# --------------------------------------------------------------------------- helpers
+def _t(values: np.ndarray) -> torch.Tensor:
+    """CPU tensor copy of a (read-only) host array, as the executor's pinned views are."""
+    return torch.tensor(np.array(values))
+
+
+def _wrapper_cls(kind: WrapperKind) -> Any:
+    return getattr(flashinfer, kind.value)
+
+
+def _plan_fn(kind: WrapperKind) -> Any:
+    """The function whose signature a ``plan(**kwargs)`` call must bind to.
+
+    ``BatchDecodeWithPagedKVCacheWrapper.plan`` in flashinfer 0.7.4 is
+    ``plan(self, indptr, ..., page_size, *deprecated_positional_args, **kwargs)`` and
+    forwards ``**kwargs`` to ``_plan_impl``: binding against ``plan`` would accept any
+    keyword (a misspelt ``window_left`` would only fail on the GPU). ``_plan_impl``
+    declares the real keyword-only parameters, so decode calls are bound against it.
+    The prefill wrappers' ``plan`` declares every parameter and has no ``**kwargs``.
+    """
+    cls = _wrapper_cls(kind)
+    return cls._plan_impl if kind is WrapperKind.DECODE else cls.plan
+
+
+def _fa3_capable(heads: HeadConfig) -> bool:
+    return (
+        heads.q_dtype in _FA3_DTYPES
+        and heads.kv_dtype == heads.q_dtype
+        and heads.head_dim in (64, 128, 256)
+    )
+
+
+def _expected_backend(
+    heads: HeadConfig, policy: ExecutorPolicy, *, masked: bool, sm90: bool
+) -> str:
+    """The documented prefill backend rules, restated independently of the policy module."""
+    if masked:
+        return "fa2"
+    if policy.prefill_backend != "auto":
+        return policy.prefill_backend
+    fa3 = (
+        sm90
+        and heads.q_dtype in _FA3_DTYPES
+        and heads.kv_dtype == heads.q_dtype
+        and heads.head_dim in (64, 128, 256)
+    )
+    return "fa3" if fa3 else "fa2"
+
+
+def _flashinfer_kv_lens(kw: dict[str, Any], indptr: str, last: str) -> np.ndarray:
+    """kv lengths as flashinfer's host planner derives them (clamped formula)."""
+    page_indptr, last_page_len, page_size = kw[indptr].values, kw[last].values, kw["page_size"]
+    fi = _get_seq_lens(_t(page_indptr), _t(last_page_len), page_size).numpy()
+    # The same formula by hand, in case get_seq_lens changes: clamp(pages - 1, 0) * ps + last.
+    pages = np.diff(page_indptr.astype(np.int64))
+    by_hand = np.maximum(pages - 1, 0) * page_size + last_page_len.astype(np.int64)
+    np.testing.assert_array_equal(fi, by_hand)
+    return fi
+
+
+def _check_bind(call: PlanCall) -> None:
+    names = [name for name, _ in call.kwargs]
+    assert len(names) == len(set(names)), f"duplicate plan() keyword in {names}"
+    cls = _wrapper_cls(call.wrapper.kind)
+    inspect.signature(cls.__init__).bind(None, _WORKSPACE, **call.wrapper.constructor_kwargs())
+    inspect.signature(_plan_fn(call.wrapper.kind)).bind(None, **call.as_dict())
+
+
+def _check_common(spec: PlanSpec, gp: GroupPlan, kw: dict[str, Any]) -> None:
+    heads, group = spec.heads, gp.group
+    assert kw["num_qo_heads"] == heads.num_qo_heads
+    assert kw["num_kv_heads"] == heads.num_kv_heads
+    expected_window = -1 if group.cross_attention else group.window_left
+    assert kw["window_left"] == gp.window_left == expected_window
+    assert isinstance(kw["logits_soft_cap"], float)
+    assert kw["logits_soft_cap"] == group.logits_soft_cap
+    scale = group.sm_scale if group.sm_scale is not None else 1.0 / math.sqrt(heads.head_dim)
+    assert kw["sm_scale"] == pytest.approx(scale, rel=1e-12)
+    assert kw["q_data_type"] == heads.q_dtype
+    assert kw["kv_data_type"] == heads.kv_dtype
+    assert kw["o_data_type"] == heads.out_dtype
+    assert kw["non_blocking"] is True
+    # Nothing flashplan does not plan for may be switched on.
+    assert kw.get("pos_encoding_mode", "NONE") == "NONE"
+    assert "custom_mask" not in kw  # only the packed form is ever passed
+    for name, value in kw.items():
+        if isinstance(value, HostArray):
+            want = np.uint8 if name == "packed_custom_mask" else np.int32
+            # The executor stages int32 arrays and copies anything else as uint8 bytes.
+            assert value.values.dtype == want, (name, value.values.dtype)
+
+
+def _check_paged_arrays(gp: GroupPlan, gc: GroupCalls, kw: dict[str, Any], pspec: PlanSpec) -> None:
+    part = gp.paged
+    assert part is not None and gc.gather is not None
+    gather = gc.gather
+    masked = part.mask is not None
+    empty = part.kv_lens == 0
+    if masked:
+        # Empty segments get one unread page and last_page_len 0 (see _gather_for).
+        np.testing.assert_array_equal(gather.num_pages, np.where(empty, 1, part.num_pages))
+        np.testing.assert_array_equal(gather.start_page, np.where(empty, 0, part.start_page))
+    else:
+        np.testing.assert_array_equal(gather.num_pages, part.num_pages)
+        np.testing.assert_array_equal(gather.start_page, part.start_page)
+        np.testing.assert_array_equal(gather.page_indptr, part.page_indptr)
+    assert gather.page_indptr[0] == 0
+    np.testing.assert_array_equal(np.diff(gather.page_indptr), gather.num_pages)
+    assert gather.total_pages == int(gather.page_indptr[-1])
+
+    indptr_name, last_name = (
+        ("indptr", "last_page_len")
+        if gc.path is KernelPath.DECODE
+        else ("paged_kv_indptr", "paged_kv_last_page_len")
+    )
+    np.testing.assert_array_equal(kw[indptr_name].values, gather.page_indptr)
+    np.testing.assert_array_equal(kw[last_name].values, part.last_page_len)
+    assert kw[indptr_name].values.shape == (pspec.batch_size + 1,)
+    assert kw[last_name].values.shape == (pspec.batch_size,)
+    assert kw["page_size"] == pspec.page_size
+    # flashinfer's own kv lengths: no phantom keys for empty segments, nothing dropped.
+    np.testing.assert_array_equal(_flashinfer_kv_lens(kw, indptr_name, last_name), part.kv_lens)
+
+
+def _flashinfer_mask_offsets(kw: dict[str, Any]) -> np.ndarray:
+    """Mask offsets exactly as flashinfer's ``plan()`` computes them from these arguments."""
+    offsets = _compute_page_mask_indptr(
+        _t(kw["qo_indptr"].values),
+        _t(kw["paged_kv_indptr"].values),
+        _t(kw["paged_kv_last_page_len"].values),
+        kw["page_size"],
+    )
+    return offsets.numpy().astype(np.int64)
+
+
+def _mask_buffer(index: int, gc: GroupCalls, gp: GroupPlan, kw: dict[str, Any]) -> np.ndarray:
+    """The uint8 buffer flashinfer's kernel will read as ``packed_custom_mask``.
+
+    Threshold-row masks are built on the device by the executor (``BuiltMask`` +
+    ``GroupCalls.device_mask``): here the same builder runs on CPU tensors (its torch
+    twin), into a buffer pre-filled with garbage as ``torch.empty`` would be. Explicit
+    masks are laid out on the host (``HostArray``).
+    """
+    part = gp.paged
+    assert part is not None and part.mask is not None
+    value = kw["packed_custom_mask"]
+    if part.mask.first_visible is None:
+        assert isinstance(value, HostArray) and gc.device_mask is None
+        return value.values
+    assert value == BuiltMask(index)
+    dm = gc.device_mask
+    assert dm is not None
+    bs = gp.num_keys.shape[0]
+    for name in ("first_visible", "qo_lens", "kv_lens", "byte_offsets"):
+        arr = getattr(dm, name)
+        # The executor stages these through its int32 pinned buffer.
+        assert arr.dtype == np.int32 and arr.shape == (bs,), (name, arr.dtype, arr.shape)
+    qo_lens = np.diff(kw["qo_indptr"].values.astype(np.int64))
+    np.testing.assert_array_equal(dm.qo_lens, qo_lens)
+    np.testing.assert_array_equal(dm.kv_lens, part.kv_lens)
+    np.testing.assert_array_equal(
+        dm.first_visible, np.clip(part.mask.first_visible, -(2**31 - 1), 2**31 - 1)
+    )
+    # The device builder writes request i at dm.byte_offsets[i]: flashinfer's offsets.
+    np.testing.assert_array_equal(dm.byte_offsets, _flashinfer_mask_offsets(kw)[:-1])
+    n_bytes = (qo_lens * part.kv_lens.astype(np.int64) + 7) // 8
+    assert dm.max_bytes == (int(n_bytes.max()) if bs else 0)
+    end = dm.byte_offsets.astype(np.int64) + n_bytes
+    assert dm.total_bytes >= max(int(end.max()) if bs else 0, 1)
+    buf = torch.full((dm.total_bytes,), 0xA5, dtype=torch.uint8)
+    # The torch twin of the executor's Triton kernel (same contract; the kernel itself is
+    # checked against it in tests/kernels): independent of Triton's interpreter mode.
+    build_threshold_mask_torch(
+        _t(dm.first_visible), _t(dm.qo_lens), _t(dm.kv_lens), _t(dm.byte_offsets), buf
+    )
+    return buf.numpy()
+
+
+def _check_mask_layout(
+    pspec: PlanSpec, index: int, gc: GroupCalls, gp: GroupPlan, kw: dict[str, Any]
+) -> None:
+    """Read every request's mask bits where flashinfer 0.7.4's kernel reads them."""
+    part = gp.paged
+    assert part is not None and part.packed_mask is not None and part.mask_indptr is not None
+    buf = _mask_buffer(index, gc, gp, kw)
+    offsets = _flashinfer_mask_offsets(kw)
+    assert offsets.shape == (pspec.batch_size + 1,)
+    qo_lens = np.diff(pspec.qo_indptr.astype(np.int64))
+    kv_lens = part.kv_lens.astype(np.int64)
+    fi_kv = _flashinfer_kv_lens(kw, "paged_kv_indptr", "paged_kv_last_page_len")
+    np.testing.assert_array_equal(fi_kv, kv_lens)
+    for i in range(pspec.batch_size):
+        q, kv, off = int(qo_lens[i]), int(kv_lens[i]), int(offsets[i])
+        assert off >= 0, f"request {i}: flashinfer mask offset {off} < 0 (offsets {offsets})"
+        # In flashinfer 0.7.4 the offsets count bits (PR #2201); consecutive requests
+        # are qo_len * kv_len apart. A change here means flashinfer's units changed.
+        assert int(offsets[i + 1]) - off == q * kv, (
+            f"request {i}: flashinfer's mask offsets {offsets.tolist()} no longer step by "
+            "qo_len * kv_len; flashinfer changed _compute_page_mask_indptr: revisit "
+            "flashplan.executor.flashinfer.calls (flashinfer_mask_offsets / _layout)"
+        )
+        n = q * kv
+        if n == 0:
+            assert off <= buf.shape[0]
+            continue
+        e = np.arange(n, dtype=np.int64)
+        byte = off + e // 8  # custom_mask_ptr = mask + mask_indptr[i]; ptr[e / 8] >> e % 8
+        assert int(byte[-1]) < buf.shape[0], (
+            f"request {i}: kernel reads byte {int(byte[-1])} of a {buf.shape[0]}-byte mask"
+        )
+        bits = ((buf[byte] >> (e % 8).astype(np.uint8)) & 1).astype(bool).reshape(q, kv)
+        want = unpack_request(part.packed_mask, part.mask_indptr, i, q, kv)
+        np.testing.assert_array_equal(
+            bits, want, err_msg=f"request {i} (qo_len={q}, kv_len={kv}): mask bits misplaced"
+        )
+
+
+def check_translation(
+    spec: PlanSpec, policy: ExecutorPolicy, *, sm90: bool
+) -> tuple[GroupCalls, ...]:
+    """Every property of ``translate(spec, policy, sm90=sm90)``; returns the calls."""
+    calls = translate(spec, policy, sm90=sm90)
+    heads = spec.heads
+    assert len(calls) == len(spec.group_plans)
+    for index, (gc, gp) in enumerate(zip(calls, spec.group_plans, strict=True)):
+        group = gp.group
+        assert gc.group_index == index
+        assert gc.path is gp.path
+        has_paged = gp.path is not KernelPath.RAGGED
+        has_ragged = gp.path in (KernelPath.RAGGED, KernelPath.RAGGED_PAGED)
+        assert (gc.paged is not None) == has_paged == (gp.paged is not None)
+        assert (gc.ragged is not None) == has_ragged == (gp.ragged is not None)
+        assert (gc.gather is not None) == has_paged
+        assert gc.merges == (gp.path is KernelPath.RAGGED_PAGED)
+
+        if gc.paged is not None:
+            call = gc.paged
+            _check_bind(call)
+            kw = call.as_dict()
+            _check_common(spec, gp, kw)
+            assert call.wrapper.group == group
+            masked = gp.uses_custom_mask
+            assert ("packed_custom_mask" in kw) == masked
+            threshold = masked and gp.paged.mask.first_visible is not None  # type: ignore[union-attr]
+            assert (gc.device_mask is not None) == threshold
+            assert kw.get("paged_kv_indices", kw.get("indices")) == GatheredIndices(index)
+            if gp.path is KernelPath.DECODE:
+                assert call.wrapper.kind is WrapperKind.DECODE
+                assert call.wrapper.backend == "fa2"
+                want_tc = (
+                    policy.decode_tensor_cores
+                    if policy.decode_tensor_cores is not None
+                    else spec.batch_size >= TENSOR_CORE_MIN_BATCH
+                )
+                assert call.wrapper.use_tensor_cores is want_tc
+                assert call.wrapper.constructor_kwargs()["use_tensor_cores"] is want_tc
+                assert kw["head_dim"] == heads.head_dim
+                assert "causal" not in kw and "is_causal" not in kw
+                assert not masked
+            else:
+                assert call.wrapper.kind is WrapperKind.PAGED_PREFILL
+                assert call.wrapper.use_tensor_cores is False
+                assert "use_tensor_cores" not in call.wrapper.constructor_kwargs()
+                assert call.wrapper.backend == _expected_backend(
+                    heads, policy, masked=masked, sm90=sm90
+                )
+                assert kw["head_dim_qk"] == heads.head_dim
+                np.testing.assert_array_equal(kw["qo_indptr"].values, spec.qo_indptr)
+                # The prefix part of ragged+paged is non-causal; a paged-only call is
+                # causal exactly when the group is (cross groups: never).
+                want_causal = False if gp.path is KernelPath.RAGGED_PAGED else group.causal
+                assert kw["causal"] is want_causal
+                assert gp.paged is not None and gp.paged.causal is want_causal
+            assert call.wrapper.constructor_kwargs()["kv_layout"] == "NHD"
+            _check_paged_arrays(gp, gc, kw, spec)
+            if masked:
+                assert call.wrapper.backend == "fa2"
+                _check_mask_layout(spec, index, gc, gp, kw)
+
+        else:
+            assert gc.device_mask is None
+
+        if gc.ragged is not None:
+            call = gc.ragged
+            _check_bind(call)
+            kw = call.as_dict()
+            _check_common(spec, gp, kw)
+            assert call.wrapper.kind is WrapperKind.RAGGED_PREFILL
+            assert call.wrapper.group == group
+            assert call.wrapper.use_tensor_cores is False
+            assert call.wrapper.backend == _expected_backend(heads, policy, masked=False, sm90=sm90)
+            assert kw["head_dim_qk"] == heads.head_dim
+            assert kw["causal"] is group.causal
+            assert gp.ragged is not None and gp.ragged.causal is group.causal
+            assert "packed_custom_mask" not in kw and "page_size" not in kw
+            np.testing.assert_array_equal(kw["qo_indptr"].values, spec.qo_indptr)
+            np.testing.assert_array_equal(kw["kv_indptr"].values, gp.ragged.kv_indptr)
+            np.testing.assert_array_equal(kw["kv_indptr"].values, spec.qo_indptr)
+
+    # Every host array handed to the executor is one of the calls' own (by identity).
+    referenced = {
+        id(v.values)
+        for gc in calls
+        for call in (gc.paged, gc.ragged)
+        if call is not None
+        for _, v in call.kwargs
+        if isinstance(v, HostArray)
+    }
+    assert {id(h.values) for h in host_arrays(calls)} == referenced
+    return calls
+
+
+# --------------------------------------------------------------------------- strategies
+policies = st.builds(
+    ExecutorPolicy,
+    decode_tensor_cores=st.sampled_from((None, True, False)),
+    prefill_backend=st.sampled_from(("auto", "fa2", "fa3")),
+)
+
+
+@st.composite
+def any_layouts(draw: st.DrawFn) -> BatchLayout:
+    mode = draw(st.sampled_from(("decode", "extend", "extend_prefix", "extend_no_prefix")))
+    kw: dict[str, Any] = {"page_sizes": PAGE_SIZES, "max_len": 40, "long_len": 120}
+    if mode == "decode":
+        return draw(decode_layouts(**kw))
+    prefix = {"extend": None, "extend_prefix": True, "extend_no_prefix": False}[mode]
+    return draw(extend_layouts(prefix=prefix, **kw))
+
+
+@st.composite
+def windowed_prefix_layouts(draw: st.DrawFn) -> BatchLayout:
+    """Extends with cached prefixes and small windows: the ragged path needs custom masks."""
+    sliding = attention_groups(kinds=("sliding",), windows=st.integers(0, 12))
+    others = attention_groups(kinds=("full", "sliding", "bidirectional"))
+    groups = draw(
+        st.lists(st.one_of(sliding, sliding, others), min_size=1, max_size=3, unique=True)
+    )
+    return draw(
+        extend_layouts(
+            prefix=True,
+            groups=groups,
+            encoder=False,
+            min_batch=1,
+            page_sizes=PAGE_SIZES,
+            max_len=40,
+            long_len=120,
+        )
+    )
+
+
+# --------------------------------------------------------------------------- tests
+@settings(max_examples=40)
+@given(
+    layout=any_layouts(),
+    heads=head_configs(head_dims=HEAD_DIMS),
+    extend_path=st.sampled_from(PATHS),
+    policy=policies,
+    sm90=st.booleans(),
+)
+def test_translate_binds_and_matches_plan(
+    layout: BatchLayout, heads: HeadConfig, extend_path: str, policy: ExecutorPolicy, sm90: bool
+) -> None:
+    assume(policy.prefill_backend != "fa3" or _fa3_capable(heads))  # refused: tested below
+    spec = fp.plan(layout, heads, extend_path=extend_path)
+    check_translation(spec, policy, sm90=sm90)
+
+
+def test_forced_fa3_refuses_heads_it_cannot_run() -> None:
+    heads = HeadConfig(4, 2, 96, q_dtype=torch.float16)
+    spec = fp.plan(BatchLayout.extend([5, 9], [0, 3], page_size=16), heads, extend_path="paged")
+    with pytest.raises(fp.UnsupportedError, match="fa3"):
+        translate(spec, ExecutorPolicy(prefill_backend="fa3"), sm90=True)
+
+
+@settings(max_examples=40)
+@given(
+    layout=windowed_prefix_layouts(),
+    heads=head_configs(head_dims=(64, 128)),
+    policy=policies,
+    sm90=st.booleans(),
+)
+def test_ragged_paged_masks_land_where_flashinfer_reads(
+    layout: BatchLayout, heads: HeadConfig, policy: ExecutorPolicy, sm90: bool
+) -> None:
+    assume(policy.prefill_backend != "fa3" or _fa3_capable(heads))
+    spec = fp.plan(layout, heads, extend_path="ragged")
+    check_translation(spec, policy, sm90=sm90)
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_masked_call_with_empty_segments(page_size: int) -> None:
+    """A fixed batch that always takes the custom-mask path and has every awkward request:
+    no prefix (empty paged segment, 7 queries), a long prefix, no token at all, cached
+    tokens but nothing new, and a prefix shorter than the window."""
+    layout = BatchLayout.extend(
+        seq_lens=[7, 40, 0, 9, 12, 30],
+        prefix_lens=[0, 33, 0, 9, 3, 20],
+        page_size=page_size,
+        groups=[fp.AttentionGroup.sliding(4), fp.AttentionGroup.full(logits_soft_cap=30.0)],
+    )
+    heads = HeadConfig(num_qo_heads=8, num_kv_heads=2, head_dim=128)
+    spec = fp.plan(layout, heads, extend_path="ragged")
+    gp = spec.group_plans[0]
+    assert gp.path is KernelPath.RAGGED_PAGED and gp.uses_custom_mask
+    assert gp.paged is not None and gp.paged.kv_lens[0] == 0 and gp.paged.num_pages[0] == 0
+    calls = check_translation(spec, ExecutorPolicy(), sm90=True)
+    kw = calls[0].paged.as_dict()  # type: ignore[union-attr]
+    assert calls[0].paged.wrapper.backend == "fa2"  # type: ignore[union-attr]
+    assert calls[0].ragged.wrapper.backend == "fa3"  # type: ignore[union-attr]
+    # Fed to flashinfer as planned (0 pages), the empty segment would give a negative
+    # mask size and shift every later request; the translation pads it to one page.
+    raw = _compute_page_mask_indptr(
+        _t(spec.qo_indptr), _t(gp.paged.page_indptr), _t(gp.paged.last_page_len), page_size
+    )
+    assert int(raw[1]) < 0
+    assert int(kw["paged_kv_indptr"].values[1]) == 1
+    assert int(kw["paged_kv_last_page_len"].values[0]) == 0
+    assert calls[0].device_mask is not None and isinstance(kw["packed_custom_mask"], BuiltMask)
+
+    # The same mask in explicit form (host-packed bytes, as a dense mask would come):
+    # translated through flashinfer_mask_layout into a HostArray at the same offsets.
+    dense = [
+        unpack_request(gp.paged.packed_mask, gp.paged.mask_indptr, i, int(q), int(kv))
+        for i, (q, kv) in enumerate(zip(np.diff(spec.qo_indptr), gp.paged.kv_lens, strict=True))
+    ]
+    explicit = attrs.evolve(gp.paged, mask=CustomMask.from_dense(dense))
+    spec2 = attrs.evolve(spec, group_plans=(attrs.evolve(gp, paged=explicit),))
+    (gc2,) = check_translation(spec2, ExecutorPolicy(), sm90=True)
+    assert gc2.device_mask is None
+    assert isinstance(gc2.paged.as_dict()["packed_custom_mask"], HostArray)  # type: ignore[union-attr]
+
+
+def test_translate_does_not_pack_threshold_masks_on_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A threshold-row mask is expanded on the device; translate() must not pack it on
+    the host too (testing ``PagedPart.packed_mask`` would: it packs the whole mask)."""
+    layout = BatchLayout.extend(
+        seq_lens=[7, 40, 30],
+        prefix_lens=[0, 33, 20],
+        page_size=16,
+        groups=[fp.AttentionGroup.sliding(4)],
+    )
+    spec = fp.plan(layout, HeadConfig(8, 2, 128), extend_path="ragged")
+    assert spec.group_plans[0].paged.mask.first_visible is not None  # type: ignore[union-attr]
+
+    def no_host_packing(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("translate() packed a threshold mask on the host")
+
+    monkeypatch.setattr(sys.modules["flashplan.plan.masks"], "pack_threshold_rows", no_host_packing)
+    (gc,) = translate(spec, ExecutorPolicy(), sm90=True)
+    assert gc.device_mask is not None
+
+
+def test_flashinfer_mask_offsets_still_count_bits() -> None:
+    """Canary for the flashinfer bug that flashinfer_mask_layout works around.
+
+    flashinfer 0.7.4: mask offsets are ``cumsum(qo_len * ((pages - 1) * page_size +
+    last_page_len))`` — bits, unclamped. If this fails, flashinfer changed the function
+    (e.g. PR #2201 landed): flashinfer_mask_layout and _gather_for must follow.
+    """
+    qo = torch.tensor([0, 3, 5, 9], dtype=torch.int32)
+    kv_indptr = torch.tensor([0, 2, 3, 3], dtype=torch.int32)
+    last = torch.tensor([3, 5, 0], dtype=torch.int32)
+    got = _compute_page_mask_indptr(qo, kv_indptr, last, 16).tolist()
+    # 3 * (16 + 3) = 57 bits, 2 * 5 = 10 bits, 4 * (-16 + 0) = -64 for zero pages.
+    assert got == [0, 57, 67, 3], (
+        f"flashinfer._compute_page_mask_indptr changed: {got}; revisit flashinfer_mask_layout"
+    )
+
+
+@settings(max_examples=40)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 9), st.integers(0, 40), st.integers(0, 2**32 - 1)),
+        min_size=0,
+        max_size=6,
+    ),
+    st.sampled_from(PAGE_SIZES),
+)
+def test_mask_layout_of_arbitrary_masks(reqs: list[tuple[int, int, int]], page_size: int) -> None:
+    """flashinfer_mask_layout + _gather_for for arbitrary dense masks (any qo/kv incl. 0)."""
+    masks = [np.random.default_rng(seed).random((q, kv)) < 0.5 for q, kv, seed in reqs]
+    packed, indptr = pack_dense(masks)
+    qo_lens = np.array([q for q, _, _ in reqs], dtype=np.int32)
+    kv_lens = np.array([kv for _, kv, _ in reqs], dtype=np.int32)
+    num_pages = ((kv_lens + page_size - 1) // page_size).astype(np.int32)
+    last = np.where(kv_lens > 0, kv_lens - (num_pages - 1) * page_size, 0).astype(np.int32)
+    gather = _gather_for(np.zeros_like(num_pages), num_pages, kv_lens, masked=True)
+    buf = flashinfer_mask_layout(packed, indptr, qo_lens, kv_lens)
+    assert buf.dtype == np.uint8 and not buf.flags.writeable
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    offsets = _compute_page_mask_indptr(
+        _t(qo_indptr), _t(gather.page_indptr), _t(last), page_size
+    ).numpy()
+    kv_fi = _get_seq_lens(_t(gather.page_indptr), _t(last), page_size).numpy()
+    np.testing.assert_array_equal(kv_fi, kv_lens)
+    for i, m in enumerate(masks):
+        q, kv = m.shape
+        off = int(offsets[i])
+        assert off >= 0
+        if q * kv == 0:
+            continue
+        e = np.arange(q * kv)
+        assert off + (q * kv - 1) // 8 < buf.shape[0]
+        bits = (buf[off + e // 8] >> (e % 8).astype(np.uint8)) & 1
+        np.testing.assert_array_equal(bits.astype(bool).reshape(q, kv), m)
+
+
+def test_decode_plan_signature_is_forwarded_to_plan_impl() -> None:
+    """Binding decode calls against ``_plan_impl`` is only meaningful while the public
+    ``plan`` forwards to it with the same leading parameters."""
+    cls = flashinfer.BatchDecodeWithPagedKVCacheWrapper
+    public = list(inspect.signature(cls.plan).parameters.values())
+    impl = list(inspect.signature(cls._plan_impl).parameters)
+    assert public[-1].kind is inspect.Parameter.VAR_KEYWORD
+    leading = [p.name for p in public if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert impl[: len(leading)] == leading
+    assert "_plan_impl" in inspect.getsource(cls.plan)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("sm90", [False, True])
+@pytest.mark.parametrize("choice", ["auto", "fa2", "fa3"])
+@pytest.mark.parametrize(
+    ("q_dtype", "kv_dtype", "head_dim"),
+    [
+        (torch.bfloat16, torch.bfloat16, 128),
+        (torch.float16, torch.float16, 64),
+        (torch.float16, torch.float16, 256),
+        (torch.bfloat16, torch.bfloat16, 96),
+        (torch.float32, torch.float32, 128),
+        (torch.float16, torch.bfloat16, 128),
+    ],
+)
+def test_prefill_backend_rules(
+    masked: bool,
+    sm90: bool,
+    choice: str,
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    head_dim: int,
+) -> None:
+    heads = HeadConfig(4, 2, head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype)
+    policy = ExecutorPolicy(prefill_backend=choice)
+    if choice == "fa3" and not masked and not _fa3_capable(heads):
+        with pytest.raises(fp.UnsupportedError):
+            prefill_backend(heads, policy, custom_mask=masked, sm90=sm90)
+        return
+    got = prefill_backend(heads, policy, custom_mask=masked, sm90=sm90)
+    if masked:
+        want = "fa2"
+    elif choice != "auto":
+        want = choice
+    else:
+        fa3 = sm90 and q_dtype == kv_dtype and q_dtype != torch.float32 and head_dim != 96
+        want = "fa3" if fa3 else "fa2"
+    assert got == want
+
+
+@pytest.mark.parametrize("override", [None, True, False])
+@pytest.mark.parametrize("batch_size", [1, TENSOR_CORE_MIN_BATCH - 1, TENSOR_CORE_MIN_BATCH, 16])
+def test_decode_tensor_cores_override(override: bool | None, batch_size: int) -> None:
+    heads = HeadConfig(32, 8, 128)
+    policy = ExecutorPolicy(decode_tensor_cores=override)
+    got = decode_uses_tensor_cores(heads, policy, batch_size)
+    assert got is (batch_size >= TENSOR_CORE_MIN_BATCH if override is None else override)
+    layout = BatchLayout.decode(([5, 17, 1, 40] * 4)[:batch_size], page_size=16)
+    (gc,) = translate(fp.plan(layout, heads), policy, sm90=True)
+    assert gc.paged is not None and gc.paged.wrapper.kind is WrapperKind.DECODE
+    assert gc.paged.wrapper.use_tensor_cores is got
+    assert gc.paged.wrapper.constructor_kwargs()["use_tensor_cores"] is got
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
+@pytest.mark.parametrize("element_size", [1, 2, 4])
+def test_merge_state_max_heads(head_dim: int, element_size: int) -> None:
+    # flashinfer MergeState: vec_size = max(16 / sizeof(T), head_dim / 32),
+    # block = (head_dim / vec_size, num_heads) threads, at most 1024 per block.
+    want = 1024 // (head_dim / max(16 / element_size, head_dim / 32))
+    assert merge_state_max_heads(head_dim, element_size) == int(want)
