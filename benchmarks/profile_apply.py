@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where does the host time of ``FlashInferExecutor.apply`` go? (cProfile, GPU machine)
 
-    python3 benchmarks/profile_apply.py [--batch 256] [--page-size 16]
+python3 benchmarks/profile_apply.py [--batch 256] [--page-size 16]
 """
 
 from __future__ import annotations

@@ -60,8 +60,10 @@ ARGS = parser.parse_args()
 PARTS = set(ARGS.parts.split(","))
 os.makedirs(ARGS.out, exist_ok=True)
 RESULTS: dict[str, object] = {
-    "gpu": torch.cuda.get_device_name(), "flashinfer": flashinfer.__version__,
-    "torch": torch.__version__, "triton": triton.__version__,
+    "gpu": torch.cuda.get_device_name(),
+    "flashinfer": flashinfer.__version__,
+    "torch": torch.__version__,
+    "triton": triton.__version__,
     "date": time.strftime("%Y-%m-%d"),
 }
 MD: list[str] = []
@@ -131,8 +133,9 @@ def random_table(spec: fp.PlanSpec, rng: np.random.Generator) -> tuple[fp.PageTa
     cols = np.arange(width)
     idx = np.minimum(starts[:, None] + cols[None, :], total - 1)
     pages = np.where(cols[None, :] < need[:, None], perm[idx], 0).astype(np.int32)
-    return fp.PageTable(pages=torch.from_numpy(pages).to(DEV),
-                        rows=np.arange(need.shape[0], dtype=np.int32)), total
+    return fp.PageTable(
+        pages=torch.from_numpy(pages).to(DEV), rows=np.arange(need.shape[0], dtype=np.int32)
+    ), total
 
 
 def raw_decode_inputs(spec: fp.PlanSpec, table: fp.PageTable) -> tuple[torch.Tensor, ...]:
@@ -140,8 +143,14 @@ def raw_decode_inputs(spec: fp.PlanSpec, table: fp.PageTable) -> tuple[torch.Ten
     part = spec.group_plans[0].paged
     assert part is not None
     pages = table.pages.cpu()
-    idx = torch.cat([pages[i, s : s + n] for i, (s, n) in
-                     enumerate(zip(part.start_page.tolist(), part.num_pages.tolist()))])
+    idx = torch.cat(
+        [
+            pages[i, s : s + n]
+            for i, (s, n) in enumerate(
+                zip(part.start_page.tolist(), part.num_pages.tolist(), strict=True)
+            )
+        ]
+    )
     indptr = torch.from_numpy(np.array(part.page_indptr)).pin_memory()
     last = torch.from_numpy(np.array(part.last_page_len)).pin_memory()
     return indptr, idx.to(DEV), last
@@ -155,25 +164,33 @@ def part_copy() -> float:
     ms = kernel_ms(lambda: dst.copy_(src), rep=200)
     bw = 2 * n * ELT / ms / 1e9
     RESULTS["copy_TBps"] = bw
-    del src, dst
     torch.cuda.empty_cache()
     log(f"copy {bw:.2f} TB/s")
-    MD.extend(["### Copy ceiling", "", f"device-to-device copy: **{bw:.2f} TB/s** (read + write)", ""])
+    MD.extend(
+        ["### Copy ceiling", "", f"device-to-device copy: **{bw:.2f} TB/s** (read + write)", ""]
+    )
     return bw
 
 
 # ------------------------------------------------------------------------ (a) decode
 def part_decode(copy_bw: float) -> None:
     rng = np.random.default_rng(0)
-    cases = [("B1 kv4096", [4096]), ("B64 kv4096", [4096] * 64), ("B256 kv4096", [4096] * 256),
-             ("B256 kv U[1,8192]", rng.integers(1, 8193, 256).tolist())]
+    cases = [
+        ("B1 kv4096", [4096]),
+        ("B64 kv4096", [4096] * 64),
+        ("B256 kv4096", [4096] * 256),
+        ("B256 kv U[1,8192]", rng.integers(1, 8193, 256).tolist()),
+    ]
     rows = []
-    MD.extend([
-        "### (a) Decode, bf16, 32/8 heads x 128", "",
-        "| page | case | flashplan µs | raw FI tc µs | raw FI cuda-core µs | flashplan TB/s "
-        "| flashplan / raw tc | % of copy |",
-        "|---|---|---|---|---|---|---|---|",
-    ])
+    MD.extend(
+        [
+            "### (a) Decode, bf16, 32/8 heads x 128",
+            "",
+            "| page | case | flashplan µs | raw FI tc µs | raw FI cuda-core µs | flashplan TB/s "
+            "| flashplan / raw tc | % of copy |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+    )
     for ps in (1, 16):
         for name, lens in cases:
             heads = fp.HeadConfig(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D)
@@ -189,30 +206,47 @@ def part_decode(copy_bw: float) -> None:
             indptr, idx, last = raw_decode_inputs(spec, table)
             raw = {}
             for tc in (True, False):
-                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD",
-                                                                  use_tensor_cores=tc, backend="fa2")
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    workspace(), "NHD", use_tensor_cores=tc, backend="fa2"
+                )
                 w.plan(indptr, idx, last, HQ, HKV, D, ps, q_data_type=DT, kv_data_type=DT)
                 out_raw = w.run(q, cache)
                 raw[tc] = kernel_ms(lambda: w.run(q, cache))
                 if tc:
-                    diff = (ex.run(group, q, None, None, cache).float() - out_raw.float()).abs().max()
+                    diff = (
+                        (ex.run(group, q, None, None, cache).float() - out_raw.float()).abs().max()
+                    )
                     assert float(diff) < 2e-2, f"flashplan != raw FlashInfer ({float(diff)})"
-                del w
             kv_bytes = sum(lens) * 2 * HKV * D * ELT
             bw = kv_bytes / t_fp / 1e9
-            row = {"page_size": ps, "case": name, "flashplan_ms": t_fp, "raw_tc_ms": raw[True],
-                   "raw_cuda_core_ms": raw[False], "flashplan_TBps": bw,
-                   "ratio_vs_raw_tc": raw[True] / t_fp, "frac_of_copy": bw / copy_bw}
+            row = {
+                "page_size": ps,
+                "case": name,
+                "flashplan_ms": t_fp,
+                "raw_tc_ms": raw[True],
+                "raw_cuda_core_ms": raw[False],
+                "flashplan_TBps": bw,
+                "ratio_vs_raw_tc": raw[True] / t_fp,
+                "frac_of_copy": bw / copy_bw,
+            }
             rows.append(row)
             log(row)
-            MD.append(f"| {ps} | {name} | {t_fp*1e3:.1f} | {raw[True]*1e3:.1f} | "
-                      f"{raw[False]*1e3:.1f} | {bw:.2f} | {raw[True]/t_fp:.3f} | "
-                      f"{100*bw/copy_bw:.0f}% |")
-            del cache, q, ex
+            MD.append(
+                f"| {ps} | {name} | {t_fp * 1e3:.1f} | {raw[True] * 1e3:.1f} | "
+                f"{raw[False] * 1e3:.1f} | {bw:.2f} | {raw[True] / t_fp:.3f} | "
+                f"{100 * bw / copy_bw:.0f}% |"
+            )
             torch.cuda.empty_cache()
     # decode-kernel policy: MHA vs GQA, small vs large batch, tensor cores vs CUDA cores
-    MD.extend(["", "Decode kernel kind (raw FlashInfer, kv 4096, page 16):", "",
-               "| heads q/kv | batch | tensor-core µs | cuda-core µs |", "|---|---|---|---|"])
+    MD.extend(
+        [
+            "",
+            "Decode kernel kind (raw FlashInfer, kv 4096, page 16):",
+            "",
+            "| heads q/kv | batch | tensor-core µs | cuda-core µs |",
+            "|---|---|---|---|",
+        ]
+    )
     policy_rows = []
     for hq, hkv in ((32, 32), (32, 8), (32, 4)):
         for bs in (1, 4, 16, 64):
@@ -225,15 +259,15 @@ def part_decode(copy_bw: float) -> None:
             q = torch.randn(bs, hq, D, device=DEV, dtype=DT)
             t = {}
             for tc in (True, False):
-                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD",
-                                                                  use_tensor_cores=tc,
-                                                                  backend="fa2")
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    workspace(), "NHD", use_tensor_cores=tc, backend="fa2"
+                )
                 w.plan(indptr, idx, last, hq, hkv, D, 16, q_data_type=DT, kv_data_type=DT)
                 t[tc] = kernel_ms(lambda: w.run(q, cache))
-            policy_rows.append({"hq": hq, "hkv": hkv, "batch": bs, "tc_ms": t[True],
-                                "cuda_core_ms": t[False]})
-            MD.append(f"| {hq}/{hkv} | {bs} | {t[True]*1e3:.1f} | {t[False]*1e3:.1f} |")
-            del cache
+            policy_rows.append(
+                {"hq": hq, "hkv": hkv, "batch": bs, "tc_ms": t[True], "cuda_core_ms": t[False]}
+            )
+            MD.append(f"| {hq}/{hkv} | {bs} | {t[True] * 1e3:.1f} | {t[False] * 1e3:.1f} |")
     RESULTS["decode"] = rows
     RESULTS["decode_kernel_kind"] = policy_rows
     MD.append("")
@@ -246,12 +280,16 @@ def part_host() -> None:
     heads = fp.HeadConfig(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D)
     rng = np.random.default_rng(1)
     rows = []
-    MD.extend([
-        "### (b) Host cost of a decode batch (kv 4096, page 16), µs, median", "",
-        "| batch | layout | plan | apply | flashplan total | FI bare plan() | ratio "
-        "| ref-file way | flashplan behind 20 ms kernel | FI bare behind | ref-file way behind |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ])
+    MD.extend(
+        [
+            "### (b) Host cost of a decode batch (kv 4096, page 16), µs, median",
+            "",
+            "| batch | layout | plan | apply | flashplan total | FI bare plan() | ratio "
+            "| ref-file way | flashplan behind 20 ms kernel | FI bare behind "
+            "| ref-file way behind |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+    )
     for bs in (1, 64, 256, 1024):
         lens = np.full(bs, 4096)
         layout = fp.BatchLayout.decode(lens, page_size=16)
@@ -268,8 +306,9 @@ def part_host() -> None:
 
         t_total = host_us(flashplan_step)
         indptr, idx, last = raw_decode_inputs(spec, table)
-        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD",
-                                                          use_tensor_cores=True, backend="fa2")
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace(), "NHD", use_tensor_cores=True, backend="fa2"
+        )
 
         def bare() -> None:
             w.plan(indptr, idx, last, HQ, HKV, D, 16, q_data_type=DT, kv_data_type=DT)
@@ -279,35 +318,47 @@ def part_host() -> None:
         # plan() fed device indptrs (FlashInfer copies them back to the host).
         seq_dev = torch.from_numpy(lens.astype(np.int32)).to(DEV)
         rows_dev = torch.arange(bs, dtype=torch.int32, device=DEV)
-        w2 = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD",
-                                                           use_tensor_cores=True, backend="fa2")
-        out_idx = torch.empty(int(spec.group_plans[0].paged.total_pages), dtype=torch.int32,
-                              device=DEV)
+        w2 = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace(), "NHD", use_tensor_cores=True, backend="fa2"
+        )
+        out_idx = torch.empty(
+            int(spec.group_plans[0].paged.total_pages), dtype=torch.int32, device=DEV
+        )
 
         def ref_way() -> None:
             npages = (seq_dev + 15) // 16
             kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=DEV)
             kv_indptr[1:] = torch.cumsum(npages, 0)
-            gather_page_indices(table.pages, rows_dev, torch.zeros_like(npages), npages, kv_indptr,
-                                out_idx)
+            gather_page_indices(
+                table.pages, rows_dev, torch.zeros_like(npages), npages, kv_indptr, out_idx
+            )
             last_dev = seq_dev - (npages - 1) * 16
-            w2.plan(kv_indptr, out_idx, last_dev, HQ, HKV, D, 16, q_data_type=DT,
-                    kv_data_type=DT)
+            w2.plan(kv_indptr, out_idx, last_dev, HQ, HKV, D, 16, q_data_type=DT, kv_data_type=DT)
 
         t_ref = host_us(ref_way)
         b_fp = blocked_us(flashplan_step, cycles)
         b_bare = blocked_us(bare, cycles)
         b_ref = blocked_us(ref_way, cycles)
-        row = {"batch": bs, "layout_us": t_layout, "plan_us": t_plan, "apply_us": t_apply,
-               "flashplan_total_us": t_total, "fi_bare_plan_us": t_bare,
-               "ratio_total_vs_bare": t_total / t_bare, "ref_way_us": t_ref,
-               "blocked_flashplan_us": b_fp, "blocked_bare_us": b_bare, "blocked_ref_way_us": b_ref}
+        row = {
+            "batch": bs,
+            "layout_us": t_layout,
+            "plan_us": t_plan,
+            "apply_us": t_apply,
+            "flashplan_total_us": t_total,
+            "fi_bare_plan_us": t_bare,
+            "ratio_total_vs_bare": t_total / t_bare,
+            "ref_way_us": t_ref,
+            "blocked_flashplan_us": b_fp,
+            "blocked_bare_us": b_bare,
+            "blocked_ref_way_us": b_ref,
+        }
         rows.append(row)
         log(row)
-        MD.append(f"| {bs} | {t_layout:.0f} | {t_plan:.0f} | {t_apply:.0f} | {t_total:.0f} | "
-                  f"{t_bare:.0f} | {t_total/t_bare:.2f} | {t_ref:.0f} | {b_fp:.0f} | {b_bare:.0f} "
-                  f"| {b_ref:.0f} |")
-        del ex, w, w2
+        MD.append(
+            f"| {bs} | {t_layout:.0f} | {t_plan:.0f} | {t_apply:.0f} | {t_total:.0f} | "
+            f"{t_bare:.0f} | {t_total / t_bare:.2f} | {t_ref:.0f} | {b_fp:.0f} | {b_bare:.0f} "
+            f"| {b_ref:.0f} |"
+        )
     RESULTS["host"] = rows
     MD.append("")
     save()
@@ -320,8 +371,15 @@ def part_extend() -> None:
     layout = fp.BatchLayout.extend([2048 + 512] * 16, [2048] * 16, page_size=16)
     rng = np.random.default_rng(2)
     rows = []
-    MD.extend(["### (c) Extend 16 x (2048 prefix + 512 new), bf16 32/8 x 128, page 16, one layer "
-               "incl. KV write", "", "| path | backend | ms | vs fastest |", "|---|---|---|---|"])
+    MD.extend(
+        [
+            "### (c) Extend 16 x (2048 prefix + 512 new), bf16 32/8 x 128, page 16, one layer "
+            "incl. KV write",
+            "",
+            "| path | backend | ms | vs fastest |",
+            "|---|---|---|---|",
+        ]
+    )
     for path in ("ragged", "paged"):
         spec = fp.plan(layout, heads, extend_path=path)
         table, total = random_table(spec, rng)
@@ -334,25 +392,24 @@ def part_extend() -> None:
             ms = kernel_ms(lambda: ex.run(group, q, k, k, cache), rep=200)
             rows.append({"path": spec.key.paths[0].value, "backend": backend, "ms": ms})
             log(rows[-1])
-            del ex
-        del cache
     best = min(r["ms"] for r in rows)
     for r in rows:
-        MD.append(f"| {r['path']} | {r['backend']} | {r['ms']:.3f} | {r['ms']/best:.2f}x |")
+        MD.append(f"| {r['path']} | {r['backend']} | {r['ms']:.3f} | {r['ms'] / best:.2f}x |")
     RESULTS["extend"] = rows
     MD.append("")
     save()
 
 
 # ------------------------------------------------------------------------ window
-def sglang_style_masks(prefix: torch.Tensor, seq: torch.Tensor, start: torch.Tensor,
-                       window: int) -> torch.Tensor:
+def sglang_style_masks(
+    prefix: torch.Tensor, seq: torch.Tensor, start: torch.Tensor, window: int
+) -> torch.Tensor:
     """The reference file's per-request loop (device tensors, .cpu() + Python loop)."""
     prefix_cpu = prefix.detach().cpu().tolist()
     extend_cpu = (seq - prefix).detach().cpu().tolist()
     start_cpu = start.detach().cpu().tolist()
     parts = []
-    for p, e, s in zip(prefix_cpu, extend_cpu, start_cpu):
+    for p, e, s in zip(prefix_cpu, extend_cpu, start_cpu, strict=True):
         n = int(p - s)
         if n == 0 or e == 0:
             continue
@@ -373,7 +430,7 @@ def part_window(copy_bw: float) -> None:
     layout = fp.BatchLayout.extend(seq, prefix, page_size=1, groups=[group])
 
     spec = fp.plan(layout, heads, extend_path="ragged")
-    table, total_pages = random_table(spec, rng)
+    table, _ = random_table(spec, rng)
     ex = FlashInferExecutor(policy=ExecutorPolicy(prefill_backend="fa2"))
 
     def ours() -> None:  # the whole batch preparation: plan + apply (mask built on the GPU)
@@ -396,6 +453,7 @@ def part_window(copy_bw: float) -> None:
         def inner() -> None:
             fn()
             torch.cuda.synchronize()
+
         return inner
 
     t_ours = host_us(synced(ours), n=10)
@@ -408,20 +466,21 @@ def part_window(copy_bw: float) -> None:
 
     ex.apply(spec, table)
     part = spec.group_plans[0].paged
-    built = ex._masks[0].cpu().numpy()  # noqa: SLF001 - benchmark introspection
+    built = ex._masks[0].cpu().numpy()
     theirs_bytes = theirs().cpu().numpy()
     qo_np = np.diff(spec.qo_indptr)
-    expected = flashinfer_mask_layout(theirs_bytes, compact_indptr(qo_np, part.kv_lens),
-                                      qo_np, part.kv_lens)
+    expected = flashinfer_mask_layout(
+        theirs_bytes, compact_indptr(qo_np, part.kv_lens), qo_np, part.kv_lens
+    )
     # compare the requests' byte ranges (the gaps between them are never read)
     offsets = np.concatenate([[0], np.cumsum(qo_np.astype(np.int64) * part.kv_lens)])
     n_bytes = (qo_np.astype(np.int64) * part.kv_lens + 7) // 8
     in_range = np.zeros(expected.shape[0], dtype=bool)
     starts = np.repeat(offsets[:-1], n_bytes)
-    in_range[starts + np.arange(starts.shape[0]) - np.repeat(np.cumsum(n_bytes) - n_bytes,
-                                                             n_bytes)] = True
+    in_range[
+        starts + np.arange(starts.shape[0]) - np.repeat(np.cumsum(n_bytes) - n_bytes, n_bytes)
+    ] = True
     same = bool(np.array_equal(built[: expected.shape[0]][in_range], expected[in_range]))
-    del ex
     # decode with a window group: bandwidth over the keys actually read
     lens = rng.integers(1, 8193, 256).tolist()
     wgroup = fp.AttentionGroup(window_left=window - 1)
@@ -435,23 +494,35 @@ def part_window(copy_bw: float) -> None:
     t_dec = kernel_ms(lambda: ex.run(wgroup, q, None, None, cache))
     read_tokens = int(dspec.group_plans[0].paged.kv_lens.sum())
     bw = read_tokens * 2 * HKV * D * ELT / t_dec / 1e9
-    RESULTS["window"] = {"mask_ours_us": t_ours, "mask_ref_loop_us": t_theirs,
-                         "speedup": t_theirs / t_ours, "identical_bytes": same,
-                         "ours_behind_20ms_kernel_us": b_ours,
-                         "decode_window_ms": t_dec, "decode_window_TBps": bw,
-                         "keys_read": read_tokens, "keys_total": int(sum(lens))}
+    RESULTS["window"] = {
+        "mask_ours_us": t_ours,
+        "mask_ref_loop_us": t_theirs,
+        "speedup": t_theirs / t_ours,
+        "identical_bytes": same,
+        "ours_behind_20ms_kernel_us": b_ours,
+        "decode_window_ms": t_dec,
+        "decode_window_TBps": bw,
+        "keys_read": read_tokens,
+        "keys_total": int(sum(lens)),
+    }
     log(RESULTS["window"])
-    MD.extend([
-        "### Sliding window", "",
-        f"Windowed-prefix masks, 256 requests (prefix U[1, 8192], extend 512, window 4096): "
-        f"flashplan plan + apply, mask built on the GPU (and both FlashInfer plan() calls) "
-        f"**{t_ours/1e3:.2f} ms**; reference file's per-request loop + segment_packbits, mask "
-        f"only, **{t_theirs/1e3:.2f} ms** ({t_theirs/t_ours:.1f}x). Identical mask bits: {same}. "
-        f"flashplan plan + apply issued behind a 20 ms kernel: {b_ours/1e3:.2f} ms.", "",
-        f"Decode B256 kv U[1, 8192] with window_left {window - 1}: {t_dec*1e3:.1f} µs for "
-        f"{read_tokens} of {sum(lens)} keys = **{bw:.2f} TB/s** over the keys read "
-        f"({100*bw/copy_bw:.0f}% of copy).", "",
-    ])
+    MD.extend(
+        [
+            "### Sliding window",
+            "",
+            "Windowed-prefix masks, 256 requests (prefix U[1, 8192], extend 512, window 4096): "
+            "flashplan plan + apply, mask built on the GPU (and both FlashInfer plan() calls) "
+            f"**{t_ours / 1e3:.2f} ms**; reference file's per-request loop + segment_packbits, "
+            f"mask only, **{t_theirs / 1e3:.2f} ms** ({t_theirs / t_ours:.1f}x). "
+            f"Identical mask bits: {same}. "
+            f"flashplan plan + apply issued behind a 20 ms kernel: {b_ours / 1e3:.2f} ms.",
+            "",
+            f"Decode B256 kv U[1, 8192] with window_left {window - 1}: {t_dec * 1e3:.1f} µs for "
+            f"{read_tokens} of {sum(lens)} keys = **{bw:.2f} TB/s** over the keys read "
+            f"({100 * bw / copy_bw:.0f}% of copy).",
+            "",
+        ]
+    )
     save()
 
 

@@ -16,7 +16,7 @@ import numpy.typing as npt
 from flashplan.layout.batch import BatchLayout
 from flashplan.layout.group import AttentionGroup
 
-__all__ = ["visibility", "key_space_len"]
+__all__ = ["key_space_len", "visibility"]
 
 
 def key_space_len(layout: BatchLayout, group: AttentionGroup) -> npt.NDArray[np.int32]:
@@ -32,7 +32,7 @@ def visibility(layout: BatchLayout, group: AttentionGroup) -> list[npt.NDArray[n
     out = []
     keys_per_req = key_space_len(layout, group)
     for prefix, new, n_keys in zip(
-        layout.prefix_lens.tolist(), layout.extend_lens.tolist(), keys_per_req.tolist()
+        layout.prefix_lens.tolist(), layout.extend_lens.tolist(), keys_per_req.tolist(), strict=True
     ):
         pos = prefix + np.arange(new)[:, None]
         key = np.arange(n_keys)[None, :]

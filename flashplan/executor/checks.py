@@ -13,7 +13,9 @@ __all__ = ["check_run_args"]
 
 def _expect_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     if tuple(t.shape) != shape:
-        raise PlanMismatchError(f"{name}: expected shape {shape} from the plan, got {tuple(t.shape)}")
+        raise PlanMismatchError(
+            f"{name}: expected shape {shape} from the plan, got {tuple(t.shape)}"
+        )
 
 
 def _expect_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
@@ -52,7 +54,10 @@ def check_run_args(
             _expect_shape(name, t, (rows, heads.num_kv_heads, d))
             _expect_dtype(name, t, heads.kv_dtype)
     if kv_cache.dim() != 5 or tuple(kv_cache.shape[1:]) != (
-        2, spec.page_size, heads.num_kv_heads, d
+        2,
+        spec.page_size,
+        heads.num_kv_heads,
+        d,
     ):
         raise PlanMismatchError(
             "kv_cache: expected [num_pages, 2, page_size, num_kv_heads, head_dim] = "

@@ -61,8 +61,13 @@ def _padded_rows(indptr: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray
 
 
 def _kernel_visibility(
-    qo_lens: np.ndarray, kv_lens: np.ndarray, max_q: int, max_kv: int, *,
-    causal: bool, window_left: int,
+    qo_lens: np.ndarray,
+    kv_lens: np.ndarray,
+    max_q: int,
+    max_kv: int,
+    *,
+    causal: bool,
+    window_left: int,
 ) -> np.ndarray:
     """bool ``[bs, max_q, max_kv]`` — FlashInfer's mask rules, padding hidden."""
     qo = qo_lens.astype(np.int64)[:, None, None]
@@ -93,14 +98,15 @@ def _custom_mask(part: PagedPart, qo_lens: np.ndarray, max_q: int) -> np.ndarray
 
 
 def _token_slots(
-    pages: torch.Tensor, rows: np.ndarray, first: np.ndarray, counts: np.ndarray,
+    pages: torch.Tensor,
+    rows: np.ndarray,
+    first: np.ndarray,
+    counts: np.ndarray,
     page_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Physical (page, slot) of logical tokens ``first[i] + [0, counts[i])``, int64 ``[sum]``."""
     req = np.repeat(np.arange(counts.shape[0]), counts)
-    offset = np.arange(req.shape[0]) - np.repeat(
-        np.cumsum(counts) - counts, counts
-    )
+    offset = np.arange(req.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
     token = first.astype(np.int64)[req] + offset
     dev = pages.device
     row_t = torch.from_numpy(rows.astype(np.int64)[req]).to(dev)
@@ -142,7 +148,9 @@ class ReferenceExecutor:
         qo_lens = np.diff(spec.qo_indptr)
         max_q = spec.max_q_len
         q_index, q_valid = _padded_rows(spec.qo_indptr, max_q)
-        new_page, new_slot = _token_slots(table.pages, table.rows, spec.new_token_start, qo_lens, ps)
+        new_page, new_slot = _token_slots(
+            table.pages, table.rows, spec.new_token_start, qo_lens, ps
+        )
         if spec.encoder_indptr is not None:
             enc_lens = np.diff(spec.encoder_indptr)
             enc_page, enc_slot = _token_slots(
@@ -161,36 +169,51 @@ class ReferenceExecutor:
             spec=spec,
             q_index=torch.from_numpy(q_index).to(dev),
             q_valid=torch.from_numpy(q_valid).to(dev),
-            new_page=new_page, new_slot=new_slot, enc_page=enc_page, enc_slot=enc_slot,
-            paged=paged, ragged=ragged,
+            new_page=new_page,
+            new_slot=new_slot,
+            enc_page=enc_page,
+            enc_slot=enc_slot,
+            paged=paged,
+            ragged=ragged,
         )
 
     @staticmethod
     def _gather_paged(
-        gp: GroupPlan, part: PagedPart, table: PageTable, qo_lens: np.ndarray, max_q: int,
-        dev: torch.device, ps: int,
+        gp: GroupPlan,
+        part: PagedPart,
+        table: PageTable,
+        qo_lens: np.ndarray,
+        max_q: int,
+        dev: torch.device,
+        ps: int,
     ) -> _Gathered:
         max_kv = part.max_kv_len
         c = np.arange(max_kv, dtype=np.int64)[None, :]
         valid_c = c < part.kv_lens.astype(np.int64)[:, None]
         token = np.where(valid_c, part.start_page.astype(np.int64)[:, None] * ps + c, 0)
         rows = np.repeat(table.rows.astype(np.int64)[:, None], max_kv, axis=1)
-        page = table.pages[torch.from_numpy(rows).to(dev),
-                           torch.from_numpy(token // ps).to(dev)].long()
-        visible = _kernel_visibility(qo_lens, part.kv_lens, max_q, max_kv,
-                                     causal=part.causal, window_left=gp.window_left)
+        page = table.pages[
+            torch.from_numpy(rows).to(dev), torch.from_numpy(token // ps).to(dev)
+        ].long()
+        visible = _kernel_visibility(
+            qo_lens, part.kv_lens, max_q, max_kv, causal=part.causal, window_left=gp.window_left
+        )
         if part.mask is not None:
             visible &= _custom_mask(part, qo_lens, max_q)
-        return _Gathered(kv_page=page, kv_slot=torch.from_numpy(token % ps).to(dev),
-                         visible=torch.from_numpy(visible).to(dev))
+        return _Gathered(
+            kv_page=page,
+            kv_slot=torch.from_numpy(token % ps).to(dev),
+            visible=torch.from_numpy(visible).to(dev),
+        )
 
     @staticmethod
     def _ragged_visibility(
         gp: GroupPlan, part: RaggedPart, qo_lens: np.ndarray, max_q: int, dev: torch.device
     ) -> torch.Tensor:
         kv_lens = np.diff(part.kv_indptr)
-        seen = _kernel_visibility(qo_lens, kv_lens, max_q, max_q, causal=part.causal,
-                                  window_left=gp.window_left)
+        seen = _kernel_visibility(
+            qo_lens, kv_lens, max_q, max_q, causal=part.causal, window_left=gp.window_left
+        )
         return torch.from_numpy(seen).to(dev)
 
     def run(
@@ -220,8 +243,9 @@ class ReferenceExecutor:
             ``out [total_q, num_qo_heads, head_dim]`` (``out_dtype``), or ``(out, lse)``.
         """
         applied = self._applied
-        gp = check_run_args(None if applied is None else applied.spec, group, q, k_new, v_new,
-                            kv_cache)
+        gp = check_run_args(
+            None if applied is None else applied.spec, group, q, k_new, v_new, kv_cache
+        )
         assert applied is not None
         spec = applied.spec
         index = spec.group_plans.index(gp)
@@ -243,8 +267,9 @@ class ReferenceExecutor:
             assert k_new is not None and v_new is not None, "the ragged path needs k_new/v_new"
             k = k_new[applied.q_index]  # [bs, max_q, Hkv, D]
             v = v_new[applied.q_index]
-            states.append(self._attend(q, k, v, applied.ragged[index], applied, scale,
-                                       group.logits_soft_cap))
+            states.append(
+                self._attend(q, k, v, applied.ragged[index], applied, scale, group.logits_soft_cap)
+            )
         out, lse = states[0]
         for other_out, other_lse in states[1:]:
             out, lse = merge_state_torch(out, lse, other_out, other_lse)
@@ -252,8 +277,14 @@ class ReferenceExecutor:
         return (out, lse) if return_lse else out
 
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-        applied: _Applied, scale: float, soft_cap: float,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        visible: torch.Tensor,
+        applied: _Applied,
+        scale: float,
+        soft_cap: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One kernel call: ``(out [total_q, Hq, D] in compute dtype, lse float32 base 2)``."""
         cd = self.compute_dtype

@@ -9,7 +9,7 @@ it would be a device sync.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -20,7 +20,7 @@ from flashplan.errors import LayoutError
 __all__ = ["IntArray", "array_key", "as_int", "as_lengths", "cumsum0", "frozen_array", "is_int"]
 
 IntArray = npt.NDArray[np.int32]
-ArrayLike = Union[Sequence[int], npt.NDArray[Any], torch.Tensor]
+ArrayLike = Sequence[int] | npt.NDArray[Any] | torch.Tensor
 
 _INT32_MAX = np.iinfo(np.int32).max
 

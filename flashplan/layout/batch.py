@@ -9,7 +9,15 @@ import attrs
 import numpy as np
 
 from flashplan.errors import LayoutError
-from flashplan.layout.arrays import ArrayLike, IntArray, array_key, as_int, as_lengths, frozen_array, is_int
+from flashplan.layout.arrays import (
+    ArrayLike,
+    IntArray,
+    array_key,
+    as_int,
+    as_lengths,
+    frozen_array,
+    is_int,
+)
 from flashplan.layout.group import AttentionGroup
 
 __all__ = ["BatchLayout", "Mode"]
@@ -44,8 +52,9 @@ def _check_groups(
         raise LayoutError("groups", "at least one AttentionGroup is needed")
     for i, g in enumerate(value):
         if not isinstance(g, AttentionGroup):
-            raise LayoutError("groups", "must hold AttentionGroup records", request=None, index=i,
-                              value=g)
+            raise LayoutError(
+                "groups", "must hold AttentionGroup records", request=None, index=i, value=g
+            )
     if len(set(value)) != len(value):
         raise LayoutError("groups", "must not repeat a group", groups=value)
 
@@ -86,30 +95,48 @@ class BatchLayout:
     def __attrs_post_init__(self) -> None:
         bs = self.seq_lens.shape[0]
         if self.prefix_lens.shape[0] != bs:
-            raise LayoutError("prefix_lens", "batch size differs from seq_lens",
-                              seq_lens_size=bs, prefix_lens_size=self.prefix_lens.shape[0])
+            raise LayoutError(
+                "prefix_lens",
+                "batch size differs from seq_lens",
+                seq_lens_size=bs,
+                prefix_lens_size=self.prefix_lens.shape[0],
+            )
         over = self.prefix_lens > self.seq_lens
         if over.any():
             i = _first_bad(over)
-            raise LayoutError("prefix_lens", "must not exceed seq_lens", request=i,
-                              prefix_len=int(self.prefix_lens[i]), seq_len=int(self.seq_lens[i]))
+            raise LayoutError(
+                "prefix_lens",
+                "must not exceed seq_lens",
+                request=i,
+                prefix_len=int(self.prefix_lens[i]),
+                seq_len=int(self.seq_lens[i]),
+            )
         if self.mode is Mode.DECODE:
             not_one = (self.seq_lens - self.prefix_lens) != 1
             if not_one.any():
                 i = _first_bad(not_one)
-                raise LayoutError("seq_lens", "a decode step adds exactly one token per request",
-                                  request=i, seq_len=int(self.seq_lens[i]),
-                                  prefix_len=int(self.prefix_lens[i]))
+                raise LayoutError(
+                    "seq_lens",
+                    "a decode step adds exactly one token per request",
+                    request=i,
+                    seq_len=int(self.seq_lens[i]),
+                    prefix_len=int(self.prefix_lens[i]),
+                )
         if self.encoder_lens is not None and self.encoder_lens.shape[0] != bs:
-            raise LayoutError("encoder_lens", "batch size differs from seq_lens",
-                              seq_lens_size=bs, encoder_lens_size=self.encoder_lens.shape[0])
+            raise LayoutError(
+                "encoder_lens",
+                "batch size differs from seq_lens",
+                seq_lens_size=bs,
+                encoder_lens_size=self.encoder_lens.shape[0],
+            )
         if self.encoder_lens is None and any(g.cross_attention for g in self.groups):
             raise LayoutError("encoder_lens", "a cross-attention group needs encoder_lens")
         end = self.kv_offsets.astype(np.int64) + self.seq_lens
         if bs and int(end.max()) > np.iinfo(np.int32).max:
             i = int(np.argmax(end))
-            raise LayoutError("seq_lens", "encoder + decoder tokens exceed int32", request=i,
-                              end=int(end[i]))
+            raise LayoutError(
+                "seq_lens", "encoder + decoder tokens exceed int32", request=i, end=int(end[i])
+            )
 
     # -- named constructors -------------------------------------------------------------
     @classmethod
@@ -125,8 +152,9 @@ class BatchLayout:
         seq = as_lengths("seq_lens", seq_lens, minimum=1)
         prefix = seq - 1
         prefix.flags.writeable = False
-        return cls(Mode.DECODE, seq, prefix, _opt_lengths("encoder_lens", encoder_lens),
-                   page_size, groups)
+        return cls(
+            Mode.DECODE, seq, prefix, _opt_lengths("encoder_lens", encoder_lens), page_size, groups
+        )
 
     @classmethod
     def extend(
@@ -148,8 +176,9 @@ class BatchLayout:
             prefix.flags.writeable = False
         else:
             prefix = as_lengths("prefix_lens", prefix_lens)
-        return cls(Mode.EXTEND, seq, prefix, _opt_lengths("encoder_lens", encoder_lens),
-                   page_size, groups)
+        return cls(
+            Mode.EXTEND, seq, prefix, _opt_lengths("encoder_lens", encoder_lens), page_size, groups
+        )
 
     @classmethod
     def from_extend_lens(
@@ -160,11 +189,16 @@ class BatchLayout:
     ) -> BatchLayout:
         """Like :meth:`extend`, from the new-token counts instead of the totals."""
         ext = as_lengths("extend_lens", extend_lens)
-        prefix = np.zeros_like(ext) if prefix_lens is None else as_lengths("prefix_lens",
-                                                                           prefix_lens)
+        prefix = (
+            np.zeros_like(ext) if prefix_lens is None else as_lengths("prefix_lens", prefix_lens)
+        )
         if prefix.shape != ext.shape:
-            raise LayoutError("prefix_lens", "batch size differs from extend_lens",
-                              extend_lens_size=ext.shape[0], prefix_lens_size=prefix.shape[0])
+            raise LayoutError(
+                "prefix_lens",
+                "batch size differs from extend_lens",
+                extend_lens_size=ext.shape[0],
+                prefix_lens_size=prefix.shape[0],
+            )
         return cls.extend(ext.astype(np.int64) + prefix, prefix, **kwargs)  # type: ignore[arg-type]
 
     # -- derived ------------------------------------------------------------------------

@@ -19,7 +19,9 @@ def _check_window(instance: AttentionGroup, attribute: attrs.Attribute[int], val
         raise LayoutError("window_left", "must be -1 (full attention) or >= 0", window_left=value)
 
 
-def _check_soft_cap(instance: AttentionGroup, attribute: attrs.Attribute[float], value: float) -> None:
+def _check_soft_cap(
+    instance: AttentionGroup, attribute: attrs.Attribute[float], value: float
+) -> None:
     if not math.isfinite(value) or value < 0:
         raise LayoutError(
             "logits_soft_cap", "must be a finite number >= 0 (0 = off)", logits_soft_cap=value
@@ -98,7 +100,9 @@ class AttentionGroup:
         return cls(causal=False, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale)
 
     @classmethod
-    def cross(cls, *, logits_soft_cap: float = 0.0, sm_scale: float | None = None) -> AttentionGroup:
+    def cross(
+        cls, *, logits_soft_cap: float = 0.0, sm_scale: float | None = None
+    ) -> AttentionGroup:
         """Non-causal attention to the request's encoder tokens."""
         return cls(
             cross_attention=True, causal=False, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale

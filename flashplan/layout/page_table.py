@@ -12,12 +12,15 @@ from flashplan.layout.arrays import ArrayLike, IntArray, as_lengths, cumsum0
 __all__ = ["PageTable"]
 
 
-def _check_pages(instance: PageTable, attribute: attrs.Attribute[torch.Tensor],
-                 value: torch.Tensor) -> None:
+def _check_pages(
+    instance: PageTable, attribute: attrs.Attribute[torch.Tensor], value: torch.Tensor
+) -> None:
     if not isinstance(value, torch.Tensor) or value.dtype != torch.int32 or value.dim() != 2:
         raise PageTableError(
-            "pages", "must be an int32 tensor [rows, max_pages]",
-            dtype=getattr(value, "dtype", type(value)), shape=tuple(getattr(value, "shape", ())),
+            "pages",
+            "must be an int32 tensor [rows, max_pages]",
+            dtype=getattr(value, "dtype", type(value)),
+            shape=tuple(getattr(value, "shape", ())),
         )
 
 
@@ -52,8 +55,13 @@ class PageTable:
         bad = np.flatnonzero(self.rows >= num_rows)
         if bad.size:
             i = int(bad[0])
-            raise PageTableError("rows", "row out of range of the table", request=i,
-                                 row=int(self.rows[i]), num_rows=num_rows)
+            raise PageTableError(
+                "rows",
+                "row out of range of the table",
+                request=i,
+                row=int(self.rows[i]),
+                num_rows=num_rows,
+            )
 
     @property
     def batch_size(self) -> int:
@@ -72,14 +80,22 @@ class PageTable:
             pages_needed: int32 ``[bs]``, pages each request uses (from the plan).
         """
         if pages_needed.shape[0] != self.batch_size:
-            raise PageTableError("rows", "batch size differs from the plan",
-                                 table_batch_size=self.batch_size,
-                                 plan_batch_size=int(pages_needed.shape[0]))
+            raise PageTableError(
+                "rows",
+                "batch size differs from the plan",
+                table_batch_size=self.batch_size,
+                plan_batch_size=int(pages_needed.shape[0]),
+            )
         bad = np.flatnonzero(pages_needed > self.max_pages)
         if bad.size:
             i = int(bad[0])
-            raise PageTableError("pages", "table row too short for the request's KV", request=i,
-                                 pages_needed=int(pages_needed[i]), max_pages=self.max_pages)
+            raise PageTableError(
+                "pages",
+                "table row too short for the request's KV",
+                request=i,
+                pages_needed=int(pages_needed[i]),
+                max_pages=self.max_pages,
+            )
 
     @classmethod
     def sequential(

@@ -56,8 +56,12 @@ class CustomMask:
         cls, qo_lens: IntArray, kv_lens: IntArray, first_visible: npt.NDArray[np.int64]
     ) -> CustomMask:
         """Threshold-row form (see class docstring)."""
-        return cls(qo_lens, kv_lens, mask_indptr(qo_lens, kv_lens),
-                   first_visible=frozen_array(first_visible, np.int64))
+        return cls(
+            qo_lens,
+            kv_lens,
+            mask_indptr(qo_lens, kv_lens),
+            first_visible=frozen_array(first_visible, np.int64),
+        )
 
     @classmethod
     def from_dense(cls, masks: list[npt.NDArray[np.bool_]]) -> CustomMask:
@@ -73,11 +77,14 @@ class CustomMask:
         if self.explicit is not None:
             return self.explicit
         assert self.first_visible is not None
-        return pack_threshold_rows(self.qo_lens, self.kv_lens,
-                                   threshold_rows(self.qo_lens, self.first_visible))[0]
+        return pack_threshold_rows(
+            self.qo_lens, self.kv_lens, threshold_rows(self.qo_lens, self.first_visible)
+        )[0]
 
 
-def threshold_rows(qo_lens: IntArray, first_visible: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+def threshold_rows(
+    qo_lens: IntArray, first_visible: npt.NDArray[np.int64]
+) -> npt.NDArray[np.int64]:
     """Expand per-request ``first_visible`` to one value per row: ``first_visible[i] + j``."""
     q = qo_lens.astype(np.int64)
     req = np.repeat(np.arange(q.shape[0]), q)
@@ -132,8 +139,10 @@ def pack_threshold_rows(
 
     # Partial bytes: the run's bits in the byte holding `start` and in the byte holding
     # `stop - 1`, when those bytes are not entirely covered.
-    for lo_bit, hi_bit in ((start, np.minimum(stop, (start // 8 + 1) * 8)),
-                           (np.maximum(start, (stop - 1) // 8 * 8), stop)):
+    for lo_bit, hi_bit in (
+        (start, np.minimum(stop, (start // 8 + 1) * 8)),
+        (np.maximum(start, (stop - 1) // 8 * 8), stop),
+    ):
         byte = lo_bit // 8
         lo = lo_bit - byte * 8
         hi = hi_bit - byte * 8

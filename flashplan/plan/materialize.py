@@ -23,7 +23,11 @@ class PlanIntegrityError(AssertionError):
 
 
 def kernel_visibility(
-    qo_len: int, kv_len: int, *, causal: bool, window_left: int,
+    qo_len: int,
+    kv_len: int,
+    *,
+    causal: bool,
+    window_left: int,
     mask: npt.NDArray[np.bool_] | None = None,
 ) -> npt.NDArray[np.bool_]:
     """``[qo_len, kv_len]``: what one kernel call shows query ``j`` of key ``c``."""

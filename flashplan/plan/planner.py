@@ -68,9 +68,7 @@ def plan(
         total_q=int(qo_indptr[-1]),
         new_token_start=frozen_array(kv_offset.astype(np.int64) + layout.prefix_lens),
         encoder_indptr=None if layout.encoder_lens is None else cumsum0(layout.encoder_lens),
-        pages_needed=frozen_array(
-            np.maximum(layout.pages_needed, _encoder_pages(layout))
-        ),
+        pages_needed=frozen_array(np.maximum(layout.pages_needed, _encoder_pages(layout))),
         group_plans=group_plans,
     )
 
@@ -107,8 +105,11 @@ def _plan_group(
         paged = _paged_part(base + first_key, base + seq, layout.page_size, causal=group.causal)
         ragged = None
     elif choice is ExtendPath.RAGGED:
-        ragged = RaggedPart(kv_indptr=qo_indptr, causal=group.causal,
-                            max_kv_len=int(qo_lens.max()) if qo_lens.size else 0)
+        ragged = RaggedPart(
+            kv_indptr=qo_indptr,
+            causal=group.causal,
+            max_kv_len=int(qo_lens.max()) if qo_lens.size else 0,
+        )
         if not np.any(prefix):
             path, paged = KernelPath.RAGGED, None
         else:
@@ -142,14 +143,14 @@ def _plan_cross(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
     )
 
 
-def _paged_part(
-    first: np.ndarray, end: np.ndarray, page_size: int, *, causal: bool
-) -> PagedPart:
+def _paged_part(first: np.ndarray, end: np.ndarray, page_size: int, *, causal: bool) -> PagedPart:
     return _part_from_segments(paged_segments(first, end, page_size), causal=causal)
 
 
 def _part_from_segments(
-    seg: PagedSegments, *, causal: bool,
+    seg: PagedSegments,
+    *,
+    causal: bool,
     mask: CustomMask | None = None,
 ) -> PagedPart:
     return PagedPart(

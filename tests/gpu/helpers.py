@@ -8,7 +8,9 @@ import torch
 import flashplan as fp
 
 
-def random_table(spec: fp.PlanSpec, rng: np.random.Generator, device: str) -> tuple[fp.PageTable, int]:
+def random_table(
+    spec: fp.PlanSpec, rng: np.random.Generator, device: str
+) -> tuple[fp.PageTable, int]:
     """A page table with shuffled, non-overlapping pages (+ spare pages); (table, num_pages)."""
     need = spec.pages_needed.astype(np.int64)
     num_pages = int(need.sum()) + 3
@@ -51,8 +53,9 @@ def run_both(
     results = []
     hq, hkv, d = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim
     for group in layout.groups:
-        cache = torch.randn(num_pages, 2, layout.page_size, hkv, d, generator=gen,
-                            device=device).to(heads.kv_dtype)
+        cache = torch.randn(
+            num_pages, 2, layout.page_size, hkv, d, generator=gen, device=device
+        ).to(heads.kv_dtype)
         cache_ref = cache.clone()
         q = torch.randn(spec.total_q, hq, d, generator=gen, device=device).to(heads.q_dtype)
         rows = spec.total_encoder if group.cross_attention else spec.total_q
@@ -62,6 +65,8 @@ def run_both(
         out_ref, lse_ref = ref.run(group, q, k, v, cache_ref, return_lse=True)
         finite = torch.isfinite(lse_ref)
         lse_err = float((lse[finite] - lse_ref[finite]).abs().max()) if finite.any() else 0.0
-        assert torch.equal(torch.isfinite(lse), finite) or not finite.all(), "LSE -inf pattern differs"
+        assert torch.equal(torch.isfinite(lse), finite) or not finite.all(), (
+            "LSE -inf pattern differs"
+        )
         results.append((group, rel_err(out, out_ref), lse_err, rel_err(cache, cache_ref)))
     return results

@@ -16,8 +16,9 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 def _executor(backend: str = "fa2", tensor_cores: bool | None = None) -> object:
     from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 
-    return FlashInferExecutor(policy=ExecutorPolicy(prefill_backend=backend,
-                                                    decode_tensor_cores=tensor_cores))
+    return FlashInferExecutor(
+        policy=ExecutorPolicy(prefill_backend=backend, decode_tensor_cores=tensor_cores)
+    )
 
 
 def _lens(rng: np.random.Generator, bs: int, mode: str) -> tuple[np.ndarray, np.ndarray]:

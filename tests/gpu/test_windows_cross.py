@@ -45,16 +45,18 @@ def test_three_groups_and_cross(page_size, mode, dtype):
         else:
             prefix = (seq * rng.random(seq.shape[0])).astype(np.int64)
             prefix[3] = seq[3] - 1  # one new token right at a window edge
-        layout = fp.BatchLayout.extend(seq, prefix, page_size=page_size, groups=groups,
-                                       encoder_lens=enc)
+        layout = fp.BatchLayout.extend(
+            seq, prefix, page_size=page_size, groups=groups, encoder_lens=enc
+        )
     heads = fp.HeadConfig(num_qo_heads=16, num_kv_heads=4, head_dim=128, q_dtype=dtype)
     path = "paged" if mode in ("paged", "decode") else "ragged"
     spec = fp.plan(layout, heads, extend_path=path)
     if mode == "ragged":
         assert spec.group_plan(W4).uses_custom_mask  # the windowed prefix needs the mask
     tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
-    for group, out_err, lse_err, cache_err in run_both(layout, heads, _executor(),
-                                                       extend_path=path, seed=page_size):
+    for group, out_err, lse_err, cache_err in run_both(
+        layout, heads, _executor(), extend_path=path, seed=page_size
+    ):
         assert out_err <= tol, group
         assert lse_err <= 5e-2, group
         assert cache_err == 0.0, group

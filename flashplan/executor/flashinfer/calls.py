@@ -18,12 +18,12 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from flashplan.errors import UnsupportedError
 from flashplan.executor.flashinfer.policy import (
     ExecutorPolicy,
     decode_uses_tensor_cores,
     prefill_backend,
 )
-from flashplan.errors import UnsupportedError
 from flashplan.layout.arrays import cumsum0, frozen_array
 from flashplan.layout.group import AttentionGroup
 from flashplan.plan.spec import GroupPlan, KernelPath, PlanSpec
@@ -31,7 +31,6 @@ from flashplan.plan.spec import GroupPlan, KernelPath, PlanSpec
 __all__ = [
     "BuiltMask",
     "DeviceMask",
-    "flashinfer_mask_offsets",
     "GatheredIndices",
     "GroupCalls",
     "HostArray",
@@ -40,6 +39,7 @@ __all__ = [
     "WrapperKey",
     "WrapperKind",
     "flashinfer_mask_layout",
+    "flashinfer_mask_offsets",
     "host_arrays",
     "translate",
 ]
@@ -222,8 +222,12 @@ def _group_calls(
         last_page_len = p.last_page_len
         paged_args: list[tuple[str, Any]] = []
         if gp.path is KernelPath.DECODE:
-            key = WrapperKey(WrapperKind.DECODE, gp.group, "fa2",
-                             decode_uses_tensor_cores(heads, policy, spec.batch_size))
+            key = WrapperKey(
+                WrapperKind.DECODE,
+                gp.group,
+                "fa2",
+                decode_uses_tensor_cores(heads, policy, spec.batch_size),
+            )
             paged_args += [
                 ("indptr", HostArray("page_indptr", gather.page_indptr)),
                 ("indices", GatheredIndices(index)),
@@ -244,8 +248,7 @@ def _group_calls(
                 ("causal", p.causal),
             ]
             if p.mask is not None and p.mask.first_visible is not None:
-                device_mask = _device_mask(p.mask.first_visible, np.diff(spec.qo_indptr),
-                                           p.kv_lens)
+                device_mask = _device_mask(p.mask.first_visible, np.diff(spec.qo_indptr), p.kv_lens)
                 paged_args.append(("packed_custom_mask", BuiltMask(index)))
             elif p.mask is not None:
                 laid_out = flashinfer_mask_layout(
@@ -264,8 +267,14 @@ def _group_calls(
             ("causal", r.causal),
         ]
         ragged_call = PlanCall(key, tuple(ragged_args + _common(spec, gp)))
-    return GroupCalls(group_index=index, path=gp.path, paged=paged_call, ragged=ragged_call,
-                      gather=gather, device_mask=device_mask)
+    return GroupCalls(
+        group_index=index,
+        path=gp.path,
+        paged=paged_call,
+        ragged=ragged_call,
+        gather=gather,
+        device_mask=device_mask,
+    )
 
 
 def flashinfer_mask_offsets(
@@ -282,7 +291,8 @@ def flashinfer_mask_offsets(
 
 
 def _device_mask(
-    first_visible: npt.NDArray[np.int64], qo_lens: npt.NDArray[np.int32],
+    first_visible: npt.NDArray[np.int64],
+    qo_lens: npt.NDArray[np.int32],
     kv_lens: npt.NDArray[np.int32],
 ) -> DeviceMask:
     offsets = flashinfer_mask_offsets(qo_lens, kv_lens)
@@ -295,7 +305,8 @@ def _device_mask(
     lo, hi = -np.int64(2**31 - 1), np.int64(2**31 - 1)
     return DeviceMask(
         first_visible=frozen_array(np.clip(first_visible, lo, hi)),
-        qo_lens=qo_lens, kv_lens=kv_lens,
+        qo_lens=qo_lens,
+        kv_lens=kv_lens,
         byte_offsets=frozen_array(offsets[:-1]),
         max_bytes=int(n_bytes.max()) if n_bytes.size else 0,
         total_bytes=max(int(offsets[-1]), 1),
@@ -303,8 +314,11 @@ def _device_mask(
 
 
 def _gather_for(
-    start_page: npt.NDArray[np.int32], num_pages: npt.NDArray[np.int32],
-    kv_lens: npt.NDArray[np.int32], *, masked: bool,
+    start_page: npt.NDArray[np.int32],
+    num_pages: npt.NDArray[np.int32],
+    kv_lens: npt.NDArray[np.int32],
+    *,
+    masked: bool,
 ) -> PageGather:
     """The page gather of a paged call.
 
@@ -320,8 +334,12 @@ def _gather_for(
             start_page = frozen_array(np.where(empty, 0, start_page))
             num_pages = frozen_array(np.where(empty, 1, num_pages))
     page_indptr = cumsum0(num_pages)
-    return PageGather(start_page=start_page, num_pages=num_pages, page_indptr=page_indptr,
-                      total_pages=int(page_indptr[-1]))
+    return PageGather(
+        start_page=start_page,
+        num_pages=num_pages,
+        page_indptr=page_indptr,
+        total_pages=int(page_indptr[-1]),
+    )
 
 
 def flashinfer_mask_layout(
@@ -366,4 +384,3 @@ def host_arrays(calls: tuple[GroupCalls, ...]) -> list[HostArray]:
                 if isinstance(value, HostArray) and id(value.values) not in seen:
                     seen[id(value.values)] = value
     return list(seen.values())
-

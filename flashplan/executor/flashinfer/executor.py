@@ -104,8 +104,10 @@ class FlashInferExecutor:
         page_map: torch.Tensor | None = None,
     ) -> None:
         self._fi = _import_flashinfer()
-        self.device = torch.device(device) if device is not None else torch.device(
-            "cuda", torch.cuda.current_device()
+        self.device = (
+            torch.device(device)
+            if device is not None
+            else torch.device("cuda", torch.cuda.current_device())
         )
         if self.device.type != "cuda":
             raise PlanMismatchError(f"FlashInferExecutor needs a CUDA device, got {self.device}")
@@ -148,8 +150,12 @@ class FlashInferExecutor:
         """
         table.check_covers(spec.pages_needed)
         if table.pages.device != self.device:
-            raise PageTableError("pages", "the page table must live on the executor's device",
-                                 table_device=str(table.pages.device), device=str(self.device))
+            raise PageTableError(
+                "pages",
+                "the page table must live on the executor's device",
+                table_device=str(table.pages.device),
+                device=str(self.device),
+            )
         calls = translate(spec, self.policy, sm90=self.sm90)
         plan_inputs = host_arrays(calls)
 
@@ -188,8 +194,13 @@ class FlashInferExecutor:
             assert part is not None
             out = torch.empty(max(part.total_pages, 1), dtype=torch.int32, device=self.device)
             gather_page_indices(
-                pages, rows, staging.device_view(first), staging.device_view(first + 1),
-                staging.device_view(first + 2), out, page_map=self._map_for(group_index, spec),
+                pages,
+                rows,
+                staging.device_view(first),
+                staging.device_view(first + 1),
+                staging.device_view(first + 2),
+                out,
+                page_map=self._map_for(group_index, spec),
             )
             gathered[group_index] = out[: part.total_pages]
 
@@ -197,8 +208,9 @@ class FlashInferExecutor:
         ps = spec.page_size
         self._slots = {False: self._token_slots(pages, rows, staging, 1, spec.total_q, ps)}
         if enc_index >= 0:
-            self._slots[True] = self._token_slots(pages, rows, staging, enc_index,
-                                                  spec.total_encoder, ps)
+            self._slots[True] = self._token_slots(
+                pages, rows, staging, enc_index, spec.total_encoder, ps
+            )
 
         masks: list[torch.Tensor] = []
         built: dict[int, torch.Tensor] = {}
@@ -206,9 +218,14 @@ class FlashInferExecutor:
             rule = calls[group_index].device_mask
             assert rule is not None
             buf = torch.empty(rule.total_bytes, dtype=torch.uint8, device=self.device)
-            build_threshold_mask(staging.device_view(first), staging.device_view(first + 1),
-                                 staging.device_view(first + 2), staging.device_view(first + 3),
-                                 buf, rule.max_bytes)
+            build_threshold_mask(
+                staging.device_view(first),
+                staging.device_view(first + 1),
+                staging.device_view(first + 2),
+                staging.device_view(first + 3),
+                buf,
+                rule.max_bytes,
+            )
             built[group_index] = buf
             masks.append(buf)
 
@@ -237,14 +254,27 @@ class FlashInferExecutor:
         return self.page_map if group.has_window else None
 
     def _token_slots(
-        self, pages: torch.Tensor, rows: torch.Tensor, staging: _Staging, first: int, total: int,
+        self,
+        pages: torch.Tensor,
+        rows: torch.Tensor,
+        staging: _Staging,
+        first: int,
+        total: int,
         page_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(page id, in-page offset) int32 ``[total]`` of tokens ``first_pos + [0, count)``."""
         out_page = torch.empty(max(total, 1), dtype=torch.int32, device=self.device)
         out_offset = torch.empty_like(out_page)
-        token_slots(pages, rows, staging.device_view(first), staging.device_view(first + 1),
-                    staging.device_view(first + 2), page_size, out_page, out_offset)
+        token_slots(
+            pages,
+            rows,
+            staging.device_view(first),
+            staging.device_view(first + 1),
+            staging.device_view(first + 2),
+            page_size,
+            out_page,
+            out_offset,
+        )
         return out_page[:total], out_offset[:total]
 
     def _plan(self, call: PlanCall, resolve: Any) -> None:
@@ -306,4 +336,3 @@ class FlashInferExecutor:
             out, lse = merge_states(o_a, s_a, o_b, s_b)
             return (out, lse) if return_lse else out
         return states[0]
-

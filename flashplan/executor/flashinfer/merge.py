@@ -6,7 +6,7 @@ import torch
 
 from flashplan.kernels.merge_state import merge_state_triton
 
-__all__ = ["merge_states", "merge_state_max_heads"]
+__all__ = ["merge_state_max_heads", "merge_states"]
 
 _MAX_THREADS_PER_BLOCK = 1024
 
