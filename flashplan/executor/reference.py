@@ -18,6 +18,7 @@ import attrs
 import numpy as np
 import torch
 
+from flashplan.errors import PlanMismatchError
 from flashplan.executor.checks import check_run_args
 from flashplan.kernels.merge_state import merge_state_torch
 from flashplan.layout.group import AttentionGroup
@@ -264,7 +265,10 @@ class ReferenceExecutor:
             v = kv_cache[g.kv_page, 1, g.kv_slot]
             states.append(self._attend(q, k, v, g.visible, applied, scale, group.logits_soft_cap))
         if index in applied.ragged:
-            assert k_new is not None and v_new is not None, "the ragged path needs k_new/v_new"
+            if k_new is None or v_new is None:
+                raise PlanMismatchError(
+                    f"group {group.describe()!r} runs on the ragged path: pass k_new and v_new"
+                )
             k = k_new[applied.q_index]  # [bs, max_q, Hkv, D]
             v = v_new[applied.q_index]
             states.append(

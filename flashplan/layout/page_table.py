@@ -15,10 +15,15 @@ __all__ = ["PageTable"]
 def _check_pages(
     instance: PageTable, attribute: attrs.Attribute[torch.Tensor], value: torch.Tensor
 ) -> None:
-    if not isinstance(value, torch.Tensor) or value.dtype != torch.int32 or value.dim() != 2:
+    if (
+        not isinstance(value, torch.Tensor)
+        or value.dtype != torch.int32
+        or value.dim() != 2
+        or value.shape[1] < 1
+    ):
         raise PageTableError(
             "pages",
-            "must be an int32 tensor [rows, max_pages]",
+            "must be an int32 tensor [rows, max_pages] with max_pages >= 1",
             dtype=getattr(value, "dtype", type(value)),
             shape=tuple(getattr(value, "shape", ())),
         )

@@ -37,7 +37,7 @@ from flashplan.executor.flashinfer.calls import (
 )
 from flashplan.executor.flashinfer.merge import merge_states
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
-from flashplan.kernels.page_gather import gather_page_indices, token_slots
+from flashplan.kernels.segments import segment_slots
 from flashplan.kernels.threshold_mask import build_threshold_mask
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.page_table import PageTable
@@ -111,6 +111,8 @@ class FlashInferExecutor:
         )
         if self.device.type != "cuda":
             raise PlanMismatchError(f"FlashInferExecutor needs a CUDA device, got {self.device}")
+        if self.device.index is None:  # "cuda" means the current device; tensors say cuda:N
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.policy = policy or ExecutorPolicy()
         self.sm90 = torch.cuda.get_device_capability(self.device) == (9, 0)
         self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
@@ -159,19 +161,49 @@ class FlashInferExecutor:
         calls = translate(spec, self.policy, sm90=self.sm90)
         plan_inputs = host_arrays(calls)
 
-        # Everything int32 goes into one pinned buffer -> one H2D copy.
-        qo_lens = np.diff(spec.qo_indptr).astype(np.int32)
-        arrays: list[np.ndarray] = [table.rows, spec.new_token_start, qo_lens, spec.qo_indptr]
-        enc_index = -1
-        if spec.encoder_indptr is not None:
-            enc_index = len(arrays)
-            enc_lens = np.diff(spec.encoder_indptr).astype(np.int32)
-            arrays += [np.zeros_like(enc_lens), enc_lens, spec.encoder_indptr]
-        gather_index: dict[int, int] = {}
+        # One segment per page-table gather: each group's page ids (columns), the new
+        # tokens' write slots and the encoder tokens' write slots (tokens).
+        bs = spec.batch_size
+        ps = spec.page_size
+        seg_first: list[np.ndarray] = []
+        seg_counts: list[np.ndarray] = []
+        seg_dst: list[np.ndarray] = []
+        seg_div: list[int] = []
+        seg_map: list[int] = []
+        regions: dict[object, tuple[int, int]] = {}
+        region = 0
+
+        def add(key: object, first: np.ndarray, indptr: np.ndarray, div: int, use_map: int) -> None:
+            nonlocal region
+            seg_first.append(first)
+            seg_counts.append(np.diff(indptr))
+            seg_dst.append(indptr[:-1] + region)
+            seg_div.append(div)
+            seg_map.append(use_map)
+            regions[key] = (region, region + int(indptr[-1]))
+            region += int(indptr[-1])
+
         for gc in calls:
             if gc.gather is not None:
-                gather_index[gc.group_index] = len(arrays)
-                arrays += [gc.gather.start_page, gc.gather.num_pages, gc.gather.page_indptr]
+                windowed = (
+                    self.page_map is not None and spec.group_plans[gc.group_index].group.has_window
+                )
+                add(gc.group_index, gc.gather.start_page, gc.gather.page_indptr, 1, int(windowed))
+        add("new", spec.new_token_start, spec.qo_indptr, ps, 0)
+        if spec.encoder_indptr is not None:
+            add("encoder", np.zeros(bs, dtype=np.int32), spec.encoder_indptr, ps, 0)
+        num_segments = len(seg_div)
+        segments = [
+            np.tile(table.rows, num_segments),
+            np.concatenate(seg_first),
+            np.concatenate(seg_counts),
+            np.concatenate(seg_dst),
+            np.repeat(np.array(seg_div, dtype=np.int32), bs),
+            np.repeat(np.array(seg_map, dtype=np.int32), bs),
+        ]
+
+        # Everything int32 goes into one pinned buffer -> one H2D copy.
+        arrays: list[np.ndarray] = list(segments)
         mask_index: dict[int, int] = {}
         for gc in calls:
             if gc.device_mask is not None:
@@ -184,33 +216,29 @@ class FlashInferExecutor:
                 input_index[id(host.values)] = len(arrays)
                 arrays.append(host.values)
         staging = _Staging(arrays, self.device)
-        pages = table.pages
-        rows = staging.device_view(0)
 
-        # Page ids of every paged call, gathered on the device.
-        gathered: dict[int, torch.Tensor] = {}
-        for group_index, first in gather_index.items():
-            part = calls[group_index].gather
-            assert part is not None
-            out = torch.empty(max(part.total_pages, 1), dtype=torch.int32, device=self.device)
-            gather_page_indices(
-                pages,
-                rows,
-                staging.device_view(first),
-                staging.device_view(first + 1),
-                staging.device_view(first + 2),
-                out,
-                page_map=self._map_for(group_index, spec),
-            )
-            gathered[group_index] = out[: part.total_pages]
-
-        # Write slots of the new tokens (and of encoder tokens).
-        ps = spec.page_size
-        self._slots = {False: self._token_slots(pages, rows, staging, 1, spec.total_q, ps)}
-        if enc_index >= 0:
-            self._slots[True] = self._token_slots(
-                pages, rows, staging, enc_index, spec.total_encoder, ps
-            )
+        # Every gather of the batch in one kernel launch.
+        out_page = torch.empty(max(region, 1), dtype=torch.int32, device=self.device)
+        out_offset = torch.empty_like(out_page)
+        view = staging.device_view
+        segment_slots(
+            table.pages,
+            view(0),
+            view(1),
+            view(2),
+            view(3),
+            view(4),
+            view(5),
+            out_page,
+            out_offset,
+            page_map=self.page_map,
+        )
+        gathered = {
+            key: out_page[lo:hi] for key, (lo, hi) in regions.items() if isinstance(key, int)
+        }
+        self._slots = {False: self._region(out_page, out_offset, regions["new"])}
+        if "encoder" in regions:
+            self._slots[True] = self._region(out_page, out_offset, regions["encoder"])
 
         masks: list[torch.Tensor] = []
         built: dict[int, torch.Tensor] = {}
@@ -249,33 +277,13 @@ class FlashInferExecutor:
                     self._plan(call, resolve)
         self._spec, self._calls, self._staging, self._masks = spec, calls, staging, masks
 
-    def _map_for(self, group_index: int, spec: PlanSpec) -> torch.Tensor | None:
-        group = spec.group_plans[group_index].group
-        return self.page_map if group.has_window else None
-
-    def _token_slots(
-        self,
-        pages: torch.Tensor,
-        rows: torch.Tensor,
-        staging: _Staging,
-        first: int,
-        total: int,
-        page_size: int,
+    @staticmethod
+    def _region(
+        out_page: torch.Tensor, out_offset: torch.Tensor, bounds: tuple[int, int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page id, in-page offset) int32 ``[total]`` of tokens ``first_pos + [0, count)``."""
-        out_page = torch.empty(max(total, 1), dtype=torch.int32, device=self.device)
-        out_offset = torch.empty_like(out_page)
-        token_slots(
-            pages,
-            rows,
-            staging.device_view(first),
-            staging.device_view(first + 1),
-            staging.device_view(first + 2),
-            page_size,
-            out_page,
-            out_offset,
-        )
-        return out_page[:total], out_offset[:total]
+        """(page id, in-page offset) int32 views of one region of the gather outputs."""
+        lo, hi = bounds
+        return out_page[lo:hi], out_offset[lo:hi]
 
     def _plan(self, call: PlanCall, resolve: Any) -> None:
         kwargs = {name: resolve(value) for name, value in call.kwargs}
