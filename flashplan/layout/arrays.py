@@ -17,7 +17,16 @@ import torch
 
 from flashplan.errors import LayoutError
 
-__all__ = ["IntArray", "array_key", "as_int", "as_lengths", "cumsum0", "frozen_array", "is_int"]
+__all__ = [
+    "IntArray",
+    "array_key",
+    "as_int",
+    "as_lengths",
+    "cumsum0",
+    "frozen_array",
+    "is_int",
+    "sealed",
+]
 
 IntArray = npt.NDArray[np.int32]
 ArrayLike = Sequence[int] | npt.NDArray[Any] | torch.Tensor
@@ -30,6 +39,19 @@ def frozen_array(values: npt.NDArray[Any], dtype: Any = np.int32) -> npt.NDArray
     out = np.ascontiguousarray(values, dtype=dtype)
     if out is values:
         out = out.copy()
+    out.flags.writeable = False
+    return out
+
+
+def sealed(values: npt.NDArray[Any], dtype: Any = np.int32) -> npt.NDArray[Any]:
+    """Like :func:`frozen_array` for an array the caller just computed and owns.
+
+    Skips the defensive copy: the array itself is cast if needed and made read-only.
+    Never pass an array someone else holds (use :func:`frozen_array` then).
+    """
+    out = values.astype(dtype, copy=False)
+    if not out.flags.c_contiguous:
+        out = np.ascontiguousarray(out)
     out.flags.writeable = False
     return out
 
@@ -47,7 +69,7 @@ def cumsum0(lengths: npt.NDArray[Any]) -> IntArray:
     np.cumsum(lengths, out=out[1:])
     if out[-1] > _INT32_MAX:
         raise LayoutError("lengths", "total exceeds int32", total=int(out[-1]))
-    return frozen_array(out)
+    return sealed(out)
 
 
 def is_int(value: object) -> bool:
@@ -112,12 +134,10 @@ def as_lengths(field: str, values: ArrayLike, *, minimum: int = 0) -> IntArray:
         if bad.size:
             i = int(bad[0])
             raise LayoutError(field, "must hold integers", request=i, value=_scalar(arr[i]))
-    low = np.flatnonzero(arr < minimum)
-    if low.size:
-        i = int(low[0])
+    if arr.min() < minimum:  # one reduction in the common case; locate only on error
+        i = int(np.flatnonzero(arr < minimum)[0])
         raise LayoutError(field, f"must be >= {minimum}", request=i, value=_scalar(arr[i]))
-    high = np.flatnonzero(arr > _INT32_MAX)
-    if high.size:
-        i = int(high[0])
+    if arr.max() > _INT32_MAX:
+        i = int(np.flatnonzero(arr > _INT32_MAX)[0])
         raise LayoutError(field, "exceeds int32", request=i, value=_scalar(arr[i]))
     return frozen_array(arr.astype(np.int64))

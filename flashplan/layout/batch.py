@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from functools import cached_property
 
 import attrs
 import numpy as np
@@ -15,8 +16,8 @@ from flashplan.layout.arrays import (
     array_key,
     as_int,
     as_lengths,
-    frozen_array,
     is_int,
+    sealed,
 )
 from flashplan.layout.group import AttentionGroup
 
@@ -207,33 +208,33 @@ class BatchLayout:
         """Number of requests."""
         return int(self.seq_lens.shape[0])
 
-    @property
+    @cached_property
     def extend_lens(self) -> IntArray:
         """New tokens per request, int32 ``[bs]`` (tokens)."""
-        return frozen_array(self.seq_lens - self.prefix_lens)
+        return sealed(self.seq_lens - self.prefix_lens)
 
     @property
     def total_new_tokens(self) -> int:
         """Rows of ``q`` / ``k_new`` / ``v_new`` for this step."""
         return int(self.extend_lens.sum())
 
-    @property
+    @cached_property
     def kv_offsets(self) -> IntArray:
         """Logical token where each request's decoder KV starts, int32 ``[bs]``.
 
         0 without encoder; else the encoder's length rounded up to a page boundary.
         """
         if self.encoder_lens is None:
-            return frozen_array(np.zeros_like(self.seq_lens))
+            return sealed(np.zeros_like(self.seq_lens))
         ps = self.page_size
-        return frozen_array((self.encoder_lens.astype(np.int64) + ps - 1) // ps * ps)
+        return sealed((self.encoder_lens.astype(np.int64) + ps - 1) // ps * ps)
 
-    @property
+    @cached_property
     def pages_needed(self) -> IntArray:
         """Pages each request's page-table row must hold, int32 ``[bs]`` (pages)."""
         ps = self.page_size
         end = self.kv_offsets.astype(np.int64) + self.seq_lens
-        return frozen_array((end + ps - 1) // ps)
+        return sealed((end + ps - 1) // ps)
 
     def with_groups(self, *groups: AttentionGroup) -> BatchLayout:
         """The same batch planned for other groups."""

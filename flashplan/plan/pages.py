@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from flashplan.layout.arrays import IntArray, cumsum0, frozen_array
+from flashplan.layout.arrays import IntArray, cumsum0, sealed
 
 __all__ = ["PagedSegments", "paged_segments"]
 
@@ -50,9 +50,9 @@ def paged_segments(first: IntArray, end: IntArray, page_size: int) -> PagedSegme
     num_pages = (kv_lens + page_size - 1) // page_size
     last = np.where(nonempty, kv_lens - (num_pages - 1) * page_size, 0)
     return PagedSegments(
-        start_page=frozen_array(start_page),
-        num_pages=frozen_array(num_pages),
-        last_page_len=frozen_array(last),
-        kv_lens=frozen_array(kv_lens),
-        page_indptr=frozen_array(cumsum0(num_pages)),
+        start_page=sealed(start_page),
+        num_pages=sealed(num_pages),
+        last_page_len=sealed(last),
+        kv_lens=sealed(kv_lens),
+        page_indptr=cumsum0(num_pages),
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashplan.errors import UnsupportedError
-from flashplan.layout.arrays import IntArray, cumsum0, frozen_array
+from flashplan.layout.arrays import IntArray, cumsum0, sealed
 from flashplan.layout.batch import BatchLayout, Mode
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
@@ -66,9 +66,9 @@ def plan(
         qo_indptr=qo_indptr,
         max_q_len=int(qo_lens.max()) if bs else 0,
         total_q=int(qo_indptr[-1]),
-        new_token_start=frozen_array(kv_offset.astype(np.int64) + layout.prefix_lens),
+        new_token_start=sealed(kv_offset.astype(np.int64) + layout.prefix_lens),
         encoder_indptr=None if layout.encoder_lens is None else cumsum0(layout.encoder_lens),
-        pages_needed=frozen_array(np.maximum(layout.pages_needed, _encoder_pages(layout))),
+        pages_needed=sealed(np.maximum(layout.pages_needed, _encoder_pages(layout))),
         group_plans=group_plans,
     )
 
@@ -77,7 +77,7 @@ def _encoder_pages(layout: BatchLayout) -> IntArray:
     if layout.encoder_lens is None:
         return np.zeros_like(layout.seq_lens)
     ps = layout.page_size
-    return frozen_array((layout.encoder_lens.astype(np.int64) + ps - 1) // ps)
+    return sealed((layout.encoder_lens.astype(np.int64) + ps - 1) // ps)
 
 
 def _plan_group(
@@ -138,7 +138,7 @@ def _plan_cross(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
         window_left=-1,
         paged=paged,
         ragged=None,
-        key_offset=frozen_array(np.zeros_like(enc)),
+        key_offset=sealed(np.zeros_like(enc)),
         num_keys=layout.encoder_lens,
     )
 
