@@ -124,12 +124,18 @@ class ReferenceExecutor:
     then ``run(group, q, k_new, v_new, kv_cache)`` per layer.
 
     Args:
+        page_map: optional int32 tensor mapping full-pool page ids to the page ids of a
+            separate sliding-window KV pool (last entry -1), applied to windowed
+            groups' reads and writes — the same contract as the FlashInfer executor's.
         compute_dtype: dtype of the attention math (``torch.float32`` or
             ``torch.float64``); outputs are cast to the plan's ``out_dtype``.
     """
 
-    def __init__(self, *, compute_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, *, compute_dtype: torch.dtype = torch.float32, page_map: torch.Tensor | None = None
+    ) -> None:
         self.compute_dtype = compute_dtype
+        self.page_map = page_map
         self._applied: _Applied | None = None
 
     @property
@@ -163,7 +169,12 @@ class ReferenceExecutor:
         ragged: dict[int, torch.Tensor] = {}
         for index, gp in enumerate(spec.group_plans):
             if gp.paged is not None:
-                paged[index] = self._gather_paged(gp, gp.paged, table, qo_lens, max_q, dev, ps)
+                gathered = self._gather_paged(gp, gp.paged, table, qo_lens, max_q, dev, ps)
+                if self.page_map is not None and gp.group.has_window:
+                    gathered = attrs.evolve(
+                        gathered, kv_page=self.page_map.to(dev)[gathered.kv_page].long()
+                    )
+                paged[index] = gathered
             if gp.ragged is not None:
                 ragged[index] = self._ragged_visibility(gp, gp.ragged, qo_lens, max_q, dev)
         self._applied = _Applied(
@@ -255,6 +266,8 @@ class ReferenceExecutor:
                 page, slot = applied.enc_page, applied.enc_slot
             else:
                 page, slot = applied.new_page, applied.new_slot
+                if self.page_map is not None and group.has_window:
+                    page = self.page_map.to(page.device)[page].long()
             kv_cache[page, 0, slot] = k_new
             kv_cache[page, 1, slot] = v_new
         scale = group.scale_for(spec.heads.head_dim)
