@@ -30,11 +30,12 @@ any device and are sync-free given their host-int size argument.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Literal
 
 import torch
 
 from flashplan.errors import FlashplanError
+from flashplan.kernels._triton import triton_mode
+from flashplan.kernels.segments import segment_slots
 
 __all__ = [
     "gather_page_indices",
@@ -43,106 +44,6 @@ __all__ = [
     "token_slots_torch",
     "triton_mode",
 ]
-
-try:  # Triton is optional: the torch twins work without it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    _HAS_TRITON = False
-else:
-    _HAS_TRITON = True
-
-# Elements handled per loop iteration of one program (one request per program). Picked
-# on an H200 (triton 3.6) among 512-8192 x 4-8 warps: long requests and page_map lookups
-# gain most from wide blocks; short ones are launch-bound either way.
-_BLOCK = 2048
-_NUM_WARPS = 8
-
-if _HAS_TRITON:
-
-    @triton.jit
-    def _gather_page_indices_kernel(
-        pages_ptr,
-        pages_row_stride,
-        pages_col_stride,
-        rows_ptr,
-        start_page_ptr,
-        num_pages_ptr,
-        page_indptr_ptr,
-        out_ptr,
-        page_map_ptr,
-        page_map_len,
-        HAS_MAP: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        # One program per request; loop over its pages in BLOCK chunks.
-        i = tl.program_id(0)
-        row = tl.load(rows_ptr + i).to(tl.int64)
-        start = tl.load(start_page_ptr + i).to(tl.int64)
-        n = tl.load(num_pages_ptr + i)
-        dst = tl.load(page_indptr_ptr + i).to(tl.int64)
-        src_base = pages_ptr + row * pages_row_stride + start * pages_col_stride
-        for off in range(0, n, BLOCK):
-            p = off + tl.arange(0, BLOCK)
-            mask = p < n
-            page = tl.load(src_base + p.to(tl.int64) * pages_col_stride, mask=mask, other=0)
-            if HAS_MAP:
-                page = tl.where(page < 0, page + page_map_len, page)
-                page = tl.load(page_map_ptr + page, mask=mask, other=0)
-            tl.store(out_ptr + dst + p, page, mask=mask)
-
-    @triton.jit
-    def _token_slots_kernel(
-        pages_ptr,
-        pages_row_stride,
-        pages_col_stride,
-        rows_ptr,
-        first_pos_ptr,
-        counts_ptr,
-        indptr_ptr,
-        out_page_ptr,
-        out_offset_ptr,
-        page_map_ptr,
-        page_map_len,
-        PAGE_SIZE: tl.constexpr,
-        HAS_MAP: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        # One program per request; loop over its new tokens in BLOCK chunks.
-        i = tl.program_id(0)
-        row = tl.load(rows_ptr + i).to(tl.int64)
-        first = tl.load(first_pos_ptr + i).to(tl.int64)
-        n = tl.load(counts_ptr + i)
-        dst = tl.load(indptr_ptr + i).to(tl.int64)
-        row_base = pages_ptr + row * pages_row_stride
-        for off in range(0, n, BLOCK):
-            j = off + tl.arange(0, BLOCK)
-            mask = j < n
-            t = first + j.to(tl.int64)
-            page_idx = t // PAGE_SIZE
-            slot = t - page_idx * PAGE_SIZE
-            page = tl.load(row_base + page_idx * pages_col_stride, mask=mask, other=0)
-            if HAS_MAP:
-                page = tl.where(page < 0, page + page_map_len, page)
-                page = tl.load(page_map_ptr + page, mask=mask, other=0)
-            tl.store(out_page_ptr + dst + j, page, mask=mask)
-            tl.store(out_offset_ptr + dst + j, slot, mask=mask)
-
-
-def triton_mode() -> Literal["compiled", "interpret", "unavailable"]:
-    """How this module's Triton kernels run.
-
-    Returns:
-        ``"unavailable"`` when Triton is not installed; ``"interpret"`` when the kernels
-        were defined (at this module's import) with ``TRITON_INTERPRET=1``, so that they
-        run on CPU tensors through Triton's interpreter; ``"compiled"`` otherwise (real
-        GPU kernels; CPU tensors then go to the torch twins).
-    """
-    if not _HAS_TRITON:
-        return "unavailable"
-    if isinstance(_gather_page_indices_kernel, triton.runtime.JITFunction):
-        return "compiled"
-    return "interpret"
 
 
 def _use_triton(device: torch.device, torch_twin: str) -> bool:
@@ -260,23 +161,20 @@ def gather_page_indices(
             pages, rows, start_page, num_pages, page_indptr, out, total, page_map=page_map
         )
         return
-    map_arg = page_map if page_map is not None else pages  # dummy pointer when unused
-    map_len = page_map.shape[0] if page_map is not None else 0
+    ones = torch.ones_like(rows)
+    use_map = ones if page_map is not None else torch.zeros_like(rows)
     with _device_guard(pages.device):
-        _gather_page_indices_kernel[(bs,)](
+        segment_slots(
             pages,
-            pages.stride(0),
-            pages.stride(1),
             rows,
             start_page,
             num_pages,
-            page_indptr,
+            page_indptr[:-1],
+            ones,
+            use_map,
             out,
-            map_arg,
-            map_len,
-            HAS_MAP=page_map is not None,
-            BLOCK=_BLOCK,
-            num_warps=_NUM_WARPS,
+            torch.empty_like(out),
+            page_map=page_map,
         )
 
 
@@ -390,25 +288,20 @@ def token_slots(
             page_map=page_map,
         )
         return
-    map_arg = page_map if page_map is not None else pages  # dummy pointer when unused
-    map_len = page_map.shape[0] if page_map is not None else 0
+    div = torch.full_like(rows, page_size)
+    use_map = torch.ones_like(rows) if page_map is not None else torch.zeros_like(rows)
     with _device_guard(pages.device):
-        _token_slots_kernel[(bs,)](
+        segment_slots(
             pages,
-            pages.stride(0),
-            pages.stride(1),
             rows,
             first_pos,
             counts,
-            indptr,
+            indptr[:-1],
+            div,
+            use_map,
             out_page,
             out_offset,
-            map_arg,
-            map_len,
-            PAGE_SIZE=page_size,
-            HAS_MAP=page_map is not None,
-            BLOCK=_BLOCK,
-            num_warps=_NUM_WARPS,
+            page_map=page_map,
         )
 
 

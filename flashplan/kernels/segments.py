@@ -21,21 +21,13 @@ from __future__ import annotations
 import torch
 
 from flashplan.errors import FlashplanError
-from flashplan.kernels.page_gather import triton_mode
+from flashplan.kernels._triton import HAS_TRITON, tl, triton, triton_mode
 
 __all__ = ["segment_slots", "segment_slots_torch"]
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    _HAS_TRITON = False
-else:
-    _HAS_TRITON = True
-
 _BLOCK = 1024
 
-if _HAS_TRITON:
+if HAS_TRITON:
 
     @triton.jit
     def _segment_slots_kernel(
@@ -74,7 +66,7 @@ if _HAS_TRITON:
                     idx = tl.where(page < 0, page + page_map_len, page)
                     page = tl.load(page_map_ptr + idx, mask=valid, other=0)
             tl.store(out_page_ptr + dst + k, page, mask=valid)
-            tl.store(out_offset_ptr + dst + k, (t - col * div).to(tl.int32), mask=valid)
+            tl.store(out_offset_ptr + dst + k, t - col * div, mask=valid)  # cast to out dtype
 
 
 def _check(
@@ -98,8 +90,8 @@ def _check(
         if not t.is_contiguous():
             raise FlashplanError(f"{name}: must be contiguous")
     for name, t in (("out_page", out_page), ("out_offset", out_offset)):
-        if t.dtype != torch.int32 or t.dim() != 1 or t.device != pages.device:
-            raise FlashplanError(f"{name}: expected an int32 1-D tensor on {pages.device}")
+        if t.dtype not in (torch.int32, torch.int64) or t.dim() != 1 or t.device != pages.device:
+            raise FlashplanError(f"{name}: expected an int32/int64 1-D tensor on {pages.device}")
     if page_map is not None and (page_map.dtype != torch.int32 or page_map.dim() != 1):
         raise FlashplanError("page_map: expected an int32 1-D tensor")
     return n
@@ -124,7 +116,8 @@ def segment_slots(
         rows, first, counts, dst, div, use_map: int32 ``[num_segments]``: table row,
             first logical position (columns when ``div = 1``, tokens otherwise),
             length, output offset, divisor (1 or page_size) and page-map flag.
-        out_page, out_offset: int32 ``[>= max(dst + counts)]`` outputs.
+        out_page, out_offset: int32 or int64 ``[>= max(dst + counts)]`` outputs; entries
+            no segment addresses are left untouched.
         page_map: optional int32 ``[pool + 1]`` full -> window page-id map.
 
     On CPU tensors the kernel runs under Triton's interpreter when enabled, else the
@@ -196,5 +189,5 @@ def segment_slots_torch(
         mapped = page_map[page.long()]
         page = torch.where(use_map[seg] != 0, mapped, page)
     out = dst.long()[seg] + k
-    out_page[out] = page
-    out_offset[out] = (t - col * d).to(torch.int32)
+    out_page[out] = page.to(out_page.dtype)
+    out_offset[out] = (t - col * d).to(out_offset.dtype)

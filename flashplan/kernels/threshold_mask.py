@@ -14,21 +14,13 @@ from __future__ import annotations
 import torch
 
 from flashplan.errors import FlashplanError
-from flashplan.kernels.page_gather import triton_mode
+from flashplan.kernels._triton import HAS_TRITON, tl, triton, triton_mode
 
 __all__ = ["build_threshold_mask", "build_threshold_mask_torch"]
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    _HAS_TRITON = False
-else:
-    _HAS_TRITON = True
-
 _BLOCK = 1024
 
-if _HAS_TRITON:
+if HAS_TRITON:
 
     @triton.jit
     def _threshold_mask_kernel(

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashplan.errors import FlashplanError
-from flashplan.kernels import page_gather
+from flashplan.kernels import page_gather, segments
 from flashplan.kernels.page_gather import (
     gather_page_indices,
     gather_page_indices_torch,
@@ -246,7 +246,7 @@ def test_token_slots_triton_interpreted_matches(
     assert run_slots(table, batch, page_size, dtypes, "cpu", "torch") == expected
 
 
-BLOCK = page_gather._BLOCK  # elements per loop iteration of a kernel program
+BLOCK = segments._BLOCK  # elements per loop iteration of the gather kernel program
 
 
 def long_case() -> tuple[Table, Batch]:
