@@ -35,7 +35,7 @@ import torch
 
 from flashplan.errors import FlashplanError
 from flashplan.kernels._triton import triton_mode
-from flashplan.kernels.segments import segment_slots
+from flashplan.kernels.segments import segment_slots, segment_slots_torch
 
 __all__ = [
     "gather_page_indices",
@@ -161,8 +161,7 @@ def gather_page_indices(
             pages, rows, start_page, num_pages, page_indptr, out, total, page_map=page_map
         )
         return
-    ones = torch.ones_like(rows)
-    use_map = ones if page_map is not None else torch.zeros_like(rows)
+    ones, use_map = _segment_flags(rows, 1, page_map)
     with _device_guard(pages.device):
         segment_slots(
             pages,
@@ -213,11 +212,20 @@ def gather_page_indices_torch(
         raise FlashplanError(f"total_pages: must be >= 0, got {total_pages}")
     if total_pages == 0:
         return
-    req, local = _expand(num_pages, total_pages)
-    page = pages[rows.long()[req], start_page.long()[req] + local]
-    if page_map is not None:
-        page = page_map[page.long()]
-    out[page_indptr.long()[req] + local] = page.to(out.dtype)
+    ones, use_map = _segment_flags(rows, 1, page_map)
+    segment_slots_torch(
+        pages,
+        rows,
+        start_page,
+        num_pages,
+        page_indptr[:-1],
+        ones,
+        use_map,
+        out,
+        torch.empty_like(out),
+        total_pages,
+        page_map=page_map,
+    )
 
 
 def token_slots(
@@ -288,8 +296,7 @@ def token_slots(
             page_map=page_map,
         )
         return
-    div = torch.full_like(rows, page_size)
-    use_map = torch.ones_like(rows) if page_map is not None else torch.zeros_like(rows)
+    div, use_map = _segment_flags(rows, page_size, page_map)
     with _device_guard(pages.device):
         segment_slots(
             pages,
@@ -334,14 +341,20 @@ def token_slots_torch(
         raise FlashplanError(f"total: must be >= 0, got {total}")
     if total == 0:
         return
-    req, local = _expand(counts, total)
-    t = first_pos.long()[req] + local
-    page = pages[rows.long()[req], torch.div(t, page_size, rounding_mode="floor")]
-    if page_map is not None:
-        page = page_map[page.long()]
-    dst = indptr.long()[req] + local
-    out_page[dst] = page.to(out_page.dtype)
-    out_offset[dst] = torch.remainder(t, page_size).to(out_offset.dtype)
+    div, use_map = _segment_flags(rows, page_size, page_map)
+    segment_slots_torch(
+        pages,
+        rows,
+        first_pos,
+        counts,
+        indptr[:-1],
+        div,
+        use_map,
+        out_page,
+        out_offset,
+        total,
+        page_map=page_map,
+    )
 
 
 def _check_token_slots(
@@ -370,22 +383,13 @@ def _check_token_slots(
     )
 
 
-def _expand(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flatten per-request counts into (request id, index within request), no sync.
-
-    Args:
-        counts: int ``[bs]`` non-negative counts (pages or tokens), summing to ``total``.
-        total: host int, ``sum(counts)``.
-
-    Returns:
-        Two int64 ``[total]`` tensors on ``counts``'s device: the request of each element
-        and its index ``0 <= k < counts[request]`` within that request.
-    """
-    counts64 = counts.long()
-    req = torch.repeat_interleave(counts64, output_size=total)
-    first = torch.cumsum(counts64, 0) - counts64  # exclusive prefix sum
-    local = torch.arange(total, device=counts.device) - first[req]
-    return req, local
+def _segment_flags(
+    rows: torch.Tensor, div: int, page_map: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-request ``div`` and ``use_map`` int32 tensors for :mod:`flashplan.kernels.segments`
+    (one segment per request; built on ``rows``'s device, no sync)."""
+    use_map = torch.ones_like(rows) if page_map is not None else torch.zeros_like(rows)
+    return torch.full_like(rows, div), use_map
 
 
 def _device_guard(device: torch.device) -> AbstractContextManager[object]:
