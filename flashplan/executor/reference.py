@@ -23,6 +23,7 @@ from flashplan.executor.checks import check_run_args
 from flashplan.kernels.merge_state import merge_state_torch
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.page_table import PageTable
+from flashplan.plan.materialize import kernel_visibility
 from flashplan.plan.spec import GroupPlan, PagedPart, PlanSpec, RaggedPart
 
 __all__ = ["ReferenceExecutor"]
@@ -59,28 +60,6 @@ def _padded_rows(indptr: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray
     valid = j < lens[:, None]
     index = np.where(valid, indptr[:-1, None].astype(np.int64) + j, 0)
     return index, valid
-
-
-def _kernel_visibility(
-    qo_lens: np.ndarray,
-    kv_lens: np.ndarray,
-    max_q: int,
-    max_kv: int,
-    *,
-    causal: bool,
-    window_left: int,
-) -> np.ndarray:
-    """bool ``[bs, max_q, max_kv]`` — FlashInfer's mask rules, padding hidden."""
-    qo = qo_lens.astype(np.int64)[:, None, None]
-    kv = kv_lens.astype(np.int64)[:, None, None]
-    j = np.arange(max_q)[None, :, None]
-    c = np.arange(max_kv)[None, None, :]
-    seen = (j < qo) & (c < kv)
-    if causal:
-        seen &= c <= j + kv - qo
-    if window_left >= 0:
-        seen &= c + qo + window_left >= kv + j
-    return seen
 
 
 def _custom_mask(part: PagedPart, qo_lens: np.ndarray, max_q: int) -> np.ndarray:
@@ -207,7 +186,7 @@ class ReferenceExecutor:
         page = table.pages[
             torch.from_numpy(rows).to(dev), torch.from_numpy(token // ps).to(dev)
         ].long()
-        visible = _kernel_visibility(
+        visible = kernel_visibility(
             qo_lens, part.kv_lens, max_q, max_kv, causal=part.causal, window_left=gp.window_left
         )
         if part.mask is not None:
@@ -223,7 +202,7 @@ class ReferenceExecutor:
         gp: GroupPlan, part: RaggedPart, qo_lens: np.ndarray, max_q: int, dev: torch.device
     ) -> torch.Tensor:
         kv_lens = np.diff(part.kv_indptr)
-        seen = _kernel_visibility(
+        seen = kernel_visibility(
             qo_lens, kv_lens, max_q, max_q, causal=part.causal, window_left=gp.window_left
         )
         return torch.from_numpy(seen).to(dev)

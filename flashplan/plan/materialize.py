@@ -23,6 +23,34 @@ class PlanIntegrityError(AssertionError):
 
 
 def kernel_visibility(
+    qo_lens: npt.NDArray[np.integer],
+    kv_lens: npt.NDArray[np.integer],
+    max_q: int,
+    max_kv: int,
+    *,
+    causal: bool,
+    window_left: int,
+) -> npt.NDArray[np.bool_]:
+    """bool ``[bs, max_q, max_kv]``: what a kernel call shows query ``j`` of key ``c``.
+
+    FlashInfer's rules for request ``i`` with ``qo = qo_lens[i]`` and ``kv = kv_lens[i]``:
+    causal ``c <= j + kv - qo`` (bottom-right aligned), window
+    ``c + qo + window_left >= kv + j``; entries past ``qo`` / ``kv`` (padding) are hidden.
+    The reference executor runs on the same statement of the rules.
+    """
+    qo = qo_lens.astype(np.int64)[:, None, None]
+    kv = kv_lens.astype(np.int64)[:, None, None]
+    j = np.arange(max_q)[None, :, None]
+    c = np.arange(max_kv)[None, None, :]
+    seen = (j < qo) & (c < kv)
+    if causal:
+        seen &= c <= j + kv - qo
+    if window_left >= 0:
+        seen &= c + qo + window_left >= kv + j
+    return seen
+
+
+def _one_call(
     qo_len: int,
     kv_len: int,
     *,
@@ -30,17 +58,16 @@ def kernel_visibility(
     window_left: int,
     mask: npt.NDArray[np.bool_] | None = None,
 ) -> npt.NDArray[np.bool_]:
-    """``[qo_len, kv_len]``: what one kernel call shows query ``j`` of key ``c``."""
-    j = np.arange(qo_len)[:, None]
-    c = np.arange(kv_len)[None, :]
-    seen = np.ones((qo_len, kv_len), dtype=bool)
-    if causal:
-        seen &= c <= j + kv_len - qo_len
-    if window_left >= 0:
-        seen &= c + qo_len + window_left >= kv_len + j
-    if mask is not None:
-        seen &= mask
-    return seen
+    """``[qo_len, kv_len]`` visibility of one request's kernel call (custom mask applied)."""
+    seen = kernel_visibility(
+        np.array([qo_len]),
+        np.array([kv_len]),
+        qo_len,
+        kv_len,
+        causal=causal,
+        window_left=window_left,
+    )[0]
+    return seen if mask is None else seen & mask
 
 
 def materialize(spec: PlanSpec, group: object) -> list[npt.NDArray[np.bool_]]:
@@ -64,12 +91,12 @@ def materialize(spec: PlanSpec, group: object) -> list[npt.NDArray[np.bool_]]:
             mask = None
             if p.packed_mask is not None and p.mask_indptr is not None:
                 mask = unpack_request(p.packed_mask, p.mask_indptr, i, e, m)
-            seen = kernel_visibility(e, m, causal=p.causal, window_left=gp.window_left, mask=mask)
+            seen = _one_call(e, m, causal=p.causal, window_left=gp.window_left, mask=mask)
             parts.append((int(p.start_page[i]) * ps - int(gp.key_offset[i]), seen))
         if gp.ragged is not None:
             r = gp.ragged
             n = int(r.kv_indptr[i + 1] - r.kv_indptr[i])
-            seen = kernel_visibility(e, n, causal=r.causal, window_left=gp.window_left)
+            seen = _one_call(e, n, causal=r.causal, window_left=gp.window_left)
             parts.append((k_total - n, seen))
         for first, seen in parts:
             keys = first + np.arange(seen.shape[1])
