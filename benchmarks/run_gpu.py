@@ -480,7 +480,7 @@ def part_window(copy_bw: float) -> None:
     b_ours = blocked_us(ours, cycles)
     # identical bits: our device-built buffer read at FlashInfer's offsets vs theirs
     from flashplan.executor.flashinfer.calls import flashinfer_mask_layout
-    from flashplan.plan.masks import mask_indptr as compact_indptr
+    from flashplan.planning.masks import mask_indptr as compact_indptr
 
     ex.apply(spec, table)
     part = spec.group_plans[0].paged

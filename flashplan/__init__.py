@@ -1,8 +1,11 @@
 """flashplan: pure planning of FlashInfer attention batches.
 
-Layout (host records) -> plan (frozen ``PlanSpec``) -> executor (FlashInfer or
+Layout (host records) -> planning (frozen ``PlanSpec``) -> executor (FlashInfer or
 pure-torch reference).
 """
+
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
 
 from flashplan.errors import (
     FlashplanError,
@@ -11,22 +14,25 @@ from flashplan.errors import (
     PlanMismatchError,
     UnsupportedError,
 )
-from flashplan.executor import ReferenceExecutor
+from flashplan.executor import Executor, ReferenceExecutor
 from flashplan.layout import AttentionGroup, BatchLayout, HeadConfig, Mode, PageTable
-from flashplan.plan import (
+from flashplan.planning import (
     ExtendPath,
     GroupPlan,
     KernelPath,
     PagedPart,
+    PlanIntegrityError,
     PlanKey,
     PlanSpec,
     RaggedPart,
+    materialize,
     plan,
 )
 
 __all__ = [
     "AttentionGroup",
     "BatchLayout",
+    "Executor",
     "ExtendPath",
     "FlashplanError",
     "GroupPlan",
@@ -37,13 +43,18 @@ __all__ = [
     "PageTable",
     "PageTableError",
     "PagedPart",
+    "PlanIntegrityError",
     "PlanKey",
     "PlanMismatchError",
     "PlanSpec",
     "RaggedPart",
     "ReferenceExecutor",
     "UnsupportedError",
+    "materialize",
     "plan",
 ]
 
-__version__ = "0.1.0"
+try:
+    __version__ = _version("flashplan")
+except PackageNotFoundError:  # pragma: no cover - running from a tree that is not installed
+    __version__ = "0+unknown"

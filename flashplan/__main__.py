@@ -23,14 +23,35 @@ from flashplan.errors import FlashplanError
 __all__ = ["build_parser", "main"]
 
 
+def _demo_device(text: str | None) -> object:
+    """The demo's torch device, or a one-line reason why ``text`` is not usable."""
+    import torch
+
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        return f"--device: {text!r} is not a torch device (e.g. cpu, cuda, cuda:1)"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"--device: {text!r} asked for, but CUDA is not available on this machine"
+    if device.type not in ("cpu", "cuda"):
+        return f"--device: the demo runs on cpu or cuda, not {device.type!r}"
+    return device
+
+
 def _demo(args: argparse.Namespace) -> int:
     import torch
 
     from flashplan.cli.demo import run_demo, tolerance_for
 
-    worst = run_demo(args.device, seed=args.seed)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    device = _demo_device(args.device)
+    if isinstance(device, str):
+        print(f"flashplan demo: error: {device}", file=sys.stderr)
+        return 2
+    assert isinstance(device, torch.device)
+    worst = run_demo(device, seed=args.seed)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return 0 if worst <= tolerance_for(dtype) else 1
 
 

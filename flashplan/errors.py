@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "BucketError",
     "FlashplanError",
     "LayoutError",
     "PageTableError",
@@ -24,7 +25,8 @@ class FlashplanError(ValueError):
 
 
 class LayoutError(FlashplanError):
-    """A :class:`~flashplan.BatchLayout`, group or head configuration is invalid.
+    """An input record or setting is invalid (a layout, group, heads, page table, plan
+    record or executor option).
 
     Attributes:
         field: name of the offending field (``"seq_lens"``, ``"page_size"`` …).
@@ -53,6 +55,16 @@ class LayoutError(FlashplanError):
             text += f" ({detail})"
         super().__init__(text)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuild from the fields (pickle, copy, multiprocessing), not from the message.
+        return (_rebuild, (type(self), self.field, self.message, self.request, self.values))
+
+
+def _rebuild(
+    cls: type[LayoutError], field: str, message: str, request: int | None, values: dict[str, Any]
+) -> LayoutError:
+    return cls(field, message, request=request, **values)
+
 
 class PageTableError(LayoutError):
     """A :class:`~flashplan.PageTable` cannot hold the batch it is applied with."""
@@ -64,3 +76,7 @@ class PlanMismatchError(FlashplanError):
 
 class UnsupportedError(FlashplanError):
     """The combination is valid in principle but not implemented by this planner/executor."""
+
+
+class BucketError(LayoutError):
+    """A plan does not fit the CUDA-graph bucket it is applied to, or a bucket is invalid."""

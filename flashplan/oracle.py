@@ -1,22 +1,30 @@
-"""The oracle: "query j may see key k", stated straight from a `BatchLayout`.
+"""The oracle: "query j may see key k", stated straight from a `BatchLayout`, and the
+float64 attention that follows from it.
 
 Independent of the planner on purpose: it never looks at a `PlanSpec`. Tests
-compare it with :meth:`PlanSpec.materialize` and use it to build float64 dense
-attention. Semantics (DESIGN §2): new token ``j`` of request ``i`` sits at
-decoder position ``P + j``; a causal self group shows keys ``k <= P + j``, a
-window ``W >= 0`` also requires ``k >= P + j - W``; a bidirectional group shows
-every key ``k < L``; a cross group shows every encoder key.
+compare it with :func:`flashplan.materialize` (the same picture rebuilt from the
+plan's kernel calls with :mod:`flashplan.kernel_rules`) and use
+:func:`dense_attention` as the ground truth for both executors. The rules are those
+of ``docs/semantics.md``: new token ``j`` of request ``i`` sits at decoder position
+``P + j``; a causal self group shows keys ``k <= P + j``, a window ``W >= 0`` also
+requires ``k >= P + j - W``; a bidirectional group shows every key ``k < L``; a cross
+group shows every encoder key.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from flashplan.layout.batch import BatchLayout
 from flashplan.layout.group import AttentionGroup
 
-__all__ = ["key_space_len", "visibility"]
+__all__ = ["dense_attention", "key_row_tokens", "key_space_len", "visibility"]
+
+_LN2 = math.log(2.0)
 
 
 def key_space_len(layout: BatchLayout, group: AttentionGroup) -> npt.NDArray[np.int32]:
@@ -25,6 +33,19 @@ def key_space_len(layout: BatchLayout, group: AttentionGroup) -> npt.NDArray[np.
         assert layout.encoder_lens is not None
         return layout.encoder_lens
     return layout.seq_lens
+
+
+def key_row_tokens(layout: BatchLayout, group: AttentionGroup) -> list[npt.NDArray[np.int64]]:
+    """Per request, the row token of each key of the group's key space.
+
+    Cross groups: the encoder's tokens ``0 .. enc_len - 1``; self groups: the decoder's,
+    which start at the page boundary after the encoder.
+    """
+    lens = key_space_len(layout, group).tolist()
+    if group.cross_attention:
+        return [np.arange(n, dtype=np.int64) for n in lens]
+    starts = layout.decoder_start.tolist()
+    return [s + np.arange(n, dtype=np.int64) for s, n in zip(starts, lens, strict=True)]
 
 
 def visibility(layout: BatchLayout, group: AttentionGroup) -> list[npt.NDArray[np.bool_]]:
@@ -44,3 +65,45 @@ def visibility(layout: BatchLayout, group: AttentionGroup) -> list[npt.NDArray[n
                 seen &= key >= pos - group.window_left
         out.append(seen)
     return out
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seen: npt.NDArray[np.bool_],
+    group: AttentionGroup,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 attention of one request over the keys ``seen`` allows.
+
+    Args:
+        q: ``[num_queries, num_qo_heads, head_dim]``.
+        k, v: ``[num_keys, num_kv_heads, head_dim]`` (GQA: query heads share KV heads
+            in groups of ``num_qo_heads // num_kv_heads``).
+        seen: bool ``[num_queries, num_keys]`` (e.g. one entry of :func:`visibility`).
+        group: gives the scale (``group.scale_for(head_dim)``) and the soft cap.
+
+    Returns:
+        ``(out [num_queries, num_qo_heads, head_dim], lse [num_queries, num_qo_heads])``
+        in float64, the LSE in base 2; a query that sees no key gets output 0 and LSE
+        ``-inf``.
+    """
+    e, hq, d = q.shape
+    scale = group.scale_for(d)
+    if e == 0 or k.shape[0] == 0 or not seen.any():
+        out = torch.zeros(e, hq, d, dtype=torch.float64, device=q.device)
+        return out, torch.full((e, hq), -math.inf, dtype=torch.float64, device=q.device)
+    gs = hq // k.shape[1]
+    kh = k.double().repeat_interleave(gs, dim=1)
+    vh = v.double().repeat_interleave(gs, dim=1)
+    mask = torch.from_numpy(np.ascontiguousarray(seen)).to(q.device)
+    logits = torch.einsum("qhd,khd->hqk", q.double(), kh) * scale
+    if group.logits_soft_cap:
+        cap = group.logits_soft_cap
+        logits = cap * torch.tanh(logits / cap)
+    logits = logits.masked_fill(~mask[None], -math.inf)
+    lse = torch.logsumexp(logits, dim=-1)  # [Hq, E], natural log
+    probs = torch.exp(logits - lse.clamp_min(-1e300)[..., None])
+    probs = probs.masked_fill(~mask[None], 0.0)  # keys nobody sees contribute nothing
+    out = torch.einsum("hqk,khd->qhd", probs, vh.masked_fill(~mask.any(0)[:, None, None], 0.0))
+    return out, (lse / _LN2).T

@@ -172,7 +172,7 @@ def test_explain_page_math_and_cross(capsys: pytest.CaptureFixture[str]) -> None
         "--encoder-lens", "20,0", "--path", "paged",
     )  # fmt: skip
     # Encoder 20 tokens -> 2 pages; decoder KV of request 0 starts at token 32.
-    assert "decoder KV starts at token [32, 0]" in text
+    assert "decoder KV starts at row token [32, 0]" in text
     cross = _group_block(text, "cross bidirectional")
     assert _plan_row(cross, 0) == [
         "0", "[0,", "1)", "16", "0", "2", "4", "20", "[0,", "20)", "0", "no",
@@ -219,8 +219,8 @@ def test_explain_png(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str])
         (["--seq-lens=5,-2"], "seq_lens[1]: must be >= 0"),
         (["--seq-lens", "5", "--prefix-lens", "7"], "prefix_lens[0]: must not exceed seq_lens"),
         (["--seq-lens", "5,6", "--prefix-lens", "1"], "prefix_lens: batch size differs"),
-        (["--seq-lens", "5", "--window", "-3"], "window_left: must be -1"),
-        (["--seq-lens", "5", "--page-size", "0"], "page_size: must be a positive int"),
+        (["--seq-lens", "5", "--window", "-3"], "window_left: must be >= -1"),
+        (["--seq-lens", "5", "--page-size", "0"], "page_size: must be >= 1"),
         (["--seq-lens", "5", "--cross"], "encoder_lens: a cross-attention group needs"),
         (["--seq-lens", "5", "--decode", "--prefix-lens", "4"], "prefix_lens: cannot be given"),
         (["--seq-lens", "5,x"], "expected comma-separated integers"),

@@ -12,19 +12,18 @@ cross groups, soft caps, page sizes 1/2/16, MHA/GQA/MQA) the translated calls mu
   (bits), and its kernel adds them to a byte pointer (flashinfer PR #2201). We call that
   very function on the translated host arrays and read the bits at the offsets it
   returns, as the kernel does. If flashinfer changes that function (fixes the units,
-  clamps empty segments, renames it), these tests fail and
-  ``flashinfer_mask_layout`` / ``_gather_for`` must be revisited.
+  clamps empty spans, renames it), these tests fail and the workarounds in
+  ``flashplan.executor.flashinfer.calls`` (``flashinfer_mask_offsets``, ``call_inputs``)
+  must be revisited.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-import sys
 import warnings
 from typing import Any
 
-import attrs
 import numpy as np
 import pytest
 import torch
@@ -35,25 +34,26 @@ import flashplan as fp
 from flashplan import BatchLayout, GroupPlan, HeadConfig, KernelPath, PlanSpec
 from flashplan.executor.flashinfer.calls import (
     BuiltMask,
-    GatheredIndices,
+    CallInputs,
+    DeviceIndices,
     GroupCalls,
     HostArray,
     PlanCall,
     WrapperKind,
-    _gather_for,
-    flashinfer_mask_layout,
-    host_arrays,
+    call_skeleton,
+    skeleton_key,
     translate,
 )
-from flashplan.executor.flashinfer.merge import merge_state_max_heads
 from flashplan.executor.flashinfer.policy import (
     TENSOR_CORE_MIN_BATCH,
     ExecutorPolicy,
     decode_uses_tensor_cores,
     prefill_backend,
 )
+from flashplan.executor.flashinfer.staging import JOB_COLUMNS, device_plan
+from flashplan.executor.gathers import gather_jobs, pages_region
 from flashplan.kernels.threshold_mask import build_threshold_mask_torch
-from flashplan.plan.masks import CustomMask, pack_dense, unpack_request
+from flashplan.planning.masks import unpack_request
 from flashplan.testing import (
     attention_groups,
     decode_layouts,
@@ -125,9 +125,19 @@ def _expected_backend(
     return "fa3" if fa3 else "fa2"
 
 
+def _resolved(call: PlanCall, inputs: CallInputs) -> dict[str, Any]:
+    """The call's keyword arguments with host placeholders replaced by their arrays."""
+    out = {}
+    for name, value in call.kwargs:
+        if isinstance(value, HostArray):
+            value = inputs.host[value.name]
+        out[name] = value
+    return out
+
+
 def _flashinfer_kv_lens(kw: dict[str, Any], indptr: str, last: str) -> np.ndarray:
     """kv lengths as flashinfer's host planner derives them (clamped formula)."""
-    page_indptr, last_page_len, page_size = kw[indptr].values, kw[last].values, kw["page_size"]
+    page_indptr, last_page_len, page_size = kw[indptr], kw[last], kw["page_size"]
     fi = _get_seq_lens(_t(page_indptr), _t(last_page_len), page_size).numpy()
     # The same formula by hand, in case get_seq_lens changes: clamp(pages - 1, 0) * ps + last.
     pages = np.diff(page_indptr.astype(np.int64))
@@ -144,12 +154,12 @@ def _check_bind(call: PlanCall) -> None:
     inspect.signature(_plan_fn(call.wrapper.kind)).bind(None, **call.as_dict())
 
 
-def _check_common(spec: PlanSpec, gp: GroupPlan, kw: dict[str, Any]) -> None:
+def _check_common(spec: PlanSpec, gp: GroupPlan, kw: dict[str, Any], window: int) -> None:
     heads, group = spec.heads, gp.group
     assert kw["num_qo_heads"] == heads.num_qo_heads
     assert kw["num_kv_heads"] == heads.num_kv_heads
-    expected_window = -1 if group.cross_attention else group.window_left
-    assert kw["window_left"] == gp.window_left == expected_window
+    # The window the plan's call compiles in, and no other.
+    assert kw["window_left"] == window
     assert isinstance(kw["logits_soft_cap"], float)
     assert kw["logits_soft_cap"] == group.logits_soft_cap
     scale = group.sm_scale if group.sm_scale is not None else 1.0 / math.sqrt(heads.head_dim)
@@ -161,40 +171,41 @@ def _check_common(spec: PlanSpec, gp: GroupPlan, kw: dict[str, Any]) -> None:
     # Nothing flashplan does not plan for may be switched on.
     assert kw.get("pos_encoding_mode", "NONE") == "NONE"
     assert "custom_mask" not in kw  # only the packed form is ever passed
+    assert "fixed_split_size" not in kw  # graph-unsafe; deterministic mode disables splits
     for name, value in kw.items():
-        if isinstance(value, HostArray):
-            want = np.uint8 if name == "packed_custom_mask" else np.int32
-            # The executor stages int32 arrays and copies anything else as uint8 bytes.
-            assert value.values.dtype == want, (name, value.values.dtype)
+        if isinstance(value, np.ndarray):
+            # The executor stages every host array through one int32 pinned buffer.
+            assert value.dtype == np.int32, (name, value.dtype)
 
 
-def _check_paged_arrays(gp: GroupPlan, gc: GroupCalls, kw: dict[str, Any], pspec: PlanSpec) -> None:
+def _check_paged_arrays(
+    gp: GroupPlan, gc: GroupCalls, kw: dict[str, Any], pspec: PlanSpec, inputs: CallInputs
+) -> None:
     part = gp.paged
-    assert part is not None and gc.gather is not None
-    gather = gc.gather
+    assert part is not None
+    start, num = inputs.spans[gc.group_index]
     masked = part.mask is not None
     empty = part.kv_lens == 0
     if masked:
-        # Empty segments get one unread page and last_page_len 0 (see _gather_for).
-        np.testing.assert_array_equal(gather.num_pages, np.where(empty, 1, part.num_pages))
-        np.testing.assert_array_equal(gather.start_page, np.where(empty, 0, part.start_page))
+        # Empty spans get one unread page and last_page_len 0 (see call_inputs).
+        np.testing.assert_array_equal(num, np.where(empty, 1, part.num_pages))
+        np.testing.assert_array_equal(start, np.where(empty, 0, part.start_page))
     else:
-        np.testing.assert_array_equal(gather.num_pages, part.num_pages)
-        np.testing.assert_array_equal(gather.start_page, part.start_page)
-        np.testing.assert_array_equal(gather.page_indptr, part.page_indptr)
-    assert gather.page_indptr[0] == 0
-    np.testing.assert_array_equal(np.diff(gather.page_indptr), gather.num_pages)
-    assert gather.total_pages == int(gather.page_indptr[-1])
+        np.testing.assert_array_equal(num, part.num_pages)
+        np.testing.assert_array_equal(start, part.start_page)
+    page_indptr = inputs.host[f"g{gc.group_index}.page_indptr"]
+    assert page_indptr[0] == 0
+    np.testing.assert_array_equal(np.diff(page_indptr), num)
 
     indptr_name, last_name = (
         ("indptr", "last_page_len")
         if gc.path is KernelPath.DECODE
         else ("paged_kv_indptr", "paged_kv_last_page_len")
     )
-    np.testing.assert_array_equal(kw[indptr_name].values, gather.page_indptr)
-    np.testing.assert_array_equal(kw[last_name].values, part.last_page_len)
-    assert kw[indptr_name].values.shape == (pspec.batch_size + 1,)
-    assert kw[last_name].values.shape == (pspec.batch_size,)
+    np.testing.assert_array_equal(kw[indptr_name], page_indptr)
+    np.testing.assert_array_equal(kw[last_name], part.last_page_len)
+    assert kw[indptr_name].shape == (pspec.batch_size + 1,)
+    assert kw[last_name].shape == (pspec.batch_size,)
     assert kw["page_size"] == pspec.page_size
     # flashinfer's own kv lengths: no phantom keys for empty segments, nothing dropped.
     np.testing.assert_array_equal(_flashinfer_kv_lens(kw, indptr_name, last_name), part.kv_lens)
@@ -203,64 +214,59 @@ def _check_paged_arrays(gp: GroupPlan, gc: GroupCalls, kw: dict[str, Any], pspec
 def _flashinfer_mask_offsets(kw: dict[str, Any]) -> np.ndarray:
     """Mask offsets exactly as flashinfer's ``plan()`` computes them from these arguments."""
     offsets = _compute_page_mask_indptr(
-        _t(kw["qo_indptr"].values),
-        _t(kw["paged_kv_indptr"].values),
-        _t(kw["paged_kv_last_page_len"].values),
+        _t(kw["qo_indptr"]),
+        _t(kw["paged_kv_indptr"]),
+        _t(kw["paged_kv_last_page_len"]),
         kw["page_size"],
     )
     return offsets.numpy().astype(np.int64)
 
 
-def _mask_buffer(index: int, gc: GroupCalls, gp: GroupPlan, kw: dict[str, Any]) -> np.ndarray:
+def _mask_buffer(index: int, gp: GroupPlan, kw: dict[str, Any], inputs: CallInputs) -> np.ndarray:
     """The uint8 buffer flashinfer's kernel will read as ``packed_custom_mask``.
 
-    Threshold-row masks are built on the device by the executor (``BuiltMask`` +
-    ``GroupCalls.device_mask``): here the same builder runs on CPU tensors (its torch
-    twin), into a buffer pre-filled with garbage as ``torch.empty`` would be. Explicit
-    masks are laid out on the host (``HostArray``).
+    Threshold-row masks are built on the device by the executor (``BuiltMask`` + the
+    batch's ``g<i>.mask.*`` arrays): here the same builder runs on CPU tensors (its
+    torch twin), into a buffer pre-filled with garbage as ``torch.empty`` would be.
     """
     part = gp.paged
     assert part is not None and part.mask is not None
-    value = kw["packed_custom_mask"]
-    if part.mask.first_visible is None:
-        assert isinstance(value, HostArray) and gc.device_mask is None
-        return value.values
-    assert value == BuiltMask(index)
-    dm = gc.device_mask
-    assert dm is not None
+    assert kw["packed_custom_mask"] == BuiltMask(index)
+    recipe = inputs.masks[index]
     bs = gp.num_keys.shape[0]
-    for name in ("first_visible", "qo_lens", "kv_lens", "byte_offsets"):
-        arr = getattr(dm, name)
+    arrays = {
+        name: inputs.host[f"g{index}.mask.{name}"]
+        for name in ("first_visible", "qo_lens", "kv_lens", "byte_offsets")
+    }
+    for name, arr in arrays.items():
         # The executor stages these through its int32 pinned buffer.
         assert arr.dtype == np.int32 and arr.shape == (bs,), (name, arr.dtype, arr.shape)
-    qo_lens = np.diff(kw["qo_indptr"].values.astype(np.int64))
-    np.testing.assert_array_equal(dm.qo_lens, qo_lens)
-    np.testing.assert_array_equal(dm.kv_lens, part.kv_lens)
+    qo_lens = np.diff(kw["qo_indptr"].astype(np.int64))
+    np.testing.assert_array_equal(arrays["qo_lens"], qo_lens)
+    np.testing.assert_array_equal(arrays["kv_lens"], part.kv_lens)
     np.testing.assert_array_equal(
-        dm.first_visible, np.clip(part.mask.first_visible, -(2**31 - 1), 2**31 - 1)
+        arrays["first_visible"], np.clip(part.mask.first_visible, -(2**31 - 1), 2**31 - 1)
     )
-    # The device builder writes request i at dm.byte_offsets[i]: flashinfer's offsets.
-    np.testing.assert_array_equal(dm.byte_offsets, _flashinfer_mask_offsets(kw)[:-1])
+    # The device builder writes request i at byte_offsets[i]: flashinfer's offsets.
+    np.testing.assert_array_equal(arrays["byte_offsets"], _flashinfer_mask_offsets(kw)[:-1])
     n_bytes = (qo_lens * part.kv_lens.astype(np.int64) + 7) // 8
-    assert dm.max_bytes == (int(n_bytes.max()) if bs else 0)
-    end = dm.byte_offsets.astype(np.int64) + n_bytes
-    assert dm.total_bytes >= max(int(end.max()) if bs else 0, 1)
-    buf = torch.full((dm.total_bytes,), 0xA5, dtype=torch.uint8)
+    assert recipe.max_bytes == (int(n_bytes.max()) if bs else 0)
+    end = arrays["byte_offsets"].astype(np.int64) + n_bytes
+    assert recipe.total_bytes >= max(int(end.max()) if bs else 0, 1)
+    buf = torch.full((recipe.total_bytes,), 0xA5, dtype=torch.uint8)
     # The torch twin of the executor's Triton kernel (same contract; the kernel itself is
     # checked against it in tests/kernels): independent of Triton's interpreter mode.
-    build_threshold_mask_torch(
-        _t(dm.first_visible), _t(dm.qo_lens), _t(dm.kv_lens), _t(dm.byte_offsets), buf
-    )
+    build_threshold_mask_torch(*(_t(arrays[n]) for n in arrays), buf)
     return buf.numpy()
 
 
 def _check_mask_layout(
-    pspec: PlanSpec, index: int, gc: GroupCalls, gp: GroupPlan, kw: dict[str, Any]
+    pspec: PlanSpec, index: int, gp: GroupPlan, kw: dict[str, Any], inputs: CallInputs
 ) -> None:
     """Read every request's mask bits where flashinfer 0.7.4's kernel reads them."""
     part = gp.paged
-    assert part is not None and part.packed_mask is not None and part.mask_indptr is not None
-    buf = _mask_buffer(index, gc, gp, kw)
+    assert part is not None and part.mask is not None
+    buf = _mask_buffer(index, gp, kw, inputs)
     offsets = _flashinfer_mask_offsets(kw)
     assert offsets.shape == (pspec.batch_size + 1,)
     qo_lens = np.diff(pspec.qo_indptr.astype(np.int64))
@@ -275,7 +281,7 @@ def _check_mask_layout(
         assert int(offsets[i + 1]) - off == q * kv, (
             f"request {i}: flashinfer's mask offsets {offsets.tolist()} no longer step by "
             "qo_len * kv_len; flashinfer changed _compute_page_mask_indptr: revisit "
-            "flashplan.executor.flashinfer.calls (flashinfer_mask_offsets / _layout)"
+            "flashplan.executor.flashinfer.calls (flashinfer_mask_offsets)"
         )
         n = q * kv
         if n == 0:
@@ -287,7 +293,7 @@ def _check_mask_layout(
             f"request {i}: kernel reads byte {int(byte[-1])} of a {buf.shape[0]}-byte mask"
         )
         bits = ((buf[byte] >> (e % 8).astype(np.uint8)) & 1).astype(bool).reshape(q, kv)
-        want = unpack_request(part.packed_mask, part.mask_indptr, i, q, kv)
+        want = unpack_request(part.mask.packed, part.mask.indptr, i, q, kv)
         np.testing.assert_array_equal(
             bits, want, err_msg=f"request {i} (qo_len={q}, kv_len={kv}): mask bits misplaced"
         )
@@ -297,7 +303,8 @@ def check_translation(
     spec: PlanSpec, policy: ExecutorPolicy, *, sm90: bool
 ) -> tuple[GroupCalls, ...]:
     """Every property of ``translate(spec, policy, sm90=sm90)``; returns the calls."""
-    calls = translate(spec, policy, sm90=sm90)
+    translation = translate(spec, policy, sm90=sm90)
+    calls, inputs = translation.calls, translation.inputs
     heads = spec.heads
     assert len(calls) == len(spec.group_plans)
     for index, (gc, gp) in enumerate(zip(calls, spec.group_plans, strict=True)):
@@ -308,25 +315,30 @@ def check_translation(
         has_ragged = gp.path in (KernelPath.RAGGED, KernelPath.RAGGED_PAGED)
         assert (gc.paged is not None) == has_paged == (gp.paged is not None)
         assert (gc.ragged is not None) == has_ragged == (gp.ragged is not None)
-        assert (gc.gather is not None) == has_paged
+        assert (index in inputs.spans) == has_paged
         assert gc.merges == (gp.path is KernelPath.RAGGED_PAGED)
+        assert gc.masked == gp.uses_custom_mask == (index in inputs.masks)
 
         if gc.paged is not None:
             call = gc.paged
             _check_bind(call)
-            kw = call.as_dict()
-            _check_common(spec, gp, kw)
-            assert call.wrapper.group == group
+            kw = _resolved(call, inputs)
+            assert gp.paged is not None
+            _check_common(spec, gp, kw, gp.paged.window_left)
+            # Wrappers are keyed by the computation: the group with its scale resolved.
+            assert call.wrapper.group == group.resolved(heads.head_dim)
             masked = gp.uses_custom_mask
             assert ("packed_custom_mask" in kw) == masked
-            threshold = masked and gp.paged.mask.first_visible is not None  # type: ignore[union-attr]
-            assert (gc.device_mask is not None) == threshold
-            assert kw.get("paged_kv_indices", kw.get("indices")) == GatheredIndices(index)
+            assert kw.get("paged_kv_indices", kw.get("indices")) == DeviceIndices(
+                pages_region(index)
+            )
             if gp.path is KernelPath.DECODE:
                 assert call.wrapper.kind is WrapperKind.DECODE
                 assert call.wrapper.backend == "fa2"
                 want_tc = (
-                    policy.decode_tensor_cores
+                    True
+                    if policy.deterministic
+                    else policy.decode_tensor_cores
                     if policy.decode_tensor_cores is not None
                     else spec.batch_size >= TENSOR_CORE_MIN_BATCH
                 )
@@ -343,49 +355,72 @@ def check_translation(
                     heads, policy, masked=masked, sm90=sm90
                 )
                 assert kw["head_dim_qk"] == heads.head_dim
-                np.testing.assert_array_equal(kw["qo_indptr"].values, spec.qo_indptr)
+                np.testing.assert_array_equal(kw["qo_indptr"], spec.qo_indptr)
                 # The prefix part of ragged+paged is non-causal; a paged-only call is
                 # causal exactly when the group is (cross groups: never).
                 want_causal = False if gp.path is KernelPath.RAGGED_PAGED else group.causal
                 assert kw["causal"] is want_causal
-                assert gp.paged is not None and gp.paged.causal is want_causal
+                assert gp.paged.causal is want_causal
             assert call.wrapper.constructor_kwargs()["kv_layout"] == "NHD"
-            _check_paged_arrays(gp, gc, kw, spec)
+            _check_paged_arrays(gp, gc, kw, spec, inputs)
             if masked:
                 assert call.wrapper.backend == "fa2"
-                _check_mask_layout(spec, index, gc, gp, kw)
-
-        else:
-            assert gc.device_mask is None
+                _check_mask_layout(spec, index, gp, kw, inputs)
+            assert kw.get("disable_split_kv", False) is policy.deterministic
 
         if gc.ragged is not None:
             call = gc.ragged
             _check_bind(call)
-            kw = call.as_dict()
-            _check_common(spec, gp, kw)
+            kw = _resolved(call, inputs)
+            assert gp.ragged is not None
+            _check_common(spec, gp, kw, gp.ragged.window_left)
             assert call.wrapper.kind is WrapperKind.RAGGED_PREFILL
-            assert call.wrapper.group == group
+            assert call.wrapper.group == group.resolved(heads.head_dim)
             assert call.wrapper.use_tensor_cores is False
             assert call.wrapper.backend == _expected_backend(heads, policy, masked=False, sm90=sm90)
             assert kw["head_dim_qk"] == heads.head_dim
             assert kw["causal"] is group.causal
-            assert gp.ragged is not None and gp.ragged.causal is group.causal
+            assert gp.ragged.causal is group.causal
             assert "packed_custom_mask" not in kw and "page_size" not in kw
-            np.testing.assert_array_equal(kw["qo_indptr"].values, spec.qo_indptr)
-            np.testing.assert_array_equal(kw["kv_indptr"].values, gp.ragged.kv_indptr)
-            np.testing.assert_array_equal(kw["kv_indptr"].values, spec.qo_indptr)
+            np.testing.assert_array_equal(kw["qo_indptr"], spec.qo_indptr)
+            np.testing.assert_array_equal(kw["kv_indptr"], gp.ragged.kv_indptr)
+            np.testing.assert_array_equal(kw["kv_indptr"], spec.qo_indptr)
+            assert kw.get("disable_split_kv", False) is policy.deterministic
 
-    # Every host array handed to the executor is one of the calls' own (by identity).
-    referenced = {
-        id(v.values)
+    # Every host array the calls name is in the inputs, and the inputs hold nothing else
+    # but the mask recipes' arrays.
+    named = {
+        v.name
         for gc in calls
         for call in (gc.paged, gc.ragged)
         if call is not None
         for _, v in call.kwargs
         if isinstance(v, HostArray)
     }
-    assert {id(h.values) for h in host_arrays(calls)} == referenced
+    extra = {n for n in inputs.host if ".mask." in n}
+    assert set(inputs.host) == named | extra
+    _check_staging(spec, translation)
     return calls
+
+
+def _check_staging(spec: PlanSpec, translation: Any) -> None:
+    """The staging manifest names every array, and the data holds exactly them."""
+    rows = np.arange(spec.batch_size, dtype=np.int32)[::-1].copy()
+    inputs = translation.inputs
+    jobs = gather_jobs(spec, rows, spans=inputs.spans)
+    dplan = device_plan(translation.calls, jobs, inputs.host, inputs.masks)
+    arrays = dict(zip(JOB_COLUMNS, jobs.columns(), strict=True)) | dict(inputs.host)
+    assert [s.name for s in dplan.manifest.slices] == list(arrays)
+    end = 0
+    for s in dplan.manifest.slices:
+        assert s.offset == end
+        end = s.end
+        np.testing.assert_array_equal(dplan.data[s.offset : s.end], arrays[s.name])
+    assert dplan.manifest.total == max(end, 1) == dplan.data.shape[0]
+    # The page ids each paged call gathers are its own span's.
+    for index, (_, num) in inputs.spans.items():
+        r = jobs.region(pages_region(index))
+        assert r.size == int(num.sum())
 
 
 # --------------------------------------------------------------------------- strategies
@@ -393,6 +428,11 @@ policies = st.builds(
     ExecutorPolicy,
     decode_tensor_cores=st.sampled_from((None, True, False)),
     prefill_backend=st.sampled_from(("auto", "fa2", "fa3")),
+).filter(lambda p: True) | st.builds(
+    ExecutorPolicy,
+    decode_tensor_cores=st.sampled_from((None, True)),
+    prefill_backend=st.sampled_from(("auto", "fa2")),
+    deterministic=st.just(True),
 )
 
 
@@ -483,7 +523,8 @@ def test_masked_call_with_empty_segments(page_size: int) -> None:
     assert gp.path is KernelPath.RAGGED_PAGED and gp.uses_custom_mask
     assert gp.paged is not None and gp.paged.kv_lens[0] == 0 and gp.paged.num_pages[0] == 0
     calls = check_translation(spec, ExecutorPolicy(), sm90=True)
-    kw = calls[0].paged.as_dict()  # type: ignore[union-attr]
+    inputs = translate(spec, ExecutorPolicy(), sm90=True).inputs
+    kw = _resolved(calls[0].paged, inputs)  # type: ignore[arg-type]
     assert calls[0].paged.wrapper.backend == "fa2"  # type: ignore[union-attr]
     assert calls[0].ragged.wrapper.backend == "fa3"  # type: ignore[union-attr]
     # Fed to flashinfer as planned (0 pages), the empty segment would give a negative
@@ -492,26 +533,14 @@ def test_masked_call_with_empty_segments(page_size: int) -> None:
         _t(spec.qo_indptr), _t(gp.paged.page_indptr), _t(gp.paged.last_page_len), page_size
     )
     assert int(raw[1]) < 0
-    assert int(kw["paged_kv_indptr"].values[1]) == 1
-    assert int(kw["paged_kv_last_page_len"].values[0]) == 0
-    assert calls[0].device_mask is not None and isinstance(kw["packed_custom_mask"], BuiltMask)
-
-    # The same mask in explicit form (host-packed bytes, as a dense mask would come):
-    # translated through flashinfer_mask_layout into a HostArray at the same offsets.
-    dense = [
-        unpack_request(gp.paged.packed_mask, gp.paged.mask_indptr, i, int(q), int(kv))
-        for i, (q, kv) in enumerate(zip(np.diff(spec.qo_indptr), gp.paged.kv_lens, strict=True))
-    ]
-    explicit = attrs.evolve(gp.paged, mask=CustomMask.from_dense(dense))
-    spec2 = attrs.evolve(spec, group_plans=(attrs.evolve(gp, paged=explicit),))
-    (gc2,) = check_translation(spec2, ExecutorPolicy(), sm90=True)
-    assert gc2.device_mask is None
-    assert isinstance(gc2.paged.as_dict()["packed_custom_mask"], HostArray)  # type: ignore[union-attr]
+    assert int(kw["paged_kv_indptr"][1]) == 1
+    assert int(kw["paged_kv_last_page_len"][0]) == 0
+    assert calls[0].masked and isinstance(kw["packed_custom_mask"], BuiltMask)
 
 
 def test_translate_does_not_pack_threshold_masks_on_host(monkeypatch: pytest.MonkeyPatch) -> None:
     """A threshold-row mask is expanded on the device; translate() must not pack it on
-    the host too (testing ``PagedPart.packed_mask`` would: it packs the whole mask)."""
+    the host too (reading ``ThresholdMask.packed`` would: it packs the whole mask)."""
     layout = BatchLayout.extend(
         seq_lens=[7, 40, 30],
         prefix_lens=[0, 33, 20],
@@ -519,14 +548,16 @@ def test_translate_does_not_pack_threshold_masks_on_host(monkeypatch: pytest.Mon
         groups=[fp.AttentionGroup.sliding(4)],
     )
     spec = fp.plan(layout, HeadConfig(8, 2, 128), extend_path="ragged")
-    assert spec.group_plans[0].paged.mask.first_visible is not None  # type: ignore[union-attr]
+    assert spec.group_plans[0].paged.mask is not None  # type: ignore[union-attr]
 
     def no_host_packing(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("translate() packed a threshold mask on the host")
 
-    monkeypatch.setattr(sys.modules["flashplan.plan.masks"], "pack_threshold_rows", no_host_packing)
-    (gc,) = translate(spec, ExecutorPolicy(), sm90=True)
-    assert gc.device_mask is not None
+    import flashplan.planning.masks as masks_module  # a module import (no sys.modules detour)
+
+    monkeypatch.setattr(masks_module, "pack_threshold_rows", no_host_packing)
+    (gc,) = translate(spec, ExecutorPolicy(), sm90=True).calls
+    assert gc.masked
 
 
 def test_flashinfer_mask_offsets_still_count_bits() -> None:
@@ -544,44 +575,6 @@ def test_flashinfer_mask_offsets_still_count_bits() -> None:
     assert got == [0, 57, 67, 3], (
         f"flashinfer._compute_page_mask_indptr changed: {got}; revisit flashinfer_mask_layout"
     )
-
-
-@settings(max_examples=40)
-@given(
-    st.lists(
-        st.tuples(st.integers(0, 9), st.integers(0, 40), st.integers(0, 2**32 - 1)),
-        min_size=0,
-        max_size=6,
-    ),
-    st.sampled_from(PAGE_SIZES),
-)
-def test_mask_layout_of_arbitrary_masks(reqs: list[tuple[int, int, int]], page_size: int) -> None:
-    """flashinfer_mask_layout + _gather_for for arbitrary dense masks (any qo/kv incl. 0)."""
-    masks = [np.random.default_rng(seed).random((q, kv)) < 0.5 for q, kv, seed in reqs]
-    packed, indptr = pack_dense(masks)
-    qo_lens = np.array([q for q, _, _ in reqs], dtype=np.int32)
-    kv_lens = np.array([kv for _, kv, _ in reqs], dtype=np.int32)
-    num_pages = ((kv_lens + page_size - 1) // page_size).astype(np.int32)
-    last = np.where(kv_lens > 0, kv_lens - (num_pages - 1) * page_size, 0).astype(np.int32)
-    gather = _gather_for(np.zeros_like(num_pages), num_pages, kv_lens, masked=True)
-    buf = flashinfer_mask_layout(packed, indptr, qo_lens, kv_lens)
-    assert buf.dtype == np.uint8 and not buf.flags.writeable
-    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
-    offsets = _compute_page_mask_indptr(
-        _t(qo_indptr), _t(gather.page_indptr), _t(last), page_size
-    ).numpy()
-    kv_fi = _get_seq_lens(_t(gather.page_indptr), _t(last), page_size).numpy()
-    np.testing.assert_array_equal(kv_fi, kv_lens)
-    for i, m in enumerate(masks):
-        q, kv = m.shape
-        off = int(offsets[i])
-        assert off >= 0
-        if q * kv == 0:
-            continue
-        e = np.arange(q * kv)
-        assert off + (q * kv - 1) // 8 < buf.shape[0]
-        bits = (buf[off + e // 8] >> (e % 8).astype(np.uint8)) & 1
-        np.testing.assert_array_equal(bits.astype(bool).reshape(q, kv), m)
 
 
 def test_decode_plan_signature_is_forwarded_to_plan_impl() -> None:
@@ -643,16 +636,37 @@ def test_decode_tensor_cores_override(override: bool | None, batch_size: int) ->
     got = decode_uses_tensor_cores(heads, policy, batch_size)
     assert got is (batch_size >= TENSOR_CORE_MIN_BATCH if override is None else override)
     layout = BatchLayout.decode(([5, 17, 1, 40] * 4)[:batch_size], page_size=16)
-    (gc,) = translate(fp.plan(layout, heads), policy, sm90=True)
+    (gc,) = translate(fp.plan(layout, heads), policy, sm90=True).calls
     assert gc.paged is not None and gc.paged.wrapper.kind is WrapperKind.DECODE
     assert gc.paged.wrapper.use_tensor_cores is got
     assert gc.paged.wrapper.constructor_kwargs()["use_tensor_cores"] is got
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
-@pytest.mark.parametrize("element_size", [1, 2, 4])
-def test_merge_state_max_heads(head_dim: int, element_size: int) -> None:
-    # flashinfer MergeState: vec_size = max(16 / sizeof(T), head_dim / 32),
-    # block = (head_dim / vec_size, num_heads) threads, at most 1024 per block.
-    want = 1024 // (head_dim / max(16 / element_size, head_dim / 32))
-    assert merge_state_max_heads(head_dim, element_size) == int(want)
+def test_skeleton_is_static_and_cached_by_its_key() -> None:
+    """Two batches with one skeleton key get equal skeletons; the graph's batch size
+    overrides the one that picks the decode kernel."""
+    heads = HeadConfig(32, 8, 128)
+    policy = ExecutorPolicy()
+    a = fp.plan(BatchLayout.decode([5, 17, 1, 40, 9], page_size=16), heads)
+    b = fp.plan(BatchLayout.decode([3, 2, 100, 7, 7], page_size=16), heads)
+    assert skeleton_key(a, policy) == skeleton_key(b, policy)
+    assert call_skeleton(a, policy, sm90=True) == call_skeleton(b, policy, sm90=True)
+    small = fp.plan(BatchLayout.decode([5], page_size=16), heads)
+    (gc,) = call_skeleton(small, policy, sm90=True)
+    assert gc.paged is not None and not gc.paged.wrapper.use_tensor_cores
+    (gc,) = call_skeleton(small, policy, sm90=True, batch_size=64)
+    assert gc.paged is not None and gc.paged.wrapper.use_tensor_cores
+
+
+def test_deterministic_policy() -> None:
+    with pytest.raises(fp.LayoutError) as err:
+        ExecutorPolicy(deterministic=True, decode_tensor_cores=False)
+    assert err.value.field == "decode_tensor_cores"
+    with pytest.raises(fp.LayoutError):
+        ExecutorPolicy(deterministic="yes")  # type: ignore[arg-type]
+    with pytest.raises(fp.LayoutError):
+        ExecutorPolicy(prefill_backend="fa4")
+    heads = HeadConfig(32, 8, 128)
+    policy = ExecutorPolicy(deterministic=True)
+    for bs in (1, 2, 64):
+        assert decode_uses_tensor_cores(heads, policy, bs)

@@ -225,7 +225,7 @@ def test_empty_batch() -> None:
         assert layout.batch_size == 0
         assert layout.total_new_tokens == 0
         assert layout.pages_needed.tolist() == []
-        assert layout.kv_offsets.tolist() == []
+        assert layout.decoder_start.tolist() == []
 
 
 @given(layouts())
@@ -241,22 +241,22 @@ def test_derived_arrays(layout: BatchLayout) -> None:
     for i in range(layout.batch_size):
         enc = 0 if layout.encoder_lens is None else int(layout.encoder_lens[i])
         offset = -(-enc // ps) * ps  # encoder rounded up to a page boundary
-        assert layout.kv_offsets[i] == offset
-        assert layout.kv_offsets[i] % ps == 0
+        assert layout.decoder_start[i] == offset
+        assert layout.decoder_start[i] % ps == 0
         assert layout.pages_needed[i] == math.ceil((offset + int(seq[i])) / ps)
-    for arr in (layout.extend_lens, layout.kv_offsets, layout.pages_needed):
+    for arr in (layout.extend_lens, layout.decoder_start, layout.pages_needed):
         assert arr.dtype == np.int32
 
 
-def test_kv_offsets_and_pages_needed_by_hand() -> None:
+def test_decoder_start_and_pages_needed_by_hand() -> None:
     layout = BatchLayout.extend([5, 0, 16, 1], [2, 0, 0, 0], page_size=4, encoder_lens=[0, 3, 4, 9])
-    assert layout.kv_offsets.tolist() == [0, 4, 4, 12]
+    assert layout.decoder_start.tolist() == [0, 4, 4, 12]
     assert layout.pages_needed.tolist() == [2, 1, 5, 4]
     no_enc = BatchLayout.decode([1, 4, 5, 16, 17], page_size=4)
-    assert no_enc.kv_offsets.tolist() == [0] * 5
+    assert no_enc.decoder_start.tolist() == [0] * 5
     assert no_enc.pages_needed.tolist() == [1, 1, 2, 4, 5]
     token_table = BatchLayout.decode([1, 7], page_size=1, encoder_lens=[3, 0])
-    assert token_table.kv_offsets.tolist() == [3, 0]
+    assert token_table.decoder_start.tolist() == [3, 0]
     assert token_table.pages_needed.tolist() == [4, 7]
 
 
@@ -400,10 +400,18 @@ def test_page_table_validation() -> None:
     with pytest.raises(LayoutError) as err:
         PageTable(pages=ok, rows=[0, -1])
     assert (err.value.field, err.value.request) == ("rows", 1)
-    table = PageTable(pages=ok, rows=[1, 1, 0])  # rows may repeat (shared prefix)
-    assert table.batch_size == 3
+    # Two requests in one row would write each other's KV: refused, naming the later one.
+    with pytest.raises(PageTableError) as err:
+        PageTable(pages=torch.zeros(3, 3, dtype=torch.int32), rows=[1, 2, 0, 2])
+    assert (err.value.field, err.value.request, err.value.values["other_request"]) == (
+        "rows",
+        3,
+        1,
+    )
+    table = PageTable(pages=ok, rows=[1, 0])
+    assert table.batch_size == 2
     assert table.max_pages == 3
-    assert table.rows.tolist() == [1, 1, 0]
+    assert table.rows.tolist() == [1, 0]
     assert not table.rows.flags.writeable
 
 
@@ -567,8 +575,8 @@ def test_strategies_reach_the_edge_cases(strategy: st.SearchStrategy, condition:
 
 
 def test_core_library_does_not_need_hypothesis() -> None:
-    """Only flashplan.testing.strategies may import hypothesis (checked on the source)."""
-    allowed = {PACKAGE / "testing" / "strategies.py"}
+    """Only flashplan.testing may import hypothesis (checked on the source)."""
+    allowed = {PACKAGE / "testing" / "valid.py", PACKAGE / "testing" / "invalid.py"}
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Import):

@@ -1,7 +1,7 @@
 """Properties of the planner's layout math, over every mode, page size, group and extend path.
 
 The central property: a plan's kernel calls, replayed on the host
-(:meth:`PlanSpec.materialize`), show every query exactly the keys that the oracle
+(:func:`flashplan.materialize`), show every query exactly the keys that the oracle
 (:func:`flashplan.oracle.visibility`, stated from DESIGN §2 without looking at any plan)
 says it may see. The others pin the page arithmetic (indptrs, page counts, last-page
 lengths, window trims, mask sizes) that FlashInfer's host planner consumes and that
@@ -29,12 +29,14 @@ from flashplan import (
     HeadConfig,
     KernelPath,
     Mode,
+    PagedPart,
     PlanSpec,
+    materialize,
 )
-from flashplan.layout.arrays import array_key
+from flashplan.arrays import array_key
 from flashplan.oracle import visibility
-from flashplan.plan.masks import pack_dense, pack_threshold_rows, unpack_request
-from flashplan.plan.pages import paged_segments
+from flashplan.planning import planned_groups
+from flashplan.planning.masks import pack_dense, pack_threshold_rows, unpack_request
 from flashplan.testing import (
     attention_groups,
     decode_layouts,
@@ -156,7 +158,7 @@ def mid_page_windows(draw: st.DrawFn) -> BatchLayout:
 def _check_matches_oracle(layout: BatchLayout, heads: HeadConfig = HEADS) -> None:
     for path, spec in _plans(layout, heads):
         for g in layout.groups:
-            got = spec.materialize(g)
+            got = materialize(spec, g)
             want = visibility(layout, g)
             assert len(got) == len(want) == layout.batch_size
             for i, (a, b) in enumerate(zip(got, want, strict=True)):
@@ -195,7 +197,7 @@ def test_windows_starting_mid_page(layout: BatchLayout) -> None:
             if gp.path is KernelPath.RAGGED_PAGED and w == 0:
                 continue  # window 0: the prefix is invisible, nothing is read
             # The segment starts at the page holding the first visible key, before it.
-            start = int(gp.paged.start_page[i]) * layout.page_size - int(gp.key_offset[i])
+            start = int(gp.paged.start_page[i]) * layout.page_size - int(gp.key_start[i])
             assert start < first < start + layout.page_size
 
 
@@ -217,8 +219,8 @@ def test_qo_indptr_and_totals(layout: BatchLayout, path: str) -> None:
     if layout.mode is Mode.DECODE:
         assert np.diff(qo).tolist() == [1] * bs
     assert (
-        spec.new_token_start.tolist()
-        == (layout.kv_offsets.astype(np.int64) + layout.prefix_lens).tolist()
+        spec.write_start.tolist()
+        == (layout.decoder_start.astype(np.int64) + layout.prefix_lens).tolist()
     )
     if layout.encoder_lens is None:
         assert spec.encoder_indptr is None and spec.total_encoder == 0
@@ -282,7 +284,7 @@ def test_segments_follow_design_formulas(layout: BatchLayout, path: str) -> None
         p = gp.paged
         for i in range(layout.batch_size):
             first, end = _design_range(layout, gp, i)
-            base = int(gp.key_offset[i])
+            base = int(gp.key_start[i])
             got = (
                 int(p.start_page[i]),
                 int(p.num_pages[i]),
@@ -318,7 +320,7 @@ def test_segments_end_at_last_visible_key(layout: BatchLayout, path: str) -> Non
             if keys.size == 0:
                 assert int(p.kv_lens[i]) == 0
                 continue
-            start = int(p.start_page[i]) * ps - int(gp.key_offset[i])
+            start = int(p.start_page[i]) * ps - int(gp.key_start[i])
             end = start + int(p.kv_lens[i])
             assert end == int(keys[-1]) + 1
             assert start <= int(keys[0]) < start + ps
@@ -335,14 +337,14 @@ def test_decode_window_trims(layout: BatchLayout, path: str) -> None:
         if gp.group.cross_attention:
             continue
         w = gp.group.window_left
-        seen = spec.materialize(gp.group)
+        seen = materialize(spec, gp.group)
         for i in range(layout.batch_size):
             seq = int(layout.seq_lens[i])
             keep = seq if w < 0 else min(seq, w + 1)
             assert seen[i].shape == (1, seq)
             assert int(seen[i].sum()) == keep
             assert bool(seen[i][0, seq - keep :].all())
-            base = int(gp.key_offset[i])
+            base = int(gp.key_start[i])
             assert gp.paged is not None
             assert int(gp.paged.start_page[i]) == (base + seq - keep) // ps
 
@@ -357,11 +359,11 @@ def test_paged_extend_window_trims(layout: BatchLayout, path: str) -> None:
             continue
         w = gp.group.window_left
         assert gp.paged is not None and gp.ragged is None and not gp.uses_custom_mask
-        seen = spec.materialize(gp.group)
+        seen = materialize(spec, gp.group)
         for i in range(layout.batch_size):
             seq, new = int(layout.seq_lens[i]), int(layout.extend_lens[i])
             keep = seq if w < 0 else min(seq, w + new)
-            base = int(gp.key_offset[i])
+            base = int(gp.key_start[i])
             if keep == 0:  # nothing to read (L = 0, or W = 0 with no new token)
                 assert int(gp.paged.kv_lens[i]) == int(gp.paged.num_pages[i]) == 0
                 continue
@@ -378,20 +380,21 @@ def test_mask_indptr_is_byte_aligned(layout: BatchLayout, path: str) -> None:
     qo = np.diff(spec.qo_indptr).astype(np.int64)
     for gp in spec.group_plans:
         p = gp.paged
-        if p is None or p.packed_mask is None:
+        if p is None or p.mask is None:
             continue
-        assert gp.path is KernelPath.RAGGED_PAGED and gp.window_left >= 0
-        assert p.mask_indptr is not None
-        ind = p.mask_indptr
+        assert gp.path is KernelPath.RAGGED_PAGED and gp.group.window_left >= 0
+        assert p.window_left == -1  # the mask carries the window, not the kernel
+        assert p.mask is not None
+        ind = p.mask.indptr
         assert ind.dtype == np.int32 and ind.shape == (layout.batch_size + 1,)
         assert ind[0] == 0
         sizes = (qo * p.kv_lens.astype(np.int64) + 7) // 8
         assert np.diff(ind).tolist() == sizes.tolist()
-        assert p.packed_mask.dtype == np.uint8
-        assert p.packed_mask.shape == (int(ind[-1]),)
+        assert p.mask.packed.dtype == np.uint8
+        assert p.mask.packed.shape == (int(ind[-1]),)
         # Padding bits past qo * kv in each request's last byte are zero.
         for i in range(layout.batch_size):
-            bits = np.unpackbits(p.packed_mask[ind[i] : ind[i + 1]], bitorder="little")
+            bits = np.unpackbits(p.mask.packed[ind[i] : ind[i + 1]], bitorder="little")
             assert not bits[int(qo[i] * p.kv_lens[i]) :].any()
 
 
@@ -403,10 +406,10 @@ def test_ragged_prefix_mask_example() -> None:
     gp = spec.group_plan(g)
     assert gp.path is KernelPath.RAGGED_PAGED
     p = gp.paged
-    assert p is not None and p.mask_indptr is not None and p.packed_mask is not None
+    assert p is not None and p.mask is not None and p.mask.packed is not None
     # Prefix keys 3, 4 are needed; the read starts at page 0 (keys 0..4).
     assert (int(p.start_page[0]), int(p.kv_lens[0]), int(p.last_page_len[0])) == (0, 5, 1)
-    mask = unpack_request(p.packed_mask, p.mask_indptr, 0, 3, 5)
+    mask = unpack_request(p.mask.packed, p.mask.indptr, 0, 3, 5)
     # Query at 5 sees prefix keys 3, 4; at 6 sees 4; at 7 sees none.
     assert mask.astype(int).tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 0, 1], [0, 0, 0, 0, 0]]
     _check_matches_oracle(layout)
@@ -421,14 +424,14 @@ def test_window_minus_one_is_no_window(layout: BatchLayout) -> None:
             if gp.group.window_left != -1:
                 continue
             assert not gp.group.has_window
-            assert gp.window_left == -1
+            assert all(c.window_left == -1 for c in (gp.paged, gp.ragged) if c is not None)
             assert not gp.uses_custom_mask
             if gp.paged is None or gp.group.cross_attention:
                 continue
             # No window: a paged call reads from the request's first decoder page.
             nonempty = gp.paged.kv_lens > 0
             first_tok = gp.paged.start_page.astype(np.int64) * layout.page_size
-            assert (first_tok[nonempty] == gp.key_offset[nonempty]).all()
+            assert (first_tok[nonempty] == gp.key_start[nonempty]).all()
 
 
 @given(st.data())
@@ -442,7 +445,7 @@ def test_window_at_least_seq_equals_full(data: st.DataObject) -> None:
     for _, spec in _plans(layout):
         gp_full, gp_swa = spec.group_plan(full), spec.group_plan(swa)
         assert gp_full.path is gp_swa.path
-        for a, b in zip(spec.materialize(full), spec.materialize(swa), strict=True):
+        for a, b in zip(materialize(spec, full), materialize(spec, swa), strict=True):
             assert np.array_equal(a, b)
         assert not gp_swa.uses_custom_mask
         if gp_full.paged is not None:
@@ -473,28 +476,40 @@ def test_pages_needed_covers_every_page_read(layout: BatchLayout, path: str) -> 
         else:
             # Self groups never read the encoder's pages.
             first_tok = p.start_page.astype(np.int64) * ps
-            assert (first_tok[nonempty] >= layout.kv_offsets[nonempty]).all()
+            assert (first_tok[nonempty] >= layout.decoder_start[nonempty]).all()
 
 
 # --------------------------------------------------------------------------- group plans
 @given(layouts(), st.sampled_from(PATHS))
 def test_group_plan_fields(layout: BatchLayout, path: str) -> None:
     spec = flashplan.plan(layout, HEADS, extend_path=path)
-    assert spec.key.groups == layout.groups
-    assert len(spec.group_plans) == len(layout.groups)
+    # Groups that compute the same thing (sm_scale None or 1/sqrt(64)) are planned once.
+    given, resolved = planned_groups(layout.groups, HEADS.head_dim)
+    assert spec.key.groups == resolved
+    assert len(set(resolved)) == len(resolved)
+    assert {g.resolved(HEADS.head_dim) for g in layout.groups} == set(resolved)
+    assert len(spec.group_plans) == len(given)
+    for g in layout.groups:
+        assert spec.group_plan(g).group.resolved(HEADS.head_dim) == g.resolved(HEADS.head_dim)
     has_prefix = bool(layout.prefix_lens.any())
-    for g, gp in zip(layout.groups, spec.group_plans, strict=True):
+    for g, gp in zip(given, spec.group_plans, strict=True):
         assert gp.group == g and spec.group_plan(g) is gp
         if g.cross_attention:
-            assert gp.window_left == -1
-            assert gp.key_offset.tolist() == [0] * layout.batch_size
+            assert gp.paged is not None and gp.paged.window_left == -1
+            assert gp.key_start.tolist() == [0] * layout.batch_size
             assert gp.num_keys.tolist() == layout.encoder_lens.tolist()  # type: ignore[union-attr]
             assert gp.paged is not None and not gp.paged.causal and gp.ragged is None
             expected = KernelPath.DECODE if layout.mode is Mode.DECODE else KernelPath.PAGED
             assert gp.path is expected
             continue
-        assert gp.window_left == g.window_left
-        assert gp.key_offset.tolist() == layout.kv_offsets.tolist()
+        # Every call compiles the group's window in, except the prefix call of
+        # ragged + paged, whose window a custom mask carries.
+        if gp.ragged is not None:
+            assert gp.ragged.window_left == g.window_left
+        if gp.paged is not None:
+            want = -1 if gp.path is KernelPath.RAGGED_PAGED else g.window_left
+            assert gp.paged.window_left == want
+        assert gp.key_start.tolist() == layout.decoder_start.tolist()
         assert gp.num_keys.tolist() == layout.seq_lens.tolist()
         if layout.mode is Mode.DECODE:
             expected = KernelPath.DECODE
@@ -521,7 +536,7 @@ def test_unplanned_group_is_refused() -> None:
     with pytest.raises(flashplan.PlanMismatchError):
         spec.group_plan(AttentionGroup.sliding(3))
     with pytest.raises(flashplan.PlanMismatchError):
-        spec.materialize(AttentionGroup.sliding(3))
+        materialize(spec, AttentionGroup.sliding(3))
 
 
 @given(decode_layouts())
@@ -552,7 +567,8 @@ def test_plan_key_is_static(data: st.DataObject, path: str, heads: HeadConfig) -
         assert {ka: "wrappers"}[kb] == "wrappers"
     if a.mode is Mode.DECODE or path == "paged":
         assert ka == kb  # the path never depends on the lengths here
-    assert (ka.mode, ka.groups, ka.page_size, ka.heads) == (a.mode, a.groups, a.page_size, heads)
+    resolved = planned_groups(a.groups, heads.head_dim)[1]
+    assert (ka.mode, ka.groups, ka.page_size, ka.heads) == (a.mode, resolved, a.page_size, heads)
     # The key holds no per-request data.
     assert not list(_arrays(ka))
 
@@ -644,7 +660,7 @@ def test_pack_threshold_rows_matches_dense(rows: tuple[np.ndarray, ...]) -> None
 def test_paged_segments_brute_force(spans: list[tuple[int, int]], page_size: int) -> None:
     first = np.array([f for f, _ in spans], dtype=np.int32)
     end = np.array([e for _, e in spans], dtype=np.int32)
-    seg = paged_segments(first, end, page_size)
+    seg = PagedPart(first, end, page_size, True, -1)
     indptr = [0]
     for i, (f, e) in enumerate(spans):
         if e <= f:

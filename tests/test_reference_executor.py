@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import flashplan as fp
 from flashplan.oracle import visibility
-from flashplan.testing.strategies import attention_groups, head_configs, layouts, page_tables
+from flashplan.testing import attention_groups, head_configs, layouts, page_tables
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # fp32 math: only rounding error
 

@@ -20,12 +20,7 @@ from flashplan import (
     PageTable,
     PageTableError,
 )
-from flashplan.testing import construct, invalid_layout_kwargs
-from flashplan.testing.strategies import INVALID_KINDS, InvalidCase
-
-# Known bug (see test_string_lengths_name_the_first_string): for a string among the
-# lengths, the error names request 0 (or none) instead of the string's index.
-_KNOWN_BAD_REQUEST_KINDS = {"string_length"}
+from flashplan.testing import INVALID_KINDS, InvalidCase, construct, invalid_layout_kwargs
 
 
 def _raises(case: InvalidCase) -> FlashplanError:
@@ -36,17 +31,14 @@ def _raises(case: InvalidCase) -> FlashplanError:
 
 @given(invalid_layout_kwargs())
 def test_every_invalid_input_raises_a_flashplan_error(case: InvalidCase) -> None:
-    constructor, kwargs, field = case  # unpacks as a triple
+    field = case.field
     with pytest.raises(FlashplanError) as err:
-        construct(constructor, kwargs)
+        case.build()
     exc = err.value
     assert isinstance(exc, ValueError)
     assert isinstance(exc, LayoutError)
     assert exc.field == field, (exc.field, str(exc))
-    if case.kind in _KNOWN_BAD_REQUEST_KINDS:
-        assert exc.request is None or isinstance(exc.request, int)
-    else:
-        assert exc.request == case.request, str(exc)
+    assert exc.request == case.request, str(exc)
     # The message names the field, and the request where there is one.
     where = field if exc.request is None else f"{field}[{exc.request}]"
     assert str(exc).startswith(where + ":"), str(exc)
@@ -60,8 +52,7 @@ def test_each_invalid_kind(kind: str, data: st.DataObject) -> None:
     case = data.draw(invalid_layout_kwargs(kinds=[kind]))
     exc = _raises(case)
     assert exc.field == case.field, str(exc)
-    if case.kind not in _KNOWN_BAD_REQUEST_KINDS:
-        assert exc.request == case.request, str(exc)
+    assert exc.request == case.request, str(exc)
 
 
 def test_invalid_layout_kwargs_rejects_unknown_kinds() -> None:
@@ -98,8 +89,9 @@ def test_error_hierarchy() -> None:
         (lambda: BatchLayout.extend([1, math.inf]), "seq_lens", 1),
         (lambda: BatchLayout.decode(np.array([1.5, 2.0])), "seq_lens", 0),
         (lambda: BatchLayout.extend(torch.tensor([1.0, 2.5])), "seq_lens", 1),
-        (lambda: BatchLayout.extend([True, False]), "seq_lens", None),
-        (lambda: BatchLayout.extend(np.array([True])), "seq_lens", None),
+        (lambda: BatchLayout.extend([True, False]), "seq_lens", 0),
+        (lambda: BatchLayout.extend([5, True]), "seq_lens", 1),
+        (lambda: BatchLayout.extend(np.array([True])), "seq_lens", 0),
         (lambda: BatchLayout.extend([[1, 2]]), "seq_lens", None),
         (lambda: BatchLayout.extend(5), "seq_lens", None),
         # int32 overflow
@@ -182,7 +174,7 @@ def test_plan_refuses_int32_overflow_of_totals() -> None:
     layout = BatchLayout.extend([2**30, 2**30, 2**30])
     with pytest.raises(LayoutError) as err:
         flashplan.plan(layout, HeadConfig(1, 1, 64))
-    assert err.value.field == "lengths"
+    assert err.value.field == "extend_lens"
 
 
 def test_valid_edge_inputs_are_accepted() -> None:

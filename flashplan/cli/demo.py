@@ -30,13 +30,14 @@ import numpy as np
 import torch
 
 from flashplan.cli.render import describe_plan
+from flashplan.executor.protocol import Executor
+from flashplan.executor.reference import ReferenceExecutor
 from flashplan.layout.batch import BatchLayout
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
 from flashplan.layout.page_table import PageTable
-from flashplan.oracle import visibility
-from flashplan.plan.planner import plan
-from flashplan.plan.spec import PlanSpec
+from flashplan.oracle import dense_attention, key_row_tokens, visibility
+from flashplan.planning.planner import plan
 
 __all__ = ["demo_batches", "make_executor", "run_demo", "tolerance_for"]
 
@@ -79,15 +80,13 @@ def demo_batches(page_size: int = PAGE_SIZE) -> list[tuple[str, BatchLayout, str
     ]
 
 
-def make_executor(device: torch.device) -> tuple[Any, str]:
+def make_executor(device: torch.device) -> tuple[Executor, str]:
     """The best executor for ``device`` and a line saying which it is and why.
 
     :class:`~flashplan.executor.flashinfer.FlashInferExecutor` on a CUDA device when it
     imports and constructs (CUDA + flashinfer-python), else
     :class:`~flashplan.executor.reference.ReferenceExecutor`.
     """
-    from flashplan.executor.reference import ReferenceExecutor
-
     if device.type != "cuda":
         return ReferenceExecutor(), f"ReferenceExecutor on {device} (no CUDA device)"
     try:
@@ -99,47 +98,11 @@ def make_executor(device: torch.device) -> tuple[Any, str]:
         return ReferenceExecutor(), f"ReferenceExecutor on {device} ({why})"
 
 
-def _shuffled_table(
-    pages_needed: np.ndarray, gen: torch.Generator, device: torch.device, spare: int = 3
-) -> tuple[PageTable, int]:
-    """A page table with shuffled page ids and rows in reverse order; and the pool size."""
-    seq = PageTable.sequential(pages_needed)
-    total = int(pages_needed.sum())
-    pool = total + spare
-    perm = torch.randperm(pool, generator=gen).to(torch.int32)
-    pages = perm[seq.pages.long()]
-    bs = pages.shape[0]
-    order = np.arange(bs)[::-1].copy()  # table row r holds request bs - 1 - r
-    table = PageTable(pages=pages[order].contiguous().to(device), rows=order)
-    return table, pool
-
-
 def _slots(table: PageTable, request: int, tokens: np.ndarray, ps: int) -> tuple[Any, Any]:
     row = int(table.rows[request])
     dev = table.pages.device
     t = torch.from_numpy(tokens.astype(np.int64)).to(dev)
     return table.pages[row, t // ps].long(), t % ps
-
-
-def _dense(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: np.ndarray, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 attention of one request: ``out [E, Hq, D]``, base-2 ``lse [E, Hq]``."""
-    e, hq, d = q.shape
-    if e == 0:
-        return q.new_zeros(0, hq, d), q.new_zeros(0, hq)
-    if k.shape[0] == 0:
-        return q.new_zeros(e, hq, d), q.new_full((e, hq), float("-inf"))
-    gs = hq // k.shape[1]
-    kh = k.repeat_interleave(gs, dim=1)
-    vh = v.repeat_interleave(gs, dim=1)
-    logits = torch.einsum("qhd,khd->hqk", q, kh) * scale
-    seen = torch.from_numpy(mask).to(q.device)
-    logits = logits.masked_fill(~seen[None], float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)  # [Hq, E], natural log
-    probs = torch.exp(logits - lse.clamp_min(-1e300)[..., None])
-    out = torch.einsum("hqk,khd->qhd", probs, vh)
-    return out, (lse / math.log(2.0)).T
 
 
 def _errors(
@@ -169,20 +132,18 @@ def _run_batch(
     gen: torch.Generator,
     stream: TextIO,
 ) -> float:
-    spec: PlanSpec = plan(layout, heads, extend_path=path)
+    spec = plan(layout, heads, extend_path=path)
     print(f"== {title} ==", file=stream)
     print(describe_plan(spec), file=stream)
     print(file=stream)
     ex, which = make_executor(device)
-    table, pool = _shuffled_table(spec.pages_needed, gen, device)
+    seed = int(torch.randint(0, 2**31 - 1, (), generator=gen))
+    table = PageTable.shuffled(spec.pages_needed, seed=seed, device=device)
+    assert table.num_pages is not None
     ex.apply(spec, table)
     ps, dtype = layout.page_size, heads.q_dtype
     hq, hkv, d = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim
-    seq = layout.seq_lens.astype(np.int64)
-    prefix = layout.prefix_lens.astype(np.int64)
-    enc = None if layout.encoder_lens is None else layout.encoder_lens.astype(np.int64)
-    offset = layout.kv_offsets.astype(np.int64)
-    bs = layout.batch_size
+    prefix = layout.prefix_lens.tolist()
 
     def rand(*shape: int) -> torch.Tensor:
         x = torch.randn(*shape, generator=gen, dtype=torch.float32)
@@ -190,48 +151,38 @@ def _run_batch(
 
     print(f"executor: {which}; {dtype} inputs; float64 dense oracle", file=stream)
     worst = 0.0
+    qo = spec.qo_indptr.tolist()
     for index, group in enumerate(layout.groups):
         # Each group is one layer with its own cache, filled with garbage first.
-        cache = torch.full((pool, 2, ps, hkv, d), GARBAGE, dtype=dtype, device=device)
+        cache = torch.full((table.num_pages, 2, ps, hkv, d), GARBAGE, dtype=dtype, device=device)
         q = rand(spec.total_q, hq, d)
-        if group.cross_attention:
-            assert enc is not None
-            keys_k = [rand(int(n), hkv, d) for n in enc]
-            keys_v = [rand(int(n), hkv, d) for n in enc]
-            k_in, v_in = torch.cat(keys_k), torch.cat(keys_v)
-            written = [np.arange(int(n)) for n in enc]
-        else:
-            keys_k = [rand(int(n), hkv, d) for n in seq]
-            keys_v = [rand(int(n), hkv, d) for n in seq]
-            for i in range(bs):  # the cached prefix, as an engine would have left it
-                page, slot = _slots(table, i, offset[i] + np.arange(prefix[i]), ps)
-                cache[page, 0, slot] = keys_k[i][: prefix[i]]
-                cache[page, 1, slot] = keys_v[i][: prefix[i]]
-            k_in = torch.cat([keys_k[i][prefix[i] :] for i in range(bs)])
-            v_in = torch.cat([keys_v[i][prefix[i] :] for i in range(bs)])
-            written = [offset[i] + np.arange(prefix[i], seq[i]) for i in range(bs)]
+        tokens = key_row_tokens(layout, group)
+        keys_k = [rand(t.shape[0], hkv, d) for t in tokens]
+        keys_v = [rand(t.shape[0], hkv, d) for t in tokens]
+        # The rows this step writes: all encoder keys, or the decoder's new tokens (the
+        # cached prefix is written first, as an engine would have left it).
+        new = [0 if group.cross_attention else p for p in prefix]
+        for i, first in enumerate(new):
+            page, slot = _slots(table, i, tokens[i][:first], ps)
+            cache[page, 0, slot] = keys_k[i][:first]
+            cache[page, 1, slot] = keys_v[i][:first]
+        k_in = torch.cat([k[first:] for k, first in zip(keys_k, new, strict=True)])
+        v_in = torch.cat([v[first:] for v, first in zip(keys_v, new, strict=True)])
         out, lse = ex.run(group, q, k_in, v_in, cache, return_lse=True)
 
         writes_ok = True
-        for i in range(bs):
-            page, slot = _slots(table, i, written[i], ps)
-            n = written[i].shape[0]
-            first = 0 if group.cross_attention else int(prefix[i])
-            want_k = keys_k[i][first : first + n]
-            want_v = keys_v[i][first : first + n]
-            writes_ok &= bool(torch.equal(cache[page, 0, slot], want_k))
-            writes_ok &= bool(torch.equal(cache[page, 1, slot], want_v))
+        for i, first in enumerate(new):
+            page, slot = _slots(table, i, tokens[i][first:], ps)
+            writes_ok &= bool(torch.equal(cache[page, 0, slot], keys_k[i][first:]))
+            writes_ok &= bool(torch.equal(cache[page, 1, slot], keys_v[i][first:]))
 
-        masks = visibility(layout, group)
-        scale = group.scale_for(d)
-        ref_out, ref_lse = [], []
-        qo = spec.qo_indptr
-        for i in range(bs):
-            qi = q[int(qo[i]) : int(qo[i + 1])].double()
-            o, s = _dense(qi, keys_k[i].double(), keys_v[i].double(), masks[i], scale)
-            ref_out.append(o)
-            ref_lse.append(s)
-        out_err, lse_err = _errors(out, lse, torch.cat(ref_out), torch.cat(ref_lse))
+        ref = [
+            dense_attention(q[qo[i] : qo[i + 1]], keys_k[i], keys_v[i], seen, group)
+            for i, seen in enumerate(visibility(layout, group))
+        ]
+        ref_out = torch.cat([o for o, _ in ref]).cpu()
+        ref_lse = torch.cat([s for _, s in ref]).cpu()
+        out_err, lse_err = _errors(out, lse, ref_out, ref_lse)
         err = max(out_err, lse_err if math.isfinite(lse_err) else math.inf)
         worst = max(worst, err)
         gp = spec.group_plans[index]

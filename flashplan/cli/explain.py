@@ -7,7 +7,7 @@ Example::
 prints the plan (:func:`flashplan.cli.render.describe_plan`) and, per group, a picture of
 the visibility rules (:func:`flashplan.oracle.visibility`: rows are queries with their
 absolute positions, columns are keys, ``#`` visible, ``.`` hidden). It then checks that
-the plan's kernel calls (:meth:`flashplan.PlanSpec.materialize`) show exactly those keys,
+the plan's kernel calls (:func:`flashplan.materialize`) show exactly those keys,
 and exits with 1 if they do not. ``--png FILE`` draws the same pictures with matplotlib,
 colouring each visible key by the kernel call that covers it (paged or ragged) and the
 keys a kernel reads but masks out.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -28,17 +27,17 @@ from flashplan.cli.render import (
     ascii_visibility,
     describe_group,
     describe_header,
+    format_ints,
     kernel_coverage,
-    prefix_lens,
 )
 from flashplan.errors import LayoutError
 from flashplan.layout.batch import BatchLayout
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
 from flashplan.oracle import visibility
-from flashplan.plan.materialize import PlanIntegrityError
-from flashplan.plan.planner import plan
-from flashplan.plan.spec import PlanSpec
+from flashplan.planning.materialize import PlanIntegrityError, materialize
+from flashplan.planning.planner import plan
+from flashplan.planning.spec import PlanSpec
 
 __all__ = [
     "MissingDependencyError",
@@ -171,7 +170,7 @@ def build_layout(args: argparse.Namespace) -> BatchLayout:
 def check_plan(spec: PlanSpec, layout: BatchLayout, group: AttentionGroup) -> str | None:
     """``None`` when the plan's kernel calls show exactly the oracle's keys, else why not."""
     try:
-        got = spec.materialize(group)
+        got = materialize(spec, group)
     except PlanIntegrityError as exc:
         return str(exc)
     for i, (g, want) in enumerate(zip(got, visibility(layout, group), strict=True)):
@@ -192,12 +191,17 @@ def explain(
     ok = True
     seq, pre = layout.seq_lens, layout.prefix_lens
     blocks = [
-        f"layout: {layout.mode.value}, seq_lens {_fmt(seq)}, prefix_lens {_fmt(pre)}, "
-        f"extend_lens {_fmt(layout.extend_lens)}, page_size {layout.page_size}"
-        + ("" if layout.encoder_lens is None else f", encoder_lens {_fmt(layout.encoder_lens)}"),
+        f"layout: {layout.mode.value}, seq_lens {format_ints(seq)}, "
+        f"prefix_lens {format_ints(pre)}, extend_lens {format_ints(layout.extend_lens)}, "
+        f"page_size {layout.page_size}"
+        + (
+            ""
+            if layout.encoder_lens is None
+            else f", encoder_lens {format_ints(layout.encoder_lens)}"
+        ),
         describe_header(spec),
     ]
-    starts = prefix_lens(spec)
+    starts = spec.prefix_lens
     for index, gp in enumerate(spec.group_plans):
         group = gp.group
         key_name = "encoder keys" if group.cross_attention else "keys"
@@ -217,10 +221,6 @@ def explain(
             + f"\n  {verdict}"
         )
     return "\n\n".join(blocks), ok
-
-
-def _fmt(a: Sequence[int] | np.ndarray) -> str:
-    return "[" + ", ".join(str(int(v)) for v in a) + "]"
 
 
 def _indent(text: str, prefix: str) -> str:
@@ -267,7 +267,7 @@ def draw_png(spec: PlanSpec, layout: BatchLayout, path: str) -> None:
         ) from None
 
     bs, ng = layout.batch_size, len(spec.group_plans)
-    starts = prefix_lens(spec)
+    starts = spec.prefix_lens
     fig = Figure(figsize=(max(4.0, 3.2 * max(bs, 1)), 2.8 * ng + 0.8), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(ng, max(bs, 1), squeeze=False)

@@ -18,21 +18,19 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from flashplan.layout.arrays import IntArray
-from flashplan.plan.spec import GroupPlan, KernelPath, PlanSpec
+from flashplan.layout.group import AttentionGroup
+from flashplan.planning.spec import GroupPlan, KernelPath, PlanSpec
 
 __all__ = [
     "COVER_NONE",
     "COVER_PAGED",
     "COVER_RAGGED",
     "ascii_visibility",
-    "decoder_offsets",
     "describe_group",
     "describe_header",
     "describe_plan",
-    "first_visible_keys",
+    "format_ints",
     "kernel_coverage",
-    "prefix_lens",
 ]
 
 #: :func:`kernel_coverage` value: no kernel call of the group reads the key.
@@ -53,23 +51,6 @@ _PATH_TEXT = {
 
 
 # ---------------------------------------------------------------------------- plan text
-def decoder_offsets(spec: PlanSpec) -> IntArray:
-    """Logical token where each request's decoder KV starts (tokens), int32 ``[bs]``.
-
-    0 without encoder, else the encoder length rounded up to a page boundary.
-    """
-    if spec.encoder_indptr is None:
-        return np.zeros(spec.batch_size, dtype=np.int32)
-    ps = spec.page_size
-    enc = np.diff(spec.encoder_indptr).astype(np.int64)
-    return ((enc + ps - 1) // ps * ps).astype(np.int32)
-
-
-def prefix_lens(spec: PlanSpec) -> IntArray:
-    """Cached decoder tokens before this step (tokens), int32 ``[bs]``, from the plan."""
-    return (spec.new_token_start.astype(np.int64) - decoder_offsets(spec)).astype(np.int32)
-
-
 def _dtype_name(dtype: object) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -89,14 +70,14 @@ def describe_header(spec: PlanSpec) -> str:
         f"page_size {key.page_size}, heads {heads.num_qo_heads} q / {heads.num_kv_heads} kv "
         f"x {heads.head_dim} ({dtypes})",
         f"  new tokens: total_q {spec.total_q}, max_q_len {spec.max_q_len}, "
-        f"qo_indptr {_list(spec.qo_indptr)}",
-        f"  pages_needed per table row: {_list(spec.pages_needed)}",
+        f"qo_indptr {format_ints(spec.qo_indptr)}",
+        f"  pages_needed per table row: {format_ints(spec.pages_needed)}",
     ]
     if spec.encoder_indptr is not None:
         lines.append(
-            f"  encoder: lens {_list(np.diff(spec.encoder_indptr))}, "
-            f"rows of k_enc/v_enc (encoder_indptr) {_list(spec.encoder_indptr)}, "
-            f"decoder KV starts at token {_list(decoder_offsets(spec))}"
+            f"  encoder: rows of k_enc/v_enc written this step (encoder_indptr) "
+            f"{format_ints(spec.encoder_indptr)}, "
+            f"decoder KV starts at row token {format_ints(spec.decoder_start)}"
         )
     groups = ", ".join(
         f"{g.describe()} [{p.value}]" for g, p in zip(key.groups, key.paths, strict=True)
@@ -111,7 +92,7 @@ def _window_text(gp: GroupPlan) -> str:
         return "cross-attention: every query sees all encoder keys of its request (non-causal)"
     if not g.causal:
         return "non-causal: every new token sees every key of its request"
-    w = gp.window_left
+    w = g.window_left
     if w < 0:
         return "window_left -1 (full attention): a query at position p sees keys 0..p"
     return (
@@ -131,18 +112,6 @@ def _positions(lo: int, n: int) -> str:
     return str(lo) if n == 1 else f"{lo}..{lo + n - 1}"
 
 
-def first_visible_keys(spec: PlanSpec, gp: GroupPlan) -> npt.NDArray[np.int64]:
-    """Per request, the smallest key any of its queries sees; -1 when it sees none."""
-    qo = np.diff(spec.qo_indptr).astype(np.int64)
-    n_keys = gp.num_keys.astype(np.int64)
-    g = gp.group
-    if g.cross_attention or not g.causal or gp.window_left < 0:
-        first = np.zeros_like(n_keys)
-    else:
-        first = np.maximum(prefix_lens(spec).astype(np.int64) - gp.window_left, 0)
-    return np.where((qo > 0) & (n_keys > first), first, -1)
-
-
 def describe_group(spec: PlanSpec, gp: GroupPlan, *, index: int | None = None) -> str:
     """The lines of :func:`describe_plan` for one group."""
     g = gp.group
@@ -152,7 +121,7 @@ def describe_group(spec: PlanSpec, gp: GroupPlan, *, index: int | None = None) -
     parts = []
     if gp.paged is not None:
         p = gp.paged
-        mask = "custom mask" if p.packed_mask is not None else "no custom mask"
+        mask = "custom mask" if p.mask is not None else "no custom mask"
         parts.append(
             f"paged call: {'causal' if p.causal else 'non-causal'}, {mask}, "
             f"{p.total_pages} page{'' if p.total_pages == 1 else 's'}, max_kv_len {p.max_kv_len}"
@@ -166,9 +135,10 @@ def describe_group(spec: PlanSpec, gp: GroupPlan, *, index: int | None = None) -
 
     ps = spec.page_size
     qo_ptr = spec.qo_indptr.astype(np.int64)
-    prefix = prefix_lens(spec).astype(np.int64)
+    prefix = spec.prefix_lens.astype(np.int64)
     n_keys = gp.num_keys.astype(np.int64)
-    trim = first_visible_keys(spec, gp)
+    qo = spec.qo_lens.astype(np.int64)
+    first_key = gp.first_key
     headers = ["req", "queries", "positions"]
     if gp.paged is not None:
         headers += ["start_page", "pages", "last_page_len", "kv_len", "paged keys"]
@@ -183,7 +153,7 @@ def describe_group(spec: PlanSpec, gp: GroupPlan, *, index: int | None = None) -
         if gp.paged is not None:
             p = gp.paged
             kv = int(p.kv_lens[i])
-            first = int(p.start_page[i]) * ps - int(gp.key_offset[i])
+            first = int(p.start_page[i]) * ps - int(gp.key_start[i])
             row += [
                 str(int(p.start_page[i])),
                 str(int(p.num_pages[i])),
@@ -191,13 +161,14 @@ def describe_group(spec: PlanSpec, gp: GroupPlan, *, index: int | None = None) -
                 str(kv),
                 _range(first, first + kv) if kv else "-",
             ]
-            if p.mask_indptr is not None:
-                has_mask = int(p.mask_indptr[i + 1]) > int(p.mask_indptr[i])
+            if p.mask is not None:
+                has_mask = kv > 0 and q1 > q0
         if gp.ragged is not None:
             r0, r1 = int(gp.ragged.kv_indptr[i]), int(gp.ragged.kv_indptr[i + 1])
             hi = int(n_keys[i])
             row += [_range(r0, r1), _range(hi - (r1 - r0), hi)]
-        row += [str(int(trim[i])) if trim[i] >= 0 else "-", "yes" if has_mask else "no"]
+        sees_keys = qo[i] > 0 and n_keys[i] > first_key[i]
+        row += [str(int(first_key[i])) if sees_keys else "-", "yes" if has_mask else "no"]
         rows.append(row)
     lines += ["  " + line for line in _table(headers, rows)]
     return "\n".join(lines)
@@ -219,7 +190,8 @@ def describe_plan(spec: PlanSpec) -> str:
     return "\n\n".join(blocks)
 
 
-def _list(a: Sequence[int] | npt.NDArray[np.integer]) -> str:
+def format_ints(a: Sequence[int] | npt.NDArray[np.integer]) -> str:
+    """``"[1, 2, 3]"`` for any sequence of ints (numpy arrays included)."""
     return "[" + ", ".join(str(int(v)) for v in a) + "]"
 
 
@@ -243,7 +215,7 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- coverage
-def kernel_coverage(spec: PlanSpec, group: object) -> list[npt.NDArray[np.int8]]:
+def kernel_coverage(spec: PlanSpec, group: AttentionGroup) -> list[npt.NDArray[np.int8]]:
     """Which kernel call of ``group`` reads each key, per request.
 
     Returns one int8 array ``[num_keys_i]`` per request (keys in the group's key space):
@@ -252,18 +224,18 @@ def kernel_coverage(spec: PlanSpec, group: object) -> list[npt.NDArray[np.int8]]
     :data:`COVER_NONE` for keys no call reads. A key read by a call may still be hidden
     from a query by the kernel's causal flag, window or custom mask.
     """
-    gp = spec.group_plan(group)  # type: ignore[arg-type]
+    gp = spec.group_plan(group)
     ps = spec.page_size
     out = []
     for i in range(spec.batch_size):
         n = int(gp.num_keys[i])
         cover = np.zeros(n, dtype=np.int8)
         if gp.paged is not None and gp.paged.kv_lens[i] > 0:
-            first = int(gp.paged.start_page[i]) * ps - int(gp.key_offset[i])
+            first = int(gp.paged.start_page[i]) * ps - int(gp.key_start[i])
             lo, hi = max(first, 0), min(first + int(gp.paged.kv_lens[i]), n)
             cover[lo:hi] = COVER_PAGED
         if gp.ragged is not None:
-            m = int(gp.ragged.kv_indptr[i + 1] - gp.ragged.kv_indptr[i])
+            m = int(gp.ragged.kv_lens[i])
             cover[max(n - m, 0) : n] = COVER_RAGGED
         out.append(cover)
     return out

@@ -1,69 +1,133 @@
-"""Run-time argument checks shared by every executor ("plan = run")."""
+"""Argument checks shared by every executor ("plan = run"), all before any write.
+
+Everything here reads tensor metadata only (type, shape, dtype, device, layout): no
+device access, no sync.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+import attrs
 import torch
 
 from flashplan.errors import PlanMismatchError
 from flashplan.layout.group import AttentionGroup
-from flashplan.plan.spec import GroupPlan, PlanSpec
+from flashplan.layout.page_table import PageTable
+from flashplan.planning.spec import GroupPlan, PlanSpec
 
-__all__ = ["check_run_args"]
+__all__ = ["RunArgs", "check_apply_args", "check_run_args"]
 
 
-def _expect_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+def _tensor(name: str, t: object, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise PlanMismatchError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise PlanMismatchError(f"{name}: expected a dense tensor, got layout {t.layout}")
+    if t.device != device:
+        raise PlanMismatchError(f"{name}: on {t.device}, but the plan was applied on {device}")
+    return t
+
+
+def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     if tuple(t.shape) != shape:
         raise PlanMismatchError(
             f"{name}: expected shape {shape} from the plan, got {tuple(t.shape)}"
         )
-
-
-def _expect_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
     if t.dtype != dtype:
         raise PlanMismatchError(f"{name}: planned dtype {dtype}, got {t.dtype}")
 
 
-def check_run_args(
-    spec: PlanSpec | None,
-    group: AttentionGroup,
-    q: torch.Tensor,
-    k_new: torch.Tensor | None,
-    v_new: torch.Tensor | None,
-    kv_cache: torch.Tensor,
-) -> GroupPlan:
-    """Check a ``run`` call against the applied plan; return the group's plan.
-
-    Shapes and dtypes only (metadata: no device access).
+def check_apply_args(spec: object, table: object) -> tuple[PlanSpec, PageTable]:
+    """Check ``apply``'s arguments' types and that the table covers the plan.
 
     Raises:
-        PlanMismatchError: nothing applied, group not planned, or a tensor whose
-            shape or dtype contradicts the plan.
+        PlanMismatchError: ``spec`` is not a PlanSpec or ``table`` not a PageTable.
+        PageTableError: the table is too small for the plan.
     """
-    if spec is None:
+    if not isinstance(spec, PlanSpec):
+        raise PlanMismatchError(f"spec: expected a PlanSpec, got {type(spec).__name__}")
+    if not isinstance(table, PageTable):
+        raise PlanMismatchError(f"table: expected a PageTable, got {type(table).__name__}")
+    table.check_covers(spec.pages_needed)
+    return spec, table
+
+
+@attrs.frozen(eq=False)
+class RunArgs:
+    """The checked arguments of one ``run`` call.
+
+    Attributes:
+        index: the group's position in ``spec.group_plans``.
+        plan: the group's plan.
+        writes: whether ``k_new`` / ``v_new`` are written into the cache.
+    """
+
+    index: int
+    plan: GroupPlan
+    writes: bool
+
+
+def check_run_args(
+    spec: PlanSpec | None,
+    device: torch.device | None,
+    group: object,
+    q: object,
+    k_new: object,
+    v_new: object,
+    kv_cache: object,
+    return_lse: object,
+    *,
+    total_q: int | None = None,
+) -> RunArgs:
+    """Check a ``run`` call against the applied plan, before anything is written.
+
+    ``kv_cache`` may be ``None`` only for a group whose plan has no paged call (the
+    ragged path: attention over ``k_new`` / ``v_new`` alone, nothing cached).
+    ``total_q`` overrides the plan's query rows (a CUDA-graph bucket runs its own).
+
+    Raises:
+        PlanMismatchError: nothing applied; the group was not planned; a tensor that
+            is not a dense torch tensor on the applied device, or whose shape or dtype
+            contradicts the plan; a ragged group without ``k_new``; a missing cache;
+            ``return_lse`` that is not a bool.
+    """
+    if spec is None or device is None:
         raise PlanMismatchError("run() before apply(): apply a PlanSpec first")
-    gp = spec.group_plan(group)
+    index = spec.group_index(group)  # type: ignore[arg-type]
+    gp = spec.group_plans[index]
+    assert isinstance(group, AttentionGroup)
+    if not isinstance(return_lse, bool):
+        raise PlanMismatchError(f"return_lse: expected a bool, got {return_lse!r}")
     heads = spec.heads
     d = heads.head_dim
-    _expect_shape("q", q, (spec.total_q, heads.num_qo_heads, d))
-    _expect_dtype("q", q, heads.q_dtype)
+    q_rows = spec.total_q if total_q is None else total_q
+    _expect("q", _tensor("q", q, device), (q_rows, heads.num_qo_heads, d), heads.q_dtype)
     if (k_new is None) != (v_new is None):
         raise PlanMismatchError("k_new and v_new must both be given or both be None")
-    if k_new is not None and v_new is not None:
-        rows = spec.total_encoder if group.cross_attention else spec.total_q
+    writes = k_new is not None
+    if writes:
+        rows = spec.total_encoder if group.cross_attention else q_rows
         for name, t in (("k_new", k_new), ("v_new", v_new)):
-            _expect_shape(name, t, (rows, heads.num_kv_heads, d))
-            _expect_dtype(name, t, heads.kv_dtype)
-    if kv_cache.dim() != 5 or tuple(kv_cache.shape[1:]) != (
-        2,
-        spec.page_size,
-        heads.num_kv_heads,
-        d,
-    ):
+            _expect(name, _tensor(name, t, device), (rows, heads.num_kv_heads, d), heads.kv_dtype)
+    elif gp.ragged is not None:
+        raise PlanMismatchError(
+            f"group {group.describe()!r} runs on the ragged path: pass k_new and v_new"
+        )
+    if kv_cache is None:
+        if gp.paged is not None:
+            raise PlanMismatchError(
+                f"kv_cache: group {group.describe()!r} reads the paged KV cache "
+                f"(path {gp.path.value}); only ragged-path groups run without a cache"
+            )
+        return RunArgs(index, gp, writes=False)
+    cache = _tensor("kv_cache", kv_cache, device)
+    want: tuple[Any, ...] = (2, spec.page_size, heads.num_kv_heads, d)
+    if cache.dim() != 5 or tuple(cache.shape[1:]) != want:
         raise PlanMismatchError(
             "kv_cache: expected [num_pages, 2, page_size, num_kv_heads, head_dim] = "
-            f"[*, 2, {spec.page_size}, {heads.num_kv_heads}, {d}], got {tuple(kv_cache.shape)}"
+            f"[*, 2, {spec.page_size}, {heads.num_kv_heads}, {d}], got {tuple(cache.shape)}"
         )
-    _expect_dtype("kv_cache", kv_cache, heads.kv_dtype)
-    if q.device != kv_cache.device:
-        raise PlanMismatchError(f"q on {q.device} but kv_cache on {kv_cache.device}")
-    return gp
+    if cache.dtype != heads.kv_dtype:
+        raise PlanMismatchError(f"kv_cache: planned dtype {heads.kv_dtype}, got {cache.dtype}")
+    return RunArgs(index, gp, writes=writes)

@@ -1,55 +1,99 @@
 """`ReferenceExecutor`: the same plans, computed in plain torch on any device.
 
-It follows the kernel paths of the plan — a paged call over gathered pages, a
-ragged call over the new tokens, and a base-2 log-sum-exp merge of the two — with
-the kernels' own masking rules (bottom-right causal, ``window_left``, packed
-custom mask), so it is a faithful oracle for the FlashInfer executor and a
-fallback where there is no GPU. Math runs in ``compute_dtype`` (float32 by
-default; float64 for tight tests). Each call is vectorized over the batch by
-padding to the plan's host-known maxima; memory is ``bs * heads * max_q * max_kv``
-scores, so it is meant for tests, demos and modest batches.
+It follows the kernel paths of the plan — a paged call over the request's own pages,
+a ragged call over the new tokens, and a base-2 log-sum-exp merge of the two — with
+the kernels' own masking rules (:mod:`flashplan.kernel_rules`), so it is a faithful
+oracle for the FlashInfer executor and a fallback where there is no GPU.
+
+Like the kernels, it reads only the keys of each request's own span: a batch is
+padded to its longest span with zeros, never with other cache entries, so NaN or
+garbage elsewhere in the cache (uninitialised pages, evicted window pages, an encoder
+region a self cache never wrote) cannot leak in. It is also the strict executor: it
+checks every page id a run reads or writes against the cache, and every write slot for
+collisions, and raises a :class:`~flashplan.PageTableError` before anything is written.
+
+Math runs in ``compute_dtype`` (float32 by default; float64 for tight tests). Each
+call is vectorized over the batch; memory is ``bs * heads * max_q * max_kv`` scores,
+so it is meant for tests, demos and modest batches. Index preparation happens on the
+host (reading a device page table here is a sync: this executor is not a hot path).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal, overload
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 import torch
 
-from flashplan.errors import PlanMismatchError
-from flashplan.executor.checks import check_run_args
+from flashplan.errors import LayoutError, PageTableError
+from flashplan.executor.checks import check_apply_args, check_run_args
+from flashplan.executor.gathers import GatherJobs, gather_jobs, pages_region
+from flashplan.kernel_rules import kernel_visibility
+from flashplan.kernels.gather import gather_slots_torch
 from flashplan.kernels.merge_state import merge_state_torch
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.page_table import PageTable
-from flashplan.plan.materialize import kernel_visibility
-from flashplan.plan.spec import GroupPlan, PagedPart, PlanSpec, RaggedPart
+from flashplan.planning.spec import PagedPart, PlanSpec
 
 __all__ = ["ReferenceExecutor"]
 
 _LN2 = math.log(2.0)
+_COMPUTE_DTYPES = (torch.float32, torch.float64)
 
 
 @attrs.frozen(eq=False)
-class _Gathered:
-    """Device index tensors of one kernel call, padded to ``[bs, max_q, max_kv]``."""
+class _Slots:
+    """Host (page, slot) of a list of cache entries, with the request each belongs to."""
 
-    kv_page: torch.Tensor  # int64 [bs, max_kv] physical page of kernel key c (0 when padding)
-    kv_slot: torch.Tensor  # int64 [bs, max_kv] slot in that page
-    visible: torch.Tensor  # bool [bs, max_q, max_kv] kernel visibility incl. padding
+    page: npt.NDArray[np.int64]
+    slot: npt.NDArray[np.int64]
+    request: npt.NDArray[np.int64]
+    bad: npt.NDArray[np.bool_]  # the gather found no valid page id
+    what: str  # "reads group 0's keys", "writes the new tokens' K/V" …
+
+    def check(self, num_pages: int, table: PageTable) -> None:
+        """Raise PageTableError for the first entry whose page is bad or outside the cache."""
+        wrong = self.bad | (self.page >= num_pages)
+        if wrong.any():
+            k = int(np.flatnonzero(wrong)[0])
+            i = int(self.request[k])
+            raise PageTableError(
+                "pages",
+                f"a page id the plan {self.what} is not a page of the KV cache "
+                "(negative, evicted from the window pool, or beyond the cache)",
+                request=i,
+                row=int(table.rows[i]),
+                num_pages=num_pages,
+            )
+
+    def device(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.from_numpy(self.page).to(dev), torch.from_numpy(self.slot).to(dev)
+
+
+@attrs.frozen(eq=False)
+class _PagedCall:
+    """One paged kernel call: its keys' cache slots and where they go in the padding."""
+
+    keys: _Slots
+    padded_index: torch.Tensor  # int64 [n_keys]: b * max_kv + c of each key
+    page: torch.Tensor  # int64 [n_keys] on the device
+    slot: torch.Tensor
+    visible: torch.Tensor  # bool [bs, max_q, max_kv]
+    max_kv: int
 
 
 @attrs.frozen(eq=False)
 class _Applied:
     spec: PlanSpec
+    table: PageTable
+    device: torch.device
     q_index: torch.Tensor  # int64 [bs, max_q] row of q for (request, j); 0 for padding
     q_valid: torch.Tensor  # bool [bs, max_q]
-    new_page: torch.Tensor  # int64 [total_q] page of each new token's K/V
-    new_slot: torch.Tensor  # int64 [total_q]
-    enc_page: torch.Tensor  # int64 [total_encoder]
-    enc_slot: torch.Tensor  # int64 [total_encoder]
-    paged: dict[int, _Gathered]  # group index -> paged call
+    writes: dict[str, tuple[_Slots, torch.Tensor, torch.Tensor]]  # region -> host, page, slot
+    paged: dict[int, _PagedCall]
     ragged: dict[int, torch.Tensor]  # group index -> bool [bs, max_q, max_q] visibility
 
 
@@ -62,38 +106,24 @@ def _padded_rows(indptr: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray
     return index, valid
 
 
-def _custom_mask(part: PagedPart, qo_lens: np.ndarray, max_q: int) -> np.ndarray:
-    """bool ``[bs, max_q, max_kv]`` unpacked from the plan's packed mask."""
-    assert part.packed_mask is not None and part.mask_indptr is not None
-    bits = np.unpackbits(part.packed_mask, bitorder="little")
-    kv = part.kv_lens.astype(np.int64)[:, None, None]
-    j = np.arange(max_q)[None, :, None]
-    c = np.arange(part.max_kv_len)[None, None, :]
-    index = part.mask_indptr[:-1].astype(np.int64)[:, None, None] * 8 + j * kv + c
-    valid = (j < qo_lens.astype(np.int64)[:, None, None]) & (c < kv)
-    index = np.where(valid, index, 0)
-    if bits.size == 0:
-        return np.zeros(valid.shape, dtype=bool)
-    return valid & (bits[np.minimum(index, bits.size - 1)] != 0)
+def _entries(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(request, k)`` of every entry of per-request runs of ``counts`` entries."""
+    c = counts.astype(np.int64)
+    req = np.repeat(np.arange(c.shape[0]), c)
+    k = np.arange(req.shape[0]) - np.repeat(np.cumsum(c) - c, c)
+    return req, k
 
 
-def _token_slots(
-    pages: torch.Tensor,
-    rows: np.ndarray,
-    first: np.ndarray,
-    counts: np.ndarray,
-    page_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Physical (page, slot) of logical tokens ``first[i] + [0, counts[i])``, int64 ``[sum]``."""
-    req = np.repeat(np.arange(counts.shape[0]), counts)
-    offset = np.arange(req.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
-    token = first.astype(np.int64)[req] + offset
-    dev = pages.device
-    row_t = torch.from_numpy(rows.astype(np.int64)[req]).to(dev)
-    col_t = torch.from_numpy(token // page_size).to(dev)
-    page = pages[row_t, col_t].long() if req.size else torch.zeros(0, dtype=torch.long, device=dev)
-    slot = torch.from_numpy(token % page_size).to(dev)
-    return page, slot
+def _check_page_map(page_map: object) -> torch.Tensor | None:
+    if page_map is None:
+        return None
+    if (
+        not isinstance(page_map, torch.Tensor)
+        or page_map.dtype != torch.int32
+        or page_map.dim() != 1
+    ):
+        raise LayoutError("page_map", "must be an int32 1-D tensor", value=type(page_map).__name__)
+    return page_map
 
 
 class ReferenceExecutor:
@@ -103,18 +133,26 @@ class ReferenceExecutor:
     then ``run(group, q, k_new, v_new, kv_cache)`` per layer.
 
     Args:
-        page_map: optional int32 tensor mapping full-pool page ids to the page ids of a
-            separate sliding-window KV pool (last entry -1), applied to windowed
-            groups' reads and writes — the same contract as the FlashInfer executor's.
         compute_dtype: dtype of the attention math (``torch.float32`` or
             ``torch.float64``); outputs are cast to the plan's ``out_dtype``.
+        page_map: optional int32 tensor mapping full-pool page ids to the page ids of
+            a separate sliding-window KV pool (a negative entry marks an evicted
+            page), applied to windowed groups' reads and writes — the same contract
+            as the FlashInfer executor's.
+
+    Raises:
+        LayoutError: ``compute_dtype`` or ``page_map`` is not one of the above.
     """
 
     def __init__(
         self, *, compute_dtype: torch.dtype = torch.float32, page_map: torch.Tensor | None = None
     ) -> None:
+        if not isinstance(compute_dtype, torch.dtype) or compute_dtype not in _COMPUTE_DTYPES:
+            raise LayoutError(
+                "compute_dtype", "must be torch.float32 or torch.float64", value=compute_dtype
+            )
         self.compute_dtype = compute_dtype
-        self.page_map = page_map
+        self.page_map = _check_page_map(page_map)
         self._applied: _Applied | None = None
 
     @property
@@ -122,90 +160,143 @@ class ReferenceExecutor:
         """The plan applied last, or ``None``."""
         return None if self._applied is None else self._applied.spec
 
+    # -- apply --------------------------------------------------------------------------
     def apply(self, spec: PlanSpec, table: PageTable) -> None:
         """Prepare index tensors for ``spec`` on the table's device.
 
+        The table's page ids are gathered on the host. A refused apply leaves the
+        executor as it was (the earlier plan still runs).
+
         Raises:
-            PageTableError: the table does not cover the plan's pages.
+            PlanMismatchError: ``spec`` or ``table`` is not the right record.
+            PageTableError: the table does not cover the plan's pages, or two requests'
+                new tokens would be written to the same cache slot.
         """
-        table.check_covers(spec.pages_needed)
+        spec, table = check_apply_args(spec, table)
         dev = table.pages.device
-        ps = spec.page_size
-        qo_lens = np.diff(spec.qo_indptr)
+        jobs = gather_jobs(spec, table.rows, window_pool=self.page_map is not None)
+        page, offset = self._gather(jobs, table)
+
+        def region_slots(name: str, counts: np.ndarray, what: str) -> _Slots:
+            r = jobs.region(name)
+            p, o = page[r.lo : r.hi], offset[r.lo : r.hi]
+            return _Slots(p, o.clip(0), _entries(counts)[0], o < 0, what)
+
+        writes: dict[str, tuple[_Slots, torch.Tensor, torch.Tensor]] = {}
+        for name, counts, what in (
+            ("write", spec.qo_lens, "writes the new tokens' K/V to"),
+            ("write/window", spec.qo_lens, "writes the new tokens' K/V to (window pool)"),
+            ("encoder", None, "writes the encoder tokens' K/V to"),
+        ):
+            if not jobs.has(name):
+                continue
+            if counts is None:
+                assert spec.encoder_indptr is not None
+                counts = np.diff(spec.encoder_indptr)
+            slots = region_slots(name, counts, what)
+            _check_collisions(slots, spec.page_size, table)
+            writes[name] = (slots, *slots.device(dev))
+
+        qo_lens = spec.qo_lens
         max_q = spec.max_q_len
-        q_index, q_valid = _padded_rows(spec.qo_indptr, max_q)
-        new_page, new_slot = _token_slots(
-            table.pages, table.rows, spec.new_token_start, qo_lens, ps
-        )
-        if spec.encoder_indptr is not None:
-            enc_lens = np.diff(spec.encoder_indptr)
-            enc_page, enc_slot = _token_slots(
-                table.pages, table.rows, np.zeros_like(enc_lens), enc_lens, ps
-            )
-        else:
-            enc_page = enc_slot = torch.zeros(0, dtype=torch.long, device=dev)
-        paged: dict[int, _Gathered] = {}
+        paged: dict[int, _PagedCall] = {}
         ragged: dict[int, torch.Tensor] = {}
         for index, gp in enumerate(spec.group_plans):
             if gp.paged is not None:
-                gathered = self._gather_paged(gp, gp.paged, table, qo_lens, max_q, dev, ps)
-                if self.page_map is not None and gp.group.has_window:
-                    gathered = attrs.evolve(
-                        gathered, kv_page=self.page_map.to(dev)[gathered.kv_page].long()
-                    )
-                paged[index] = gathered
+                r = jobs.region(pages_region(index))
+                paged[index] = self._paged_call(
+                    gp.paged, page[r.lo : r.hi], offset[r.lo : r.hi], qo_lens, max_q, dev,
+                    f"reads for group {index} ({gp.group.describe()})",
+                )  # fmt: skip
             if gp.ragged is not None:
-                ragged[index] = self._ragged_visibility(gp, gp.ragged, qo_lens, max_q, dev)
+                seen = kernel_visibility(
+                    qo_lens, gp.ragged.kv_lens, max_q, max_q,
+                    causal=gp.ragged.causal, window_left=gp.ragged.window_left,
+                )  # fmt: skip
+                ragged[index] = torch.from_numpy(seen).to(dev)
+        q_index, q_valid = _padded_rows(spec.qo_indptr, max_q)
         self._applied = _Applied(
             spec=spec,
+            table=table,
+            device=dev,
             q_index=torch.from_numpy(q_index).to(dev),
             q_valid=torch.from_numpy(q_valid).to(dev),
-            new_page=new_page,
-            new_slot=new_slot,
-            enc_page=enc_page,
-            enc_slot=enc_slot,
+            writes=writes,
             paged=paged,
             ragged=ragged,
         )
 
+    def _gather(self, jobs: GatherJobs, table: PageTable) -> tuple[np.ndarray, np.ndarray]:
+        """Run every gather job on the host: (page id, in-page offset) int64 ``[total]``."""
+        page = torch.zeros(jobs.total, dtype=torch.int64)
+        offset = torch.zeros(jobs.total, dtype=torch.int64)
+        pages = table.pages.cpu()
+        page_map = None if self.page_map is None else self.page_map.cpu()
+        rows, first, counts, dst, div, use_map = (
+            torch.from_numpy(np.array(c, dtype=np.int32)) for c in jobs.columns()
+        )
+        gather_slots_torch(
+            pages, rows, first, counts, dst, div, use_map, page, offset, total=jobs.total,
+            page_map=page_map, num_pages=table.num_pages or 0,
+        )  # fmt: skip
+        return page.numpy(), offset.numpy()
+
     @staticmethod
-    def _gather_paged(
-        gp: GroupPlan,
+    def _paged_call(
         part: PagedPart,
-        table: PageTable,
+        region_page: np.ndarray,
+        region_offset: np.ndarray,
         qo_lens: np.ndarray,
         max_q: int,
         dev: torch.device,
-        ps: int,
-    ) -> _Gathered:
+        what: str,
+    ) -> _PagedCall:
+        ps = part.page_size
+        req, c = _entries(part.kv_lens)
+        entry = part.page_indptr[:-1].astype(np.int64)[req] + c // ps
+        keys = _Slots(region_page[entry], c % ps, req, region_offset[entry] < 0, what)
         max_kv = part.max_kv_len
-        c = np.arange(max_kv, dtype=np.int64)[None, :]
-        valid_c = c < part.kv_lens.astype(np.int64)[:, None]
-        token = np.where(valid_c, part.start_page.astype(np.int64)[:, None] * ps + c, 0)
-        rows = np.repeat(table.rows.astype(np.int64)[:, None], max_kv, axis=1)
-        page = table.pages[
-            torch.from_numpy(rows).to(dev), torch.from_numpy(token // ps).to(dev)
-        ].long()
         visible = kernel_visibility(
-            qo_lens, part.kv_lens, max_q, max_kv, causal=part.causal, window_left=gp.window_left
+            qo_lens, part.kv_lens, max_q, max_kv, causal=part.causal, window_left=part.window_left
         )
         if part.mask is not None:
-            visible &= _custom_mask(part, qo_lens, max_q)
-        return _Gathered(
-            kv_page=page,
-            kv_slot=torch.from_numpy(token % ps).to(dev),
+            for i in np.flatnonzero((qo_lens > 0) & (part.kv_lens > 0)).tolist():
+                q, kv = int(qo_lens[i]), int(part.kv_lens[i])
+                visible[i, :q, :kv] &= part.mask.dense(i)
+        page_t, slot_t = keys.device(dev)
+        return _PagedCall(
+            keys=keys,
+            padded_index=torch.from_numpy(req * max_kv + c).to(dev),
+            page=page_t,
+            slot=slot_t,
             visible=torch.from_numpy(visible).to(dev),
+            max_kv=max_kv,
         )
 
-    @staticmethod
-    def _ragged_visibility(
-        gp: GroupPlan, part: RaggedPart, qo_lens: np.ndarray, max_q: int, dev: torch.device
-    ) -> torch.Tensor:
-        kv_lens = np.diff(part.kv_indptr)
-        seen = kernel_visibility(
-            qo_lens, kv_lens, max_q, max_q, causal=part.causal, window_left=gp.window_left
-        )
-        return torch.from_numpy(seen).to(dev)
+    # -- run ----------------------------------------------------------------------------
+    @overload
+    def run(
+        self,
+        group: AttentionGroup,
+        q: torch.Tensor,
+        k_new: torch.Tensor | None,
+        v_new: torch.Tensor | None,
+        kv_cache: torch.Tensor | None,
+        *,
+        return_lse: Literal[False] = False,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def run(
+        self,
+        group: AttentionGroup,
+        q: torch.Tensor,
+        k_new: torch.Tensor | None,
+        v_new: torch.Tensor | None,
+        kv_cache: torch.Tensor | None,
+        *,
+        return_lse: Literal[True],
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def run(
         self,
@@ -213,7 +304,7 @@ class ReferenceExecutor:
         q: torch.Tensor,
         k_new: torch.Tensor | None,
         v_new: torch.Tensor | None,
-        kv_cache: torch.Tensor,
+        kv_cache: torch.Tensor | None,
         *,
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -226,51 +317,78 @@ class ReferenceExecutor:
                 group, or ``[total_encoder, num_kv_heads, head_dim]`` encoder K/V of
                 a cross group; written into ``kv_cache`` first. ``None`` when the
                 cache already holds them.
-            kv_cache: ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (NHD).
+            kv_cache: ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (NHD), or
+                ``None`` for a group on the ragged path (attention over ``k_new`` /
+                ``v_new`` alone; nothing is written).
             return_lse: also return the log-sum-exp, float32 ``[total_q, num_qo_heads]``,
                 **base 2**; ``-inf`` for a query that sees no key (its output is 0).
 
         Returns:
             ``out [total_q, num_qo_heads, head_dim]`` (``out_dtype``), or ``(out, lse)``.
+
+        Raises:
+            PlanMismatchError: an argument contradicts the plan (see
+                :func:`~flashplan.executor.checks.check_run_args`).
+            PageTableError: a page id the call reads or writes is not in the cache.
         """
         applied = self._applied
-        gp = check_run_args(
-            None if applied is None else applied.spec, group, q, k_new, v_new, kv_cache
-        )
+        args = check_run_args(
+            None if applied is None else applied.spec,
+            None if applied is None else applied.device,
+            group, q, k_new, v_new, kv_cache, return_lse,
+        )  # fmt: skip
         assert applied is not None
-        spec = applied.spec
-        index = spec.group_plans.index(gp)
-        if k_new is not None and v_new is not None:
+        spec, gp = applied.spec, args.plan
+        call = applied.paged.get(args.index)
+        write = None
+        if args.writes:
             if group.cross_attention:
-                page, slot = applied.enc_page, applied.enc_slot
+                write = applied.writes["encoder"]
+            elif self.page_map is not None and group.uses_window_pool:
+                write = applied.writes["write/window"]
             else:
-                page, slot = applied.new_page, applied.new_slot
-                if self.page_map is not None and group.has_window:
-                    page = self.page_map.to(page.device)[page].long()
+                write = applied.writes["write"]
+        if kv_cache is not None:  # every check before the first write
+            num_pages = int(kv_cache.shape[0])
+            if call is not None:
+                call.keys.check(num_pages, applied.table)
+            if write is not None:
+                write[0].check(num_pages, applied.table)
+        if write is not None and kv_cache is not None:
+            assert k_new is not None and v_new is not None
+            _, page, slot = write
             kv_cache[page, 0, slot] = k_new
             kv_cache[page, 1, slot] = v_new
         scale = group.scale_for(spec.heads.head_dim)
+        cap = group.logits_soft_cap
         states = []
-        if index in applied.paged:
-            g = applied.paged[index]
-            k = kv_cache[g.kv_page, 0, g.kv_slot]  # [bs, max_kv, Hkv, D]
-            v = kv_cache[g.kv_page, 1, g.kv_slot]
-            states.append(self._attend(q, k, v, g.visible, applied, scale, group.logits_soft_cap))
-        if index in applied.ragged:
-            if k_new is None or v_new is None:
-                raise PlanMismatchError(
-                    f"group {group.describe()!r} runs on the ragged path: pass k_new and v_new"
-                )
-            k = k_new[applied.q_index]  # [bs, max_q, Hkv, D]
-            v = v_new[applied.q_index]
-            states.append(
-                self._attend(q, k, v, applied.ragged[index], applied, scale, group.logits_soft_cap)
-            )
+        if call is not None:
+            assert kv_cache is not None
+            k, v = self._padded_keys(kv_cache, call, spec.batch_size)
+            states.append(self._attend(q, k, v, call.visible, applied, scale, cap))
+        if gp.ragged is not None:
+            assert k_new is not None and v_new is not None
+            valid = applied.q_valid[..., None, None]
+            k = torch.where(valid, k_new[applied.q_index], 0)  # [bs, max_q, Hkv, D]
+            v = torch.where(valid, v_new[applied.q_index], 0)
+            states.append(self._attend(q, k, v, applied.ragged[args.index], applied, scale, cap))
         out, lse = states[0]
         for other_out, other_lse in states[1:]:
             out, lse = merge_state_torch(out, lse, other_out, other_lse)
         out = out.to(spec.heads.out_dtype)
         return (out, lse) if return_lse else out
+
+    @staticmethod
+    def _padded_keys(
+        kv_cache: torch.Tensor, call: _PagedCall, bs: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[bs, max_kv, Hkv, D]``: each request's own keys, zeros after them."""
+        hkv, d = kv_cache.shape[3], kv_cache.shape[4]
+        k = kv_cache.new_zeros(bs * call.max_kv, hkv, d)
+        v = kv_cache.new_zeros(bs * call.max_kv, hkv, d)
+        k[call.padded_index] = kv_cache[call.page, 0, call.slot]
+        v[call.padded_index] = kv_cache[call.page, 1, call.slot]
+        return k.view(bs, call.max_kv, hkv, d), v.view(bs, call.max_kv, hkv, d)
 
     def _attend(
         self,
@@ -287,7 +405,8 @@ class ReferenceExecutor:
         bs, max_q = applied.q_index.shape
         hq, d = q.shape[1], q.shape[2]
         hkv = k.shape[2]
-        qp = q[applied.q_index].to(cd).view(bs, max_q, hkv, hq // hkv, d)
+        qp = torch.where(applied.q_valid[..., None, None], q[applied.q_index], 0)
+        qp = qp.to(cd).view(bs, max_q, hkv, hq // hkv, d)
         logits = torch.einsum("bqhgd,bkhd->bhgqk", qp, k.to(cd)) * scale
         if soft_cap:
             logits = soft_cap * torch.tanh(logits / soft_cap)
@@ -305,3 +424,25 @@ class ReferenceExecutor:
         flat_out[rows] = out[valid]
         flat_lse[rows] = lse[valid].float()
         return flat_out, flat_lse
+
+
+def _check_collisions(slots: _Slots, page_size: int, table: PageTable) -> None:
+    """Raise PageTableError when two entries would write the same cache slot."""
+    ok = ~slots.bad
+    if not ok.any():
+        return
+    flat = slots.page[ok] * page_size + slots.slot[ok]
+    order = np.argsort(flat, kind="stable")
+    same = flat[order[1:]] == flat[order[:-1]]
+    if same.any():
+        k = int(np.flatnonzero(same)[0])
+        reqs = slots.request[ok][order[k : k + 2]]
+        first, second = sorted(int(r) for r in reqs)
+        raise PageTableError(
+            "pages",
+            f"two tokens the plan {slots.what} share one cache slot (their rows hold the "
+            "same page id), so one would overwrite the other",
+            request=second,
+            other_request=first,
+            page=int(slots.page[ok][order[k]]),
+        )

@@ -1,9 +1,11 @@
 """Device kernels of flashplan (Triton) and their plain-torch twins.
 
-* :func:`gather_page_indices` / :func:`gather_page_indices_torch`: a page table's rows,
-  sliced per request, flattened into FlashInfer's ``kv_indices`` (page ids).
-* :func:`token_slots` / :func:`token_slots_torch`: KV-cache write slots (page id, in-page
-  offset) of the new tokens of a step.
+* :func:`gather_slots` / :func:`gather_slots_torch`: every page-table gather job of a
+  batch (page ids of kernel calls, KV write slots) in one launch, bad ids caught.
+* :func:`write_kv` / :func:`write_kv_torch`: new K/V rows into a paged cache, skipping
+  slots marked unusable.
+* :func:`build_threshold_mask` / :func:`build_threshold_mask_torch`: packed custom
+  masks expanded on the device from one integer per request.
 * :func:`merge_state_triton` / :func:`merge_state_torch`: merge two partial attention
   states whose log-sum-exp is in base 2 (FlashInfer's convention).
 
@@ -15,19 +17,22 @@ before the first import to run them on CPU tensors through Triton's interpreter.
 
 from __future__ import annotations
 
+from flashplan.kernels._triton import triton_mode
+from flashplan.kernels.gather import NO_BAD_JOB, gather_slots, gather_slots_torch, new_status
 from flashplan.kernels.merge_state import merge_state_torch, merge_state_triton
-from flashplan.kernels.page_gather import (
-    gather_page_indices,
-    gather_page_indices_torch,
-    token_slots,
-    token_slots_torch,
-)
+from flashplan.kernels.threshold_mask import build_threshold_mask, build_threshold_mask_torch
+from flashplan.kernels.write_kv import write_kv, write_kv_torch
 
 __all__ = [
-    "gather_page_indices",
-    "gather_page_indices_torch",
+    "NO_BAD_JOB",
+    "build_threshold_mask",
+    "build_threshold_mask_torch",
+    "gather_slots",
+    "gather_slots_torch",
     "merge_state_torch",
     "merge_state_triton",
-    "token_slots",
-    "token_slots_torch",
+    "new_status",
+    "triton_mode",
+    "write_kv",
+    "write_kv_torch",
 ]

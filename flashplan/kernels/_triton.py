@@ -1,4 +1,5 @@
-"""The optional Triton import shared by flashplan's kernel modules, and its mode.
+"""What every flashplan kernel module shares: the optional Triton import, its mode,
+where a launch goes, and the device guard around it.
 
 Triton decides at ``@triton.jit`` decoration time whether a kernel is compiled or
 interpreted (``TRITON_INTERPRET=1``), so every kernel module is defined in one mode;
@@ -7,9 +8,12 @@ interpreted (``TRITON_INTERPRET=1``), so every kernel module is defined in one m
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Literal
 
-__all__ = ["HAS_TRITON", "tl", "triton", "triton_mode"]
+import torch
+
+__all__ = ["HAS_TRITON", "device_guard", "runs_on_triton", "tl", "triton", "triton_mode"]
 
 try:  # Triton is optional: every launcher has a plain-torch twin.
     import triton
@@ -41,3 +45,29 @@ def triton_mode() -> Literal["compiled", "interpret", "unavailable"]:
     if isinstance(_mode_probe_kernel, triton.runtime.JITFunction):
         return "compiled"
     return "interpret"
+
+
+def runs_on_triton(device: torch.device, torch_twin: str) -> bool:
+    """Whether a launch on ``device`` goes to the Triton kernel (else the torch twin).
+
+    CPU tensors run the kernel only under Triton's interpreter; a GPU needs Triton.
+
+    Raises:
+        RuntimeError: a non-CPU device without Triton (names the torch twin to use).
+    """
+    mode = triton_mode()
+    if device.type == "cpu":
+        return mode == "interpret"
+    if mode == "unavailable":
+        raise RuntimeError(
+            f"Triton is not installed: cannot launch on {device}; use {torch_twin}()"
+        )
+    return True
+
+
+def device_guard(device: torch.device) -> AbstractContextManager[object]:
+    """A context that makes ``device`` current for a Triton launch (CUDA devices only):
+    Triton launches on the current device, which may differ from the tensors'."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return nullcontext()

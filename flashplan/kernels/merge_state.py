@@ -12,8 +12,9 @@ the state over their union::
 computed in float32 (float64 for float64 values, torch twin only) with the maximum
 factored out (no overflow for any finite lse). An
 empty segment has ``s = -inf`` and contributes weight 0 (its ``v`` is not even read, so
-garbage there is harmless); when both are empty the result is ``v = 0``, ``s = -inf``,
-never NaN.
+garbage there is harmless); when both are empty the result is ``v = 0``, ``s = -inf``.
+NaN is never hidden: a NaN log-sum-exp on either side makes the result NaN, and a
+non-empty side's ``v`` is always read, so NaN there reaches the output.
 
 :func:`merge_state_torch` has no Triton dependency: the reference executor imports it
 from here and gets the same base-2 convention and the same edge cases.
@@ -21,22 +22,13 @@ from here and gets the same base-2 convention and the same edge cases.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
-from typing import Literal
-
 import torch
 
 from flashplan.errors import FlashplanError
+from flashplan.kernels._triton import HAS_TRITON, device_guard, runs_on_triton, tl, triton
 
-__all__ = ["merge_state_torch", "merge_state_triton", "triton_mode"]
+__all__ = ["merge_state_torch", "merge_state_triton"]
 
-try:  # Triton is optional: merge_state_torch works without it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    _HAS_TRITON = False
-else:
-    _HAS_TRITON = True
 
 _V_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the kernel's
 _V_DTYPES_TORCH = (*_V_DTYPES, torch.float64)  # the torch twin's (reference executor)
@@ -44,7 +36,7 @@ _V_DTYPES_TORCH = (*_V_DTYPES, torch.float64)  # the torch twin's (reference exe
 # On an H200, 512-4096 all reach ~4.5 TB/s on large merges; 128 (one head) gets ~1.3.
 _ELEMS_PER_PROGRAM = 2048
 
-if _HAS_TRITON:
+if HAS_TRITON:
 
     @triton.jit
     def _merge_state_kernel(
@@ -82,20 +74,23 @@ if _HAS_TRITON:
         s_b = tl.load(
             s_b_ptr + n * s_b_stride_n + h * s_b_stride_h, mask=h_ok, other=float("-inf")
         ).to(tl.float32)
-        m = tl.maximum(s_a, s_b)
-        valid = m > float("-inf")
-        m0 = tl.where(valid, m, 0.0)
-        w_a = tl.exp2(s_a - m0)  # exp2(-inf) = 0 for an empty side
-        w_b = tl.exp2(s_b - m0)
-        denom = tl.where(valid, w_a + w_b, 1.0)  # in [1, 2] when valid
-        s = tl.where(valid, m0 + tl.log2(denom), float("-inf"))
+        empty_a = s_a == float("-inf")
+        empty_b = s_b == float("-inf")
+        both = empty_a & empty_b
+        nan = (s_a != s_a) | (s_b != s_b)  # NaN on either side makes the result NaN
+        m0 = tl.where(both | nan, 0.0, tl.maximum(s_a, s_b))
+        w_a = tl.where(empty_a, 0.0, tl.exp2(s_a - m0))
+        w_b = tl.where(empty_b, 0.0, tl.exp2(s_b - m0))
+        denom = tl.where(both, 1.0, w_a + w_b)  # in [1, 2] when some side is not empty
+        s = tl.where(both, float("-inf"), m0 + tl.log2(denom))
+        s = tl.where(nan, float("nan"), s)
         c_a = w_a / denom  # 0 for an empty side and for padding heads
         c_b = w_b / denom
         d = tl.arange(0, BLOCK_D)[None, :]
-        # A side with weight 0 is not read: its v may be anything (NaN included). Masks
-        # are built as single comparisons against a per-head limit on d.
-        lim_a = tl.where(c_a > 0.0, head_dim, 0)[:, None]
-        lim_b = tl.where(c_b > 0.0, head_dim, 0)[:, None]
+        # An empty side (LSE -inf) is not read: its v may be anything (NaN included).
+        # A non-empty side is always read, so NaN in its v reaches the output.
+        lim_a = tl.where(empty_a | ~h_ok, 0, head_dim)[:, None]
+        lim_b = tl.where(empty_b | ~h_ok, 0, head_dim)[:, None]
         v_a = tl.load(
             v_a_ptr + n * v_a_stride_n + h[:, None] * v_a_stride_h + d * v_a_stride_d,
             mask=d < lim_a,
@@ -107,6 +102,7 @@ if _HAS_TRITON:
             other=0.0,
         ).to(tl.float32)
         v = v_a * c_a[:, None] + v_b * c_b[:, None]
+        v = tl.where(nan[:, None], float("nan"), v)
         row = n * num_heads + h  # output (token, head) index; outputs are contiguous
         lim_out = tl.where(h_ok, head_dim, 0)[:, None]
         tl.store(
@@ -115,22 +111,6 @@ if _HAS_TRITON:
             mask=d < lim_out,
         )
         tl.store(s_out_ptr + row, s, mask=h_ok)
-
-
-def triton_mode() -> Literal["compiled", "interpret", "unavailable"]:
-    """How this module's Triton kernel runs.
-
-    Returns:
-        ``"unavailable"`` when Triton is not installed; ``"interpret"`` when the kernel was
-        defined (at this module's import) with ``TRITON_INTERPRET=1``, so that it runs on
-        CPU tensors through Triton's interpreter; ``"compiled"`` otherwise (a real GPU
-        kernel; CPU tensors then go to :func:`merge_state_torch`).
-    """
-    if not _HAS_TRITON:
-        return "unavailable"
-    if isinstance(_merge_state_kernel, triton.runtime.JITFunction):
-        return "compiled"
-    return "interpret"
 
 
 def _check_states(
@@ -192,13 +172,8 @@ def merge_state_triton(
         RuntimeError: a non-CPU device without Triton installed.
     """
     _check_states(v_a, s_a, v_b, s_b)
-    mode = triton_mode()
-    if v_a.device.type == "cpu" and mode != "interpret":
+    if not runs_on_triton(v_a.device, "merge_state_torch"):
         return merge_state_torch(v_a, s_a, v_b, s_b)
-    if mode == "unavailable":
-        raise RuntimeError(
-            f"Triton is not installed: cannot merge on {v_a.device}; use merge_state_torch()"
-        )
     tokens, heads, head_dim = v_a.shape
     v = torch.empty((tokens, heads, head_dim), dtype=v_a.dtype, device=v_a.device)
     s = torch.empty((tokens, heads), dtype=torch.float32, device=v_a.device)
@@ -207,7 +182,7 @@ def merge_state_triton(
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = min(triton.next_power_of_2(heads), max(1, _ELEMS_PER_PROGRAM // block_d))
     head_blocks = triton.cdiv(heads, block_h)
-    with _device_guard(v_a.device):
+    with device_guard(v_a.device):
         _merge_state_kernel[(tokens * head_blocks,)](
             v_a,
             s_a,
@@ -259,25 +234,22 @@ def merge_state_torch(
     math_dtype = torch.float64 if fp64 else torch.float32
     s_a = s_a.to(math_dtype)
     s_b = s_b.to(math_dtype)
-    m = torch.maximum(s_a, s_b)
-    valid = m > float("-inf")
-    m0 = torch.where(valid, m, torch.zeros_like(m))
-    w_a = torch.exp2(s_a - m0)
-    w_b = torch.exp2(s_b - m0)
-    denom = torch.where(valid, w_a + w_b, torch.ones_like(m))
-    s = torch.where(valid, m0 + torch.log2(denom), torch.full_like(m, float("-inf")))
+    empty_a = s_a == float("-inf")
+    empty_b = s_b == float("-inf")
+    both = empty_a & empty_b
+    nan = torch.isnan(s_a) | torch.isnan(s_b)
+    zero = torch.zeros((), dtype=math_dtype, device=v_a.device)
+    m0 = torch.where(both | nan, zero, torch.maximum(s_a, s_b))
+    w_a = torch.where(empty_a, zero, torch.exp2(s_a - m0))
+    w_b = torch.where(empty_b, zero, torch.exp2(s_b - m0))
+    denom = torch.where(both, torch.ones_like(m0), w_a + w_b)
+    s = torch.where(both, torch.full_like(m0, float("-inf")), m0 + torch.log2(denom))
+    s = torch.where(nan, torch.full_like(m0, float("nan")), s)
     c_a = (w_a / denom).unsqueeze(-1)
     c_b = (w_b / denom).unsqueeze(-1)
-    zero = torch.zeros((), dtype=math_dtype, device=v_a.device)
-    part_a = torch.where(c_a > 0, v_a.to(math_dtype) * c_a, zero)
-    part_b = torch.where(c_b > 0, v_b.to(math_dtype) * c_b, zero)
+    part_a = torch.where(empty_a.unsqueeze(-1), zero, v_a.to(math_dtype) * c_a)
+    part_b = torch.where(empty_b.unsqueeze(-1), zero, v_b.to(math_dtype) * c_b)
+    merged = torch.where(nan.unsqueeze(-1), float("nan"), part_a + part_b)
     # Elementwise ops keep the inputs' memory layout; return the kernel's (contiguous) one.
-    v = (part_a + part_b).to(v_a.dtype).contiguous()
+    v = merged.to(v_a.dtype).contiguous()
     return v, s.to(torch.float32).contiguous()
-
-
-def _device_guard(device: torch.device) -> AbstractContextManager[object]:
-    """A context that makes ``device`` current for a Triton launch (CUDA devices only)."""
-    if device.type == "cuda":
-        return torch.cuda.device(device)
-    return nullcontext()

@@ -1,6 +1,6 @@
 """Packed "threshold-row" custom masks built on the device.
 
-A threshold-row mask (see :class:`flashplan.plan.masks.CustomMask`) gives row
+A threshold-row mask (see :class:`flashplan.planning.masks.ThresholdMask`) gives row
 ``j`` of request ``i`` the columns ``c >= clamp(first_visible[i] + j, 0, kv_len)``.
 These kernels expand it straight into bit-packed bytes (little-endian: element
 ``e`` is bit ``e % 8`` of byte ``e // 8``), request ``i``'s bytes starting at byte
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from flashplan.errors import FlashplanError
-from flashplan.kernels._triton import HAS_TRITON, tl, triton, triton_mode
+from flashplan.kernels._triton import HAS_TRITON, device_guard, runs_on_triton, tl, triton
 
 __all__ = ["build_threshold_mask", "build_threshold_mask_torch"]
 
@@ -42,14 +42,15 @@ if HAS_TRITON:
         n_bytes = (n_elem + 7) // 8
         b = blk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         valid = b < n_bytes
-        bit = tl.arange(0, 8).to(tl.int64)
-        e = b[:, None] * 8 + bit[None, :]
         kv_safe = tl.maximum(kv, 1)
-        row = e // kv_safe
-        col = e - row * kv_safe
-        thr = tl.minimum(tl.maximum(first + row, 0), kv)
-        seen = (col >= thr) & (e < n_elem)
-        byte = tl.sum(seen.to(tl.int32) << bit[None, :].to(tl.int32), axis=1)
+        byte = (b * 0).to(tl.int32)
+        for bit in tl.static_range(8):  # no tl.sum: it is a jit helper, not a builtin
+            e = b * 8 + bit
+            row = e // kv_safe
+            col = e - row * kv_safe
+            thr = tl.minimum(tl.maximum(first + row, 0), kv)
+            seen = (col >= thr) & (e < n_elem)
+            byte = byte | (seen.to(tl.int32) << bit)
         tl.store(out_ptr + base + b, byte.to(tl.uint8), mask=valid)
 
 
@@ -104,14 +105,14 @@ def build_threshold_mask(
     bs = _check(first_visible, qo_lens, kv_lens, byte_offsets, out)
     if bs == 0 or max_bytes <= 0:
         return
-    mode = triton_mode()
-    if out.device.type == "cpu" and mode != "interpret":
+    if not runs_on_triton(out.device, "build_threshold_mask_torch"):
         build_threshold_mask_torch(first_visible, qo_lens, kv_lens, byte_offsets, out)
         return
-    if mode == "unavailable":
-        raise RuntimeError("Triton is not installed: use build_threshold_mask_torch()")
     grid = (bs, triton.cdiv(max_bytes, _BLOCK))
-    _threshold_mask_kernel[grid](first_visible, qo_lens, kv_lens, byte_offsets, out, BLOCK=_BLOCK)
+    with device_guard(out.device):
+        _threshold_mask_kernel[grid](
+            first_visible, qo_lens, kv_lens, byte_offsets, out, BLOCK=_BLOCK
+        )
 
 
 def build_threshold_mask_torch(

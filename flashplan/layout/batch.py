@@ -5,20 +5,22 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from functools import cached_property
+from typing import Any
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
-from flashplan.errors import LayoutError
-from flashplan.layout.arrays import (
-    ArrayLike,
+from flashplan.arrays import (
+    INT32_MAX,
     IntArray,
     array_key,
-    as_int,
-    as_lengths,
-    is_int,
-    sealed,
+    checked_int32,
+    readonly_when_unpickled,
+    seal_inplace,
 )
+from flashplan.errors import LayoutError
+from flashplan.layout.convert import ArrayLike, as_flags, as_int, as_lengths
 from flashplan.layout.group import AttentionGroup
 
 __all__ = ["BatchLayout", "Mode"]
@@ -28,49 +30,69 @@ class Mode(enum.Enum):
     """What kind of step a batch is.
 
     ``DECODE``: one new token per request, planned on FlashInfer's decode kernels.
-    ``EXTEND``: any number of new tokens per request (prefill, chunked prefill).
+    ``EXTEND``: any number of new tokens per request (prefill, chunked prefill,
+    block-bidirectional extend, draft extend).
     """
 
     DECODE = "decode"
     EXTEND = "extend"
 
 
-def _check_page_size(instance: BatchLayout, attribute: attrs.Attribute[int], value: int) -> None:
-    if not is_int(value) or value <= 0:
-        raise LayoutError("page_size", "must be a positive int", page_size=value)
+#: The groups a layout is planned for by default: one causal full-attention group.
+DEFAULT_GROUPS: tuple[AttentionGroup, ...] = (AttentionGroup(),)
 
 
-def _to_groups(groups: Iterable[AttentionGroup]) -> tuple[AttentionGroup, ...]:
-    return tuple(groups)
-
-
-def _check_groups(
-    instance: BatchLayout,
-    attribute: attrs.Attribute[tuple[AttentionGroup, ...]],
-    value: tuple[AttentionGroup, ...],
-) -> None:
-    if not value:
-        raise LayoutError("groups", "at least one AttentionGroup is needed")
-    for i, g in enumerate(value):
+def _groups(field: str, value: object) -> tuple[AttentionGroup, ...]:
+    """One group or an iterable of groups, as a tuple of distinct groups."""
+    if isinstance(value, AttentionGroup):
+        return (value,)
+    if value is None or isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise LayoutError(field, "must be an AttentionGroup or an iterable of them", value=value)
+    groups = tuple(value)
+    if not groups:
+        raise LayoutError(field, "at least one AttentionGroup is needed")
+    for i, g in enumerate(groups):
         if not isinstance(g, AttentionGroup):
-            raise LayoutError(
-                "groups", "must hold AttentionGroup records", request=None, index=i, value=g
-            )
-    if len(set(value)) != len(value):
-        raise LayoutError("groups", "must not repeat a group", groups=value)
+            raise LayoutError(field, "must hold AttentionGroup records", index=i, value=g)
+    if len(set(groups)) != len(groups):
+        raise LayoutError(field, "must not repeat a group", groups=groups)
+    return groups
 
 
-def _first_bad(mask: np.ndarray) -> int:
+def _optional_lengths(field: str, value: object) -> IntArray | None:
+    return None if value is None else as_lengths(field, value)
+
+
+def _optional_flags(field: str, value: object) -> npt.NDArray[np.bool_] | None:
+    return None if value is None else as_flags(field, value)
+
+
+def _mode(field: str, value: object) -> Mode:
+    if not isinstance(value, Mode):
+        raise LayoutError(field, "must be a flashplan.Mode", value=value)
+    return value
+
+
+def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
+@readonly_when_unpickled
 @attrs.frozen
 class BatchLayout:
     """Everything planning needs about one batch, as host data.
 
     Per-request arrays are read-only int32 numpy arrays of shape ``[bs]``; the
     record compares and hashes by value. Build it with a named constructor
-    (:meth:`decode`, :meth:`extend`); ``__init__`` only validates.
+    (:meth:`decode`, :meth:`extend`, :meth:`from_extend_lens`); ``__init__`` takes the
+    same per-request data (any sequence of ints, integer array or CPU tensor) and
+    every path converts and validates it the same way.
+
+    Token coordinates: a *row token* is the index of a logical token in a request's
+    page-table row (row token ``t`` lives in slot ``t % page_size`` of page
+    ``row[t // page_size]``). A *position* counts decoder tokens from 0. Without an
+    encoder the two coincide; with one, decoder position ``p`` is row token
+    ``decoder_start + p``.
 
     Attributes:
         mode: the kind of step (:class:`Mode`).
@@ -81,17 +103,32 @@ class BatchLayout:
         encoder_lens: encoder tokens of each request (tokens), or ``None`` for a
             decoder-only model. The encoder KV occupies the first
             ``ceil(encoder_len / page_size)`` pages of the request's page-table
-            row; decoder tokens start at the next page boundary.
+            row; decoder tokens start at the next page boundary (:attr:`decoder_start`).
         page_size: tokens per KV page (1 = sglang's token table).
-        groups: the attention groups (kinds of layers) this batch is planned for.
+        groups: the attention groups (kinds of layers) this batch is planned for;
+            a single group is accepted.
+        encoder_cached: per request, whether its encoder K/V is already in the cache
+            (written in an earlier step), or ``None`` for none. A cross group's
+            ``run`` writes the encoder K/V of the other requests only: its ``k_new`` /
+            ``v_new`` hold just their rows (``PlanSpec.encoder_indptr``). A request
+            that joins a running encoder-decoder batch is the one uncached request.
     """
 
-    mode: Mode = attrs.field(validator=attrs.validators.instance_of(Mode))
-    seq_lens: IntArray = attrs.field(eq=array_key)
-    prefix_lens: IntArray = attrs.field(eq=array_key)
-    encoder_lens: IntArray | None = attrs.field(eq=array_key)
-    page_size: int = attrs.field(converter=as_int, validator=_check_page_size)
-    groups: tuple[AttentionGroup, ...] = attrs.field(converter=_to_groups, validator=_check_groups)
+    mode: Mode = attrs.field(converter=lambda v: _mode("mode", v))
+    seq_lens: IntArray = attrs.field(converter=lambda v: as_lengths("seq_lens", v), eq=array_key)
+    prefix_lens: IntArray = attrs.field(
+        converter=lambda v: as_lengths("prefix_lens", v), eq=array_key
+    )
+    encoder_lens: IntArray | None = attrs.field(
+        default=None, converter=lambda v: _optional_lengths("encoder_lens", v), eq=array_key
+    )
+    page_size: int = attrs.field(default=1, converter=lambda v: as_int("page_size", v, minimum=1))
+    groups: tuple[AttentionGroup, ...] = attrs.field(
+        default=DEFAULT_GROUPS, converter=lambda v: _groups("groups", v)
+    )
+    encoder_cached: npt.NDArray[np.bool_] | None = attrs.field(
+        default=None, converter=lambda v: _optional_flags("encoder_cached", v), eq=array_key
+    )
 
     def __attrs_post_init__(self) -> None:
         bs = self.seq_lens.shape[0]
@@ -104,7 +141,7 @@ class BatchLayout:
             )
         over = self.prefix_lens > self.seq_lens
         if over.any():
-            i = _first_bad(over)
+            i = _first(over)
             raise LayoutError(
                 "prefix_lens",
                 "must not exceed seq_lens",
@@ -115,7 +152,7 @@ class BatchLayout:
         if self.mode is Mode.DECODE:
             not_one = (self.seq_lens - self.prefix_lens) != 1
             if not_one.any():
-                i = _first_bad(not_one)
+                i = _first(not_one)
                 raise LayoutError(
                     "seq_lens",
                     "a decode step adds exactly one token per request",
@@ -132,12 +169,18 @@ class BatchLayout:
             )
         if self.encoder_lens is None and any(g.cross_attention for g in self.groups):
             raise LayoutError("encoder_lens", "a cross-attention group needs encoder_lens")
-        end = self.kv_offsets.astype(np.int64) + self.seq_lens
-        if bs and int(end.max()) > np.iinfo(np.int32).max:
-            i = int(np.argmax(end))
-            raise LayoutError(
-                "seq_lens", "encoder + decoder tokens exceed int32", request=i, end=int(end[i])
-            )
+        if self.encoder_cached is not None:
+            if self.encoder_lens is None:
+                raise LayoutError("encoder_cached", "needs encoder_lens")
+            if self.encoder_cached.shape[0] != bs:
+                raise LayoutError(
+                    "encoder_cached",
+                    "batch size differs from seq_lens",
+                    seq_lens_size=bs,
+                    encoder_cached_size=self.encoder_cached.shape[0],
+                )
+        # Derived values, in wide integers, must fit the int32 arrays kernels get.
+        _ = self.decoder_start, self.pages_needed
 
     # -- named constructors -------------------------------------------------------------
     @classmethod
@@ -146,16 +189,14 @@ class BatchLayout:
         seq_lens: ArrayLike,
         *,
         page_size: int = 1,
-        groups: Iterable[AttentionGroup] = (AttentionGroup(),),
+        groups: Iterable[AttentionGroup] | AttentionGroup = DEFAULT_GROUPS,
         encoder_lens: ArrayLike | None = None,
+        encoder_cached: object = None,
     ) -> BatchLayout:
         """A decode step: each request adds one token; ``seq_lens`` count it (>= 1)."""
         seq = as_lengths("seq_lens", seq_lens, minimum=1)
-        prefix = seq - 1
-        prefix.flags.writeable = False
-        return cls(
-            Mode.DECODE, seq, prefix, _opt_lengths("encoder_lens", encoder_lens), page_size, groups
-        )
+        prefix = seal_inplace(seq - np.int32(1))
+        return cls(Mode.DECODE, seq, prefix, encoder_lens, page_size, groups, encoder_cached)
 
     @classmethod
     def extend(
@@ -164,29 +205,24 @@ class BatchLayout:
         prefix_lens: ArrayLike | None = None,
         *,
         page_size: int = 1,
-        groups: Iterable[AttentionGroup] = (AttentionGroup(),),
+        groups: Iterable[AttentionGroup] | AttentionGroup = DEFAULT_GROUPS,
         encoder_lens: ArrayLike | None = None,
+        encoder_cached: object = None,
     ) -> BatchLayout:
         """An extend (prefill) step: request i adds ``seq_lens[i] - prefix_lens[i]`` tokens.
 
         ``prefix_lens`` defaults to zeros (no cached prefix).
         """
         seq = as_lengths("seq_lens", seq_lens)
-        if prefix_lens is None:
-            prefix = np.zeros_like(seq)
-            prefix.flags.writeable = False
-        else:
-            prefix = as_lengths("prefix_lens", prefix_lens)
-        return cls(
-            Mode.EXTEND, seq, prefix, _opt_lengths("encoder_lens", encoder_lens), page_size, groups
-        )
+        prefix = seal_inplace(np.zeros_like(seq)) if prefix_lens is None else prefix_lens
+        return cls(Mode.EXTEND, seq, prefix, encoder_lens, page_size, groups, encoder_cached)
 
     @classmethod
     def from_extend_lens(
         cls,
         extend_lens: ArrayLike,
         prefix_lens: ArrayLike | None = None,
-        **kwargs: object,
+        **kwargs: Any,
     ) -> BatchLayout:
         """Like :meth:`extend`, from the new-token counts instead of the totals."""
         ext = as_lengths("extend_lens", extend_lens)
@@ -200,7 +236,41 @@ class BatchLayout:
                 extend_lens_size=ext.shape[0],
                 prefix_lens_size=prefix.shape[0],
             )
-        return cls.extend(ext.astype(np.int64) + prefix, prefix, **kwargs)  # type: ignore[arg-type]
+        seq = checked_int32("seq_lens", ext.astype(np.int64) + prefix, "prefix + extend length")
+        return cls.extend(seq, prefix, **kwargs)
+
+    @classmethod
+    def block_extend(
+        cls,
+        seq_lens: ArrayLike,
+        block_size: int,
+        *,
+        page_size: int = 1,
+        groups: Iterable[AttentionGroup] | AttentionGroup | None = None,
+        encoder_lens: ArrayLike | None = None,
+    ) -> BatchLayout:
+        """A block-bidirectional extend (diffusion LMs): each request's last
+        ``block_size`` tokens are new and see the prefix and every token of the block.
+
+        ``prefix_lens = seq_lens - block_size`` (each ``seq_len >= block_size``);
+        ``groups`` defaults to one :meth:`AttentionGroup.bidirectional` group.
+        """
+        seq = as_lengths("seq_lens", seq_lens)
+        block = as_int("block_size", block_size, minimum=1)
+        short = seq < block
+        if short.any():
+            i = _first(short)
+            raise LayoutError(
+                "seq_lens",
+                "must be at least block_size",
+                request=i,
+                seq_len=int(seq[i]),
+                block_size=block,
+            )
+        prefix = seal_inplace(seq - np.int32(block))
+        if groups is None:
+            groups = (AttentionGroup.bidirectional(),)
+        return cls(Mode.EXTEND, seq, prefix, encoder_lens, page_size, groups)
 
     # -- derived ------------------------------------------------------------------------
     @property
@@ -211,7 +281,7 @@ class BatchLayout:
     @cached_property
     def extend_lens(self) -> IntArray:
         """New tokens per request, int32 ``[bs]`` (tokens)."""
-        return sealed(self.seq_lens - self.prefix_lens)
+        return seal_inplace(self.seq_lens - self.prefix_lens)
 
     @property
     def total_new_tokens(self) -> int:
@@ -219,27 +289,53 @@ class BatchLayout:
         return int(self.extend_lens.sum())
 
     @cached_property
-    def kv_offsets(self) -> IntArray:
-        """Logical token where each request's decoder KV starts, int32 ``[bs]``.
+    def encoder_new_lens(self) -> IntArray | None:
+        """Encoder tokens whose K/V a cross group writes this step, int32 ``[bs]``
+        (``encoder_lens``, 0 where ``encoder_cached``), or ``None`` without encoder."""
+        if self.encoder_lens is None:
+            return None
+        if self.encoder_cached is None:
+            return self.encoder_lens
+        return seal_inplace(np.where(self.encoder_cached, 0, self.encoder_lens))
+
+    @cached_property
+    def encoder_pages(self) -> IntArray:
+        """Pages the encoder KV occupies at the start of each row, int32 ``[bs]`` (pages)."""
+        if self.encoder_lens is None:
+            return seal_inplace(np.zeros_like(self.seq_lens))
+        ps = self.page_size
+        return seal_inplace((self.encoder_lens.astype(np.int64) + ps - 1) // ps)
+
+    @cached_property
+    def decoder_start(self) -> IntArray:
+        """Row token of each request's decoder position 0, int32 ``[bs]`` (tokens).
 
         0 without encoder; else the encoder's length rounded up to a page boundary.
+
+        Raises:
+            LayoutError: the rounded value exceeds int32.
         """
         if self.encoder_lens is None:
-            return sealed(np.zeros_like(self.seq_lens))
-        ps = self.page_size
-        return sealed((self.encoder_lens.astype(np.int64) + ps - 1) // ps * ps)
+            return seal_inplace(np.zeros_like(self.seq_lens))
+        start = self.encoder_pages.astype(np.int64) * self.page_size
+        return checked_int32("encoder_lens", start, "encoder length rounded to a page")
 
     @cached_property
     def pages_needed(self) -> IntArray:
-        """Pages each request's page-table row must hold, int32 ``[bs]`` (pages)."""
+        """Pages each request's page-table row must hold, int32 ``[bs]`` (pages).
+
+        Raises:
+            LayoutError: the row's last token (encoder + decoder) exceeds int32.
+        """
         ps = self.page_size
-        end = self.kv_offsets.astype(np.int64) + self.seq_lens
-        return sealed((end + ps - 1) // ps)
+        end = self.decoder_start.astype(np.int64) + self.seq_lens
+        if end.size and int(end.max()) > INT32_MAX:
+            i = int(np.argmax(end))
+            raise LayoutError(
+                "seq_lens", "encoder + decoder tokens exceed int32", request=i, end=int(end[i])
+            )
+        return seal_inplace(np.maximum((end + ps - 1) // ps, self.encoder_pages))
 
     def with_groups(self, *groups: AttentionGroup) -> BatchLayout:
         """The same batch planned for other groups."""
         return attrs.evolve(self, groups=groups)
-
-
-def _opt_lengths(field: str, values: ArrayLike | None) -> IntArray | None:
-    return None if values is None else as_lengths(field, values)

@@ -7,32 +7,30 @@ import math
 import attrs
 
 from flashplan.errors import LayoutError
-from flashplan.layout.arrays import as_int, is_int
+from flashplan.layout.convert import as_bool, as_int, as_real
 
 __all__ = ["AttentionGroup"]
 
 
-def _check_window(instance: AttentionGroup, attribute: attrs.Attribute[int], value: int) -> None:
-    if not is_int(value):
-        raise LayoutError("window_left", "must be an int", window_left=value)
-    if value < -1:
-        raise LayoutError("window_left", "must be -1 (full attention) or >= 0", window_left=value)
+def _window(field: str, value: object) -> int:
+    # Any magnitude: a window at least as long as the sequence is full attention.
+    return as_int(field, value, minimum=-1, maximum=2**63 - 1)
 
 
-def _check_soft_cap(
-    instance: AttentionGroup, attribute: attrs.Attribute[float], value: float
-) -> None:
-    if not math.isfinite(value) or value < 0:
-        raise LayoutError(
-            "logits_soft_cap", "must be a finite number >= 0 (0 = off)", logits_soft_cap=value
-        )
+def _soft_cap(field: str, value: object) -> float:
+    cap = as_real(field, value)
+    if cap < 0:
+        raise LayoutError(field, "must be >= 0 (0 = off)", logits_soft_cap=value)
+    return cap
 
 
-def _check_sm_scale(
-    instance: AttentionGroup, attribute: attrs.Attribute[float | None], value: float | None
-) -> None:
-    if value is not None and (not math.isfinite(value) or value <= 0):
-        raise LayoutError("sm_scale", "must be a finite number > 0 or None", sm_scale=value)
+def _sm_scale(field: str, value: object) -> float | None:
+    if value is None:
+        return None
+    scale = as_real(field, value)
+    if scale <= 0:
+        raise LayoutError(field, "must be > 0, or None for 1/sqrt(head_dim)", sm_scale=value)
+    return scale
 
 
 @attrs.frozen
@@ -43,24 +41,36 @@ class AttentionGroup:
     encoder-decoder model adds a cross-attention group. Groups are hashable and
     compare by value: they are part of a plan's static key.
 
+    Every field is validated before it is normalised: numbers must be real numbers
+    (``Fraction`` and ``Decimal`` become floats; strings, complex numbers, tensors and
+    bools are refused) and flags must be bools.
+
     Attributes:
         window_left: sliding window, FlashInfer/sglang convention: a query at
             position ``p`` sees keys ``p - window_left <= k <= p`` (``window_left + 1``
             keys). ``-1`` means full attention. A Hugging Face ``sliding_window`` of
-            ``S`` is ``window_left = S - 1``.
+            ``S`` is ``window_left = S - 1``. Any size is accepted; a window at least as
+            long as a sequence shows that sequence in full.
         cross_attention: attend to the request's encoder tokens instead of the
             decoder tokens. Cross groups are non-causal and have no window.
         causal: a query sees keys up to its own position (bottom-right aligned);
             ``False`` lets every new token see every key of the request.
         logits_soft_cap: ``cap * tanh(logits / cap)`` before the softmax; 0 = off.
-        sm_scale: softmax scale; ``None`` means ``1 / sqrt(head_dim)``.
+        sm_scale: softmax scale; ``None`` means ``1 / sqrt(head_dim)``. A group does
+            not know its head size, so ``sm_scale=None`` and an explicit
+            ``1 / sqrt(head_dim)`` are different records; :func:`flashplan.plan`
+            resolves both to the same group (:meth:`resolved`) and plans it once.
     """
 
-    window_left: int = attrs.field(default=-1, converter=as_int, validator=_check_window)
-    cross_attention: bool = attrs.field(default=False, converter=bool)
-    causal: bool = attrs.field(default=True, converter=bool)
-    logits_soft_cap: float = attrs.field(default=0.0, converter=float, validator=_check_soft_cap)
-    sm_scale: float | None = attrs.field(default=None, validator=_check_sm_scale)
+    window_left: int = attrs.field(default=-1, converter=lambda v: _window("window_left", v))
+    cross_attention: bool = attrs.field(
+        default=False, converter=lambda v: as_bool("cross_attention", v)
+    )
+    causal: bool = attrs.field(default=True, converter=lambda v: as_bool("causal", v))
+    logits_soft_cap: float = attrs.field(
+        default=0.0, converter=lambda v: _soft_cap("logits_soft_cap", v)
+    )
+    sm_scale: float | None = attrs.field(default=None, converter=lambda v: _sm_scale("sm_scale", v))
 
     def __attrs_post_init__(self) -> None:
         if self.cross_attention and self.causal:
@@ -96,7 +106,12 @@ class AttentionGroup:
     def bidirectional(
         cls, *, logits_soft_cap: float = 0.0, sm_scale: float | None = None
     ) -> AttentionGroup:
-        """Non-causal self-attention: each new token sees every key of its request."""
+        """Non-causal self-attention: each new token sees every key of its request.
+
+        With a cached prefix this is block-bidirectional extend (diffusion LMs,
+        encoder-only layers): new tokens see the prefix and every new token of their
+        block.
+        """
         return cls(causal=False, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale)
 
     @classmethod
@@ -114,9 +129,23 @@ class AttentionGroup:
         """True for a sliding-window group (``window_left >= 0``)."""
         return self.window_left >= 0
 
+    @property
+    def uses_window_pool(self) -> bool:
+        """Whether the group's KV lives in the sliding-window pool of an executor with a
+        ``page_map`` (every windowed group does; full, bidirectional and cross groups
+        stay in the full pool)."""
+        return self.has_window
+
     def scale_for(self, head_dim: int) -> float:
         """The softmax scale for ``head_dim``: ``sm_scale`` or ``1 / sqrt(head_dim)``."""
         return self.sm_scale if self.sm_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def resolved(self, head_dim: int) -> AttentionGroup:
+        """The same group with an explicit ``sm_scale`` for ``head_dim``, so that groups
+        computing the same attention compare equal."""
+        if self.sm_scale is not None:
+            return self
+        return attrs.evolve(self, sm_scale=self.scale_for(head_dim))
 
     def describe(self) -> str:
         """Short human-readable name, e.g. ``"self causal window=127 cap=30"``."""

@@ -6,22 +6,17 @@ import attrs
 import torch
 
 from flashplan.errors import LayoutError
-from flashplan.layout.arrays import as_int, is_int
+from flashplan.layout.convert import as_int
 
 __all__ = ["HeadConfig"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _positive_int(instance: HeadConfig, attribute: attrs.Attribute[int], value: int) -> None:
-    if not is_int(value) or value <= 0:
-        raise LayoutError(attribute.name, "must be a positive int", value=value)
-
-
 def _float_dtype(
     instance: HeadConfig, attribute: attrs.Attribute[torch.dtype], value: torch.dtype
 ) -> None:
-    if value not in _FLOAT_DTYPES:
+    if not isinstance(value, torch.dtype) or value not in _FLOAT_DTYPES:
         raise LayoutError(
             attribute.name, "must be torch.float16, torch.bfloat16 or torch.float32", value=value
         )
@@ -41,9 +36,9 @@ class HeadConfig:
         out_dtype: dtype of the attention output (default: ``q_dtype``).
     """
 
-    num_qo_heads: int = attrs.field(converter=as_int, validator=_positive_int)
-    num_kv_heads: int = attrs.field(converter=as_int, validator=_positive_int)
-    head_dim: int = attrs.field(converter=as_int, validator=_positive_int)
+    num_qo_heads: int = attrs.field(converter=lambda v: as_int("num_qo_heads", v, minimum=1))
+    num_kv_heads: int = attrs.field(converter=lambda v: as_int("num_kv_heads", v, minimum=1))
+    head_dim: int = attrs.field(converter=lambda v: as_int("head_dim", v, minimum=1))
     q_dtype: torch.dtype = attrs.field(default=torch.bfloat16, validator=_float_dtype)
     kv_dtype: torch.dtype = attrs.field(validator=_float_dtype)
     out_dtype: torch.dtype = attrs.field(validator=_float_dtype)

@@ -6,66 +6,113 @@ import attrs
 import numpy as np
 import torch
 
+from flashplan.arrays import INT32_MAX, IntArray, array_key, indptr
 from flashplan.errors import LayoutError, PageTableError
-from flashplan.layout.arrays import ArrayLike, IntArray, as_lengths, cumsum0
+from flashplan.layout.convert import ArrayLike, as_int, as_lengths
 
 __all__ = ["PageTable"]
 
 
-def _check_pages(
-    instance: PageTable, attribute: attrs.Attribute[torch.Tensor], value: torch.Tensor
-) -> None:
+def _pages(field: str, value: object) -> torch.Tensor:
     if (
         not isinstance(value, torch.Tensor)
         or value.dtype != torch.int32
         or value.dim() != 2
         or value.shape[1] < 1
+        or value.layout != torch.strided
     ):
         raise PageTableError(
-            "pages",
-            "must be an int32 tensor [rows, max_pages] with max_pages >= 1",
-            dtype=getattr(value, "dtype", type(value)),
+            field,
+            "must be a dense int32 tensor [rows, max_pages] with max_pages >= 1",
+            dtype=getattr(value, "dtype", type(value).__name__),
             shape=tuple(getattr(value, "shape", ())),
         )
+    return value
 
 
-def _rows(rows: ArrayLike) -> IntArray:
+def _as_table_error(err: LayoutError) -> PageTableError:
+    return PageTableError(err.field, err.message, request=err.request, **err.values)
+
+
+def _rows(field: str, value: object) -> IntArray:
     try:
-        return as_lengths("rows", rows)
+        return as_lengths(field, value)
     except PageTableError:
         raise
     except LayoutError as err:
-        raise PageTableError(err.field, err.message, request=err.request, **err.values) from None
+        raise _as_table_error(err) from None
+
+
+def _first_shared_row(rows: IntArray) -> tuple[int, int] | None:
+    """``(earlier, later)`` requests of the first pair that share a row, or ``None``."""
+    if rows.size < 2:
+        return None
+    order = np.argsort(rows, kind="stable")
+    same = rows[order[1:]] == rows[order[:-1]]
+    if not same.any():
+        return None
+    later = order[1:][same]
+    earlier = order[:-1][same]
+    k = int(np.argmin(later))
+    return int(earlier[k]), int(later[k])
+
+
+def _num_pages(field: str, value: object) -> int | None:
+    if value is None:
+        return None
+    try:
+        return as_int(field, value, minimum=1)
+    except LayoutError as err:
+        raise _as_table_error(err) from None
 
 
 @attrs.frozen(eq=False)
 class PageTable:
     """A page-id table and the row of each request.
 
-    Logical token ``t`` of request ``i`` lives in slot ``t % page_size`` of page
+    Row token ``t`` of request ``i`` lives in slot ``t % page_size`` of page
     ``pages[rows[i], t // page_size]``. With ``page_size = 1`` this is sglang's
-    ``req_to_token`` table.
+    ``req_to_token`` table. Columns that a plan neither reads nor writes may hold
+    anything (padding ids such as ``-1`` or ``2**31 - 1``).
+
+    The record compares by identity: ``pages`` is a (possibly device) tensor whose
+    values may change between steps, so value equality would need a device read.
 
     Attributes:
         pages: int32 tensor ``[num_rows, max_pages]`` of page ids, on any device
             (the executors gather from it on the cache's device).
-        rows: host int32 array ``[bs]``: the table row of each request.
+        rows: host int32 array ``[bs]``: the table row of each request, distinct.
+        num_pages: the size of the page pool the ids point into, or ``None``. When
+            given, the executors check every id a plan uses against it
+            (:class:`~flashplan.ReferenceExecutor` always checks against the cache).
     """
 
-    pages: torch.Tensor = attrs.field(validator=_check_pages)
-    rows: IntArray = attrs.field(converter=lambda r: _rows(r))
+    pages: torch.Tensor = attrs.field(converter=lambda v: _pages("pages", v))
+    rows: IntArray = attrs.field(converter=lambda v: _rows("rows", v), eq=array_key)
+    num_pages: int | None = attrs.field(
+        default=None, converter=lambda v: _num_pages("num_pages", v)
+    )
 
     def __attrs_post_init__(self) -> None:
         num_rows = self.pages.shape[0]
-        bad = np.flatnonzero(self.rows >= num_rows)
-        if bad.size:
-            i = int(bad[0])
+        out = self.rows >= num_rows
+        shared = _first_shared_row(self.rows)
+        first_out = int(np.flatnonzero(out)[0]) if out.any() else None
+        if first_out is not None and (shared is None or first_out <= shared[1]):
             raise PageTableError(
                 "rows",
                 "row out of range of the table",
-                request=i,
-                row=int(self.rows[i]),
+                request=first_out,
+                row=int(self.rows[first_out]),
                 num_rows=num_rows,
+            )
+        if shared is not None:
+            raise PageTableError(
+                "rows",
+                "two requests share a table row (they would overwrite each other's KV)",
+                request=shared[1],
+                row=int(self.rows[shared[1]]),
+                other_request=shared[0],
             )
 
     @property
@@ -102,6 +149,7 @@ class PageTable:
                 max_pages=self.max_pages,
             )
 
+    # -- named constructors -------------------------------------------------------------
     @classmethod
     def sequential(
         cls,
@@ -115,16 +163,93 @@ class PageTable:
 
         Handy for demos and tests: request ``i`` gets pages
         ``first_page + sum(pages_needed[:i]) + [0, pages_needed[i])``; unused
-        slots hold 0.
+        slots hold 0. ``num_pages`` is set to the pool this implies.
 
         Args:
             pages_needed: int ``[bs]`` pages per request (e.g. ``spec.pages_needed``).
             max_pages: table width (default: the largest request, at least 1).
+            first_page: id of the first page handed out.
+
+        Raises:
+            PageTableError: a page id would exceed int32.
         """
-        need = as_lengths("pages_needed", pages_needed)
-        width = max(int(need.max()) if need.size else 0, 1) if max_pages is None else max_pages
-        starts = cumsum0(need)[:-1].astype(np.int64) + first_page
+        need = _table_lengths("pages_needed", pages_needed)
+        width = _width(need, max_pages, 0)
+        first = _table_int("first_page", first_page, minimum=0)
+        starts = indptr(need, "pages_needed")[:-1].astype(np.int64) + first
+        end = first + int(need.sum())
+        if end > INT32_MAX:
+            raise PageTableError(
+                "first_page", "page ids would exceed int32", first_page=first, last_page=end - 1
+            )
         cols = np.arange(width, dtype=np.int64)
         table = np.where(cols[None, :] < need[:, None], starts[:, None] + cols[None, :], 0)
         pages = torch.from_numpy(table.astype(np.int32)).to(device)
-        return cls(pages=pages, rows=np.arange(need.shape[0], dtype=np.int32))
+        rows = np.arange(need.shape[0], dtype=np.int32)
+        return cls(pages=pages, rows=rows, num_pages=max(end, 1))
+
+    @classmethod
+    def shuffled(
+        cls,
+        pages_needed: ArrayLike,
+        *,
+        seed: int = 0,
+        spare_pages: int = 3,
+        extra_rows: int = 1,
+        extra_columns: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> PageTable:
+        """A table as a running engine leaves it, for tests, demos and benchmarks.
+
+        Every request gets its own pages, but the ids are a random permutation of the
+        pool (not consecutive, not ordered), the pool has ``spare_pages`` pages that
+        nobody uses, the table has ``extra_rows`` rows that belong to no request, each
+        request sits in a random row, and unused entries hold random valid ids, which
+        planners must never read. ``num_pages`` is the pool size.
+
+        Args:
+            pages_needed: int ``[bs]`` pages per request (e.g. ``spec.pages_needed``).
+            seed: seed of the shuffles (numpy's ``default_rng``).
+            spare_pages, extra_rows, extra_columns: sizes of the unused parts (>= 0).
+        """
+        need = _table_lengths("pages_needed", pages_needed)
+        spare = _table_int("spare_pages", spare_pages, minimum=0)
+        n_extra = _table_int("extra_rows", extra_rows, minimum=0)
+        rng = np.random.default_rng(_table_int("seed", seed, minimum=0, maximum=2**63 - 1))
+        bs = int(need.shape[0])
+        pool = int(need.sum()) + spare
+        if pool > INT32_MAX:
+            raise PageTableError("pages_needed", "the pool exceeds int32 pages", pool=pool)
+        width = _width(need, None, _table_int("extra_columns", extra_columns, minimum=0))
+        ids = rng.permutation(pool)
+        rows = rng.permutation(bs + n_extra)[:bs]
+        table = rng.integers(0, max(pool, 1), size=(bs + n_extra, width), dtype=np.int64)
+        starts = indptr(need, "pages_needed").astype(np.int64)
+        cols = np.arange(width, dtype=np.int64)
+        used = cols[None, :] < need[:, None]
+        src = np.where(used, starts[:-1, None] + cols[None, :], 0)
+        table[rows[:, None].repeat(width, 1)[used], np.broadcast_to(cols, used.shape)[used]] = (
+            ids[src[used]] if pool else 0
+        )
+        pages = torch.from_numpy(table.astype(np.int32)).to(device)
+        return cls(pages=pages, rows=rows.astype(np.int32), num_pages=max(pool, 1))
+
+
+def _table_int(field: str, value: object, *, minimum: int, maximum: int = INT32_MAX) -> int:
+    try:
+        return as_int(field, value, minimum=minimum, maximum=maximum)
+    except LayoutError as err:
+        raise _as_table_error(err) from None
+
+
+def _table_lengths(field: str, value: object) -> IntArray:
+    try:
+        return as_lengths(field, value)
+    except LayoutError as err:
+        raise _as_table_error(err) from None
+
+
+def _width(need: IntArray, max_pages: int | None, extra: int) -> int:
+    if max_pages is not None:  # may be too narrow: check_covers then refuses the batch
+        return _table_int("max_pages", max_pages, minimum=1)
+    return max((int(need.max()) if need.size else 0) + extra, 1)

@@ -10,6 +10,10 @@ Property-test your integration with the same generators flashplan's own tests us
         spec = flashplan.plan(layout, heads)
         ...
 
+Three modules, by role: :mod:`flashplan.testing.valid` (strategies of valid input),
+:mod:`flashplan.testing.invalid` (the catalogue of input flashplan must refuse) and
+:mod:`flashplan.testing.constructors` (record constructors by name).
+
 This subpackage is the only part of flashplan that needs ``hypothesis``
 (``pip install flashplan[test]``). It is imported lazily: ``import flashplan.testing``
 works without it, and the first use of a strategy raises an :class:`ImportError`
@@ -21,30 +25,34 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = [
-    "DTYPES",
-    "GROUP_KINDS",
-    "HEAD_DIMS",
-    "INVALID_KINDS",
-    "PAGE_SIZES",
-    "InvalidCase",
-    "attention_groups",
-    "construct",
-    "decode_layouts",
-    "extend_layouts",
-    "head_configs",
-    "invalid_layout_kwargs",
-    "kv_caches",
-    "layouts",
-    "page_tables",
-]
+_HOMES = {
+    "DTYPES": "valid",
+    "GROUP_KINDS": "valid",
+    "HEAD_DIMS": "valid",
+    "PAGE_SIZES": "valid",
+    "attention_groups": "valid",
+    "decode_layouts": "valid",
+    "extend_layouts": "valid",
+    "head_configs": "valid",
+    "kv_caches": "valid",
+    "layouts": "valid",
+    "page_tables": "valid",
+    "INVALID_KINDS": "invalid",
+    "InvalidCase": "invalid",
+    "invalid_layout_kwargs": "invalid",
+    "CONSTRUCTORS": "constructors",
+    "construct": "constructors",
+}
+
+__all__ = sorted(_HOMES)
 
 
 def __getattr__(name: str) -> Any:
-    if name not in __all__:
+    home = _HOMES.get(name)
+    if home is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:
-        module = importlib.import_module("flashplan.testing.strategies")
+        module = importlib.import_module(f"flashplan.testing.{home}")
     except ImportError as exc:  # pragma: no cover - depends on the environment
         if exc.name == "hypothesis":
             raise ImportError(

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashplan.errors import FlashplanError
-from flashplan.kernels import merge_state
+from flashplan.kernels import triton_mode
 from flashplan.kernels.merge_state import merge_state_torch, merge_state_triton
 
 NEG_INF = float("-inf")
@@ -27,8 +27,8 @@ HYP = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 requires_interpreter = pytest.mark.skipif(
-    merge_state.triton_mode() != "interpret",
-    reason=f"Triton kernel is in mode {merge_state.triton_mode()!r}, not 'interpret' "
+    triton_mode() != "interpret",
+    reason=f"Triton kernel is in mode {triton_mode()!r}, not 'interpret' "
     "(on a CUDA host the gpu tests cover it)",
 )
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -192,6 +192,26 @@ def test_edge_cases(impl: str) -> None:
     assert torch.equal(v[2], v_a[2]) and s[2, 0] == 1000.0
     torch.testing.assert_close(v[3], torch.tensor([[0.5, 0.5]]))
     torch.testing.assert_close(s[3, 0], torch.tensor(3.5))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_nan_is_never_hidden(impl: str) -> None:
+    """NaN in an LSE, or in the values of a side that is not empty, reaches the output:
+    a NaN side is not "empty" (a query that sees no key), whatever the other side is."""
+    if impl == "triton" and triton_mode() != "interpret":
+        pytest.skip("needs Triton's interpreter (CPU)")
+    fn = merge_state_triton if impl == "triton" else merge_state_torch
+    nan = float("nan")
+    v_a = torch.tensor([[[1.0, 2.0]], [[1.0, 2.0]], [[nan, 2.0]], [[1.0, 2.0]], [[nan, 1.0]]])
+    v_b = torch.tensor([[[5.0, 6.0]], [[5.0, 6.0]], [[5.0, 6.0]], [[5.0, 6.0]], [[3.0, 1.0]]])
+    s_a = torch.tensor([[nan], [nan], [1.0], [1.0], [-50.0]])
+    s_b = torch.tensor([[NEG_INF], [2.0], [NEG_INF], [nan], [60.0]])
+    v, s = fn(v_a, s_a, v_b, s_b)
+    assert torch.isnan(s[[0, 1, 3]]).all()
+    assert torch.isnan(v[[0, 1, 3]]).all()
+    # NaN in a non-empty side's values, even when its weight rounds to 0.
+    assert torch.isnan(v[2, 0, 0]) and v[2, 0, 1] == 2.0 and s[2, 0] == 1.0
+    assert torch.isnan(v[4, 0, 0]) and torch.isfinite(s[4, 0])
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])

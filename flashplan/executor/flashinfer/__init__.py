@@ -1,29 +1,43 @@
-"""FlashInfer executor: pure call translation, policy, and the stateful executor.
+"""FlashInfer executor: pure call translation, staging layout, policy, and the stateful
+executor.
 
-``calls`` and ``policy`` are pure and import on any machine; constructing
-:class:`FlashInferExecutor` needs CUDA and flashinfer-python.
+``calls``, ``staging``, ``policy`` and ``compat`` are pure and import on any machine;
+constructing :class:`FlashInferExecutor` needs CUDA and flashinfer-python.
 """
 
 from flashplan.executor.flashinfer.calls import (
-    GatheredIndices,
+    BuiltMask,
+    CallInputs,
+    DeviceIndices,
     GroupCalls,
     HostArray,
+    MaskRecipe,
     PlanCall,
+    Translation,
     WrapperKey,
     WrapperKind,
     translate,
 )
-from flashplan.executor.flashinfer.executor import FlashInferExecutor
+from flashplan.executor.flashinfer.executor import DEFAULT_WORKSPACE_BYTES, FlashInferExecutor
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
+from flashplan.executor.flashinfer.staging import DevicePlan, StagingManifest, device_plan
 
 __all__ = [
+    "DEFAULT_WORKSPACE_BYTES",
+    "BuiltMask",
+    "CallInputs",
+    "DeviceIndices",
+    "DevicePlan",
     "ExecutorPolicy",
     "FlashInferExecutor",
-    "GatheredIndices",
     "GroupCalls",
     "HostArray",
+    "MaskRecipe",
     "PlanCall",
+    "StagingManifest",
+    "Translation",
     "WrapperKey",
     "WrapperKind",
+    "device_plan",
     "translate",
 ]

@@ -1,46 +1,58 @@
 """Frozen descriptions of FlashInfer calls, and the pure PlanSpec -> calls translation.
 
-:func:`translate` turns a plan into one :class:`GroupCalls` per group: which
-wrapper kinds to use and every argument of their ``plan()`` calls. Nothing here
-touches a device or constructs a wrapper, so it runs (and is tested against the
-installed flashinfer's signatures) on a CPU-only machine. Array arguments are
-placeholders: :class:`HostArray` (a host array of the plan, handed to ``plan()``
-as a pinned CPU tensor) and :class:`GatheredIndices` (the page ids the executor
-gathers on the device).
+Translation has two halves, both pure and host-only (tested against the installed
+flashinfer's signatures on a CPU-only machine):
+
+* :func:`call_skeleton` depends only on static things — the plan's key, the policy,
+  the decode kernel kind and which groups carry a custom mask — so an executor
+  computes it once per key. It says which wrapper each call goes to and every
+  ``plan()`` argument, with array arguments left as named placeholders:
+  :class:`HostArray` (a host array of the batch, handed to ``plan()`` as a pinned CPU
+  tensor), :class:`DeviceIndices` (page ids gathered on the device) and
+  :class:`BuiltMask` (a custom mask built on the device).
+* :func:`call_inputs` computes the batch's arrays behind those names.
+
+:func:`translate` does both.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
+from flashplan.arrays import IntArray, indptr, seal_inplace
 from flashplan.errors import UnsupportedError
 from flashplan.executor.flashinfer.policy import (
     ExecutorPolicy,
     decode_uses_tensor_cores,
     prefill_backend,
+    split_kwargs,
 )
-from flashplan.layout.arrays import cumsum0, frozen_array
+from flashplan.executor.gathers import pages_region
 from flashplan.layout.group import AttentionGroup
-from flashplan.plan.spec import GroupPlan, KernelPath, PlanSpec
+from flashplan.planning.masks import ThresholdMask
+from flashplan.planning.spec import KernelPath, PlanKey, PlanSpec
 
 __all__ = [
     "BuiltMask",
-    "DeviceMask",
-    "GatheredIndices",
+    "CallInputs",
+    "DeviceIndices",
     "GroupCalls",
     "HostArray",
-    "PageGather",
+    "MaskRecipe",
     "PlanCall",
+    "Translation",
     "WrapperKey",
     "WrapperKind",
-    "flashinfer_mask_layout",
+    "call_inputs",
+    "call_skeleton",
     "flashinfer_mask_offsets",
-    "host_arrays",
+    "skeleton_key",
     "translate",
 ]
 
@@ -74,28 +86,31 @@ class WrapperKey:
         return kwargs
 
 
-@attrs.frozen(eq=False)
+@attrs.frozen
 class HostArray:
-    """A host array of the plan passed to ``plan()`` as a pinned CPU tensor.
-
-    Attributes:
-        name: what it is (``"qo_indptr"``, ``"page_indptr"`` …), for messages.
-        values: int32 or uint8 read-only numpy array.
-    """
+    """Placeholder: the batch's host array called ``name`` (:attr:`CallInputs.host`),
+    passed to ``plan()`` as a pinned CPU tensor."""
 
     name: str
-    values: npt.NDArray[Any]
 
 
 @attrs.frozen
-class GatheredIndices:
-    """The flat page ids (FlashInfer's ``kv_indices``) of a group's paged call,
-    gathered on the device from the page table."""
+class DeviceIndices:
+    """Placeholder: the page ids (FlashInfer's ``kv_indices``) the executor gathers on
+    the device into the gather region called ``region``."""
+
+    region: str
+
+
+@attrs.frozen
+class BuiltMask:
+    """Placeholder: the packed custom mask the executor builds on the device for a
+    group (from the batch's :class:`MaskRecipe`)."""
 
     group_index: int
 
 
-@attrs.frozen(eq=False)
+@attrs.frozen
 class PlanCall:
     """One ``wrapper.plan(**kwargs)`` call (every argument passed by keyword)."""
 
@@ -108,52 +123,6 @@ class PlanCall:
 
 
 @attrs.frozen
-class BuiltMask:
-    """Placeholder: the packed custom mask the executor builds on the device for a
-    group (from :class:`DeviceMask`)."""
-
-    group_index: int
-
-
-@attrs.frozen(eq=False)
-class DeviceMask:
-    """A threshold-row custom mask to expand on the device, in FlashInfer's layout.
-
-    Attributes:
-        first_visible: int32 ``[bs]`` (columns) row 0's first visible column.
-        qo_lens, kv_lens: int32 ``[bs]`` (tokens).
-        byte_offsets: int32 ``[bs]`` (bytes) where flashinfer reads request i's
-            mask (:func:`flashinfer_mask_offsets`).
-        max_bytes: largest per-request packed size (bytes).
-        total_bytes: size of the buffer to allocate (bytes).
-    """
-
-    first_visible: npt.NDArray[np.int32]
-    qo_lens: npt.NDArray[np.int32]
-    kv_lens: npt.NDArray[np.int32]
-    byte_offsets: npt.NDArray[np.int32]
-    max_bytes: int
-    total_bytes: int
-
-
-@attrs.frozen(eq=False)
-class PageGather:
-    """What the executor gathers from the page table for one paged call.
-
-    Attributes:
-        start_page: int32 ``[bs]`` (pages) first column read in each request's row.
-        num_pages: int32 ``[bs]`` (pages).
-        page_indptr: int32 ``[bs + 1]`` (pages) offsets into the gathered ``kv_indices``.
-        total_pages: ``page_indptr[-1]``.
-    """
-
-    start_page: npt.NDArray[np.int32]
-    num_pages: npt.NDArray[np.int32]
-    page_indptr: npt.NDArray[np.int32]
-    total_pages: int
-
-
-@attrs.frozen(eq=False)
 class GroupCalls:
     """Every FlashInfer call of one group.
 
@@ -162,16 +131,14 @@ class GroupCalls:
         path: kernel path of the group.
         paged: the paged wrapper's plan call (decode or paged prefill), if any.
         ragged: the ragged prefill wrapper's plan call, if any.
-        gather: the page gather feeding the paged call, if any.
-        device_mask: the custom mask to build on the device, if any.
+        masked: whether the paged call carries a device-built custom mask.
     """
 
     group_index: int
     path: KernelPath
     paged: PlanCall | None
     ragged: PlanCall | None
-    gather: PageGather | None
-    device_mask: DeviceMask | None = None
+    masked: bool = False
 
     @property
     def merges(self) -> bool:
@@ -179,208 +146,219 @@ class GroupCalls:
         return self.paged is not None and self.ragged is not None
 
 
-def translate(spec: PlanSpec, policy: ExecutorPolicy, *, sm90: bool) -> tuple[GroupCalls, ...]:
-    """Describe every FlashInfer ``plan()`` call of ``spec``; pure and host-only.
+@attrs.frozen(eq=False)
+class MaskRecipe:
+    """How big the device-built threshold mask of one group is (the values live in
+    :attr:`CallInputs.host` under ``g<index>.mask.*``).
+
+    Attributes:
+        max_bytes: largest per-request packed size (bytes; sizes the kernel's grid).
+        total_bytes: size of the buffer flashinfer reads (bytes).
+    """
+
+    max_bytes: int
+    total_bytes: int
+
+
+@attrs.frozen(eq=False)
+class CallInputs:
+    """The arrays of one batch behind the skeleton's placeholders.
+
+    Attributes:
+        host: int32 host arrays by name (``"qo_indptr"``, ``"g0.page_indptr"``,
+            ``"g0.last_page_len"``, ``"g1.mask.first_visible"`` …).
+        spans: per group with a paged call, the ``(start_page, num_pages)`` the
+            device gathers (the plan's own span, but see :func:`call_inputs`).
+        masks: per masked group, its :class:`MaskRecipe`.
+    """
+
+    host: Mapping[str, IntArray]
+    spans: Mapping[int, tuple[IntArray, IntArray]]
+    masks: Mapping[int, MaskRecipe]
+
+
+@attrs.frozen(eq=False)
+class Translation:
+    """A plan's calls and the arrays they need."""
+
+    calls: tuple[GroupCalls, ...]
+    inputs: CallInputs
+
+
+def skeleton_key(
+    spec: PlanSpec, policy: ExecutorPolicy, batch_size: int | None = None
+) -> tuple[PlanKey, bool, tuple[bool, ...]]:
+    """What a skeleton depends on besides the policy: the plan's key, the decode kernel
+    kind (a function of the batch size, or of ``batch_size`` when given: a CUDA-graph
+    bucket's) and which groups carry a custom mask."""
+    bs = spec.batch_size if batch_size is None else batch_size
+    tensor_cores = decode_uses_tensor_cores(spec.heads, policy, bs)
+    masked = tuple(gp.uses_custom_mask for gp in spec.group_plans)
+    return spec.key, tensor_cores, masked
+
+
+def call_skeleton(
+    spec: PlanSpec, policy: ExecutorPolicy, *, sm90: bool, batch_size: int | None = None
+) -> tuple[GroupCalls, ...]:
+    """Every ``plan()`` call of ``spec``, arrays as placeholders.
+
+    The result depends only on :func:`skeleton_key` (and the policy and GPU), so an
+    executor may reuse it for every plan with the same skeleton key. ``batch_size``
+    overrides the batch size that picks the decode kernel (a CUDA-graph bucket's). The window and
+    causal flag of each call are the plan's own (:attr:`PagedPart.window_left`, …).
+
+    Raises:
+        UnsupportedError: the policy forces a kernel the heads cannot run.
+    """
+    key, tensor_cores, masked = skeleton_key(spec, policy, batch_size)
+    heads = key.heads
+    out = []
+    for index, (group, gp) in enumerate(zip(key.groups, spec.group_plans, strict=True)):
+        common: list[tuple[str, Any]] = [
+            ("num_qo_heads", heads.num_qo_heads),
+            ("num_kv_heads", heads.num_kv_heads),
+            ("logits_soft_cap", float(group.logits_soft_cap)),
+            ("sm_scale", group.scale_for(heads.head_dim)),
+            ("q_data_type", heads.q_dtype),
+            ("kv_data_type", heads.kv_dtype),
+            ("o_data_type", heads.out_dtype),
+            ("non_blocking", True),
+        ]
+        paged = ragged = None
+        if gp.paged is not None:
+            part = gp.paged
+            pages = DeviceIndices(pages_region(index))
+            page_indptr = HostArray(f"g{index}.page_indptr")
+            last_page_len = HostArray(f"g{index}.last_page_len")
+            if gp.path is KernelPath.DECODE:
+                wrapper = WrapperKey(WrapperKind.DECODE, group, "fa2", tensor_cores)
+                args: list[tuple[str, Any]] = [
+                    ("indptr", page_indptr),
+                    ("indices", pages),
+                    ("last_page_len", last_page_len),
+                    ("head_dim", heads.head_dim),
+                    ("page_size", key.page_size),
+                    ("window_left", part.window_left),
+                ]
+                args += split_kwargs(policy)
+            else:
+                backend = prefill_backend(heads, policy, custom_mask=masked[index], sm90=sm90)
+                wrapper = WrapperKey(WrapperKind.PAGED_PREFILL, group, backend, False)
+                args = [
+                    ("qo_indptr", HostArray("qo_indptr")),
+                    ("paged_kv_indptr", page_indptr),
+                    ("paged_kv_indices", pages),
+                    ("paged_kv_last_page_len", last_page_len),
+                    ("head_dim_qk", heads.head_dim),
+                    ("page_size", key.page_size),
+                    ("causal", part.causal),
+                    ("window_left", part.window_left),
+                ]
+                if masked[index]:
+                    args.append(("packed_custom_mask", BuiltMask(index)))
+                args += split_kwargs(policy)
+            paged = PlanCall(wrapper, tuple(args + common))
+        if gp.ragged is not None:
+            backend = prefill_backend(heads, policy, custom_mask=False, sm90=sm90)
+            wrapper = WrapperKey(WrapperKind.RAGGED_PREFILL, group, backend, False)
+            args = [
+                ("qo_indptr", HostArray("qo_indptr")),
+                ("kv_indptr", HostArray("qo_indptr")),
+                ("head_dim_qk", heads.head_dim),
+                ("causal", gp.ragged.causal),
+                ("window_left", gp.ragged.window_left),
+            ]
+            args += split_kwargs(policy)
+            ragged = PlanCall(wrapper, tuple(args + common))
+        out.append(GroupCalls(index, gp.path, paged, ragged, masked[index]))
+    return tuple(out)
+
+
+def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
+    """The batch's arrays behind ``calls``' placeholders.
+
+    With a custom mask, an empty span is given one (unread) page and
+    ``last_page_len = 0``: flashinfer 0.7.4 sizes each request's mask as
+    ``qo_len * ((pages - 1) * page_size + last_page_len)`` without clamping, so zero
+    pages would give a negative size and shift every later request's mask. The kernel
+    still sees ``kv_len = 0`` (FlashInfer clamps there).
+
+    Raises:
+        UnsupportedError: a custom mask too large for flashinfer's int32 offsets.
+    """
+    uses_qo = any(
+        value == HostArray("qo_indptr")
+        for gc in calls
+        for call in (gc.paged, gc.ragged)
+        if call is not None
+        for _, value in call.kwargs
+    )
+    host: dict[str, IntArray] = {"qo_indptr": spec.qo_indptr} if uses_qo else {}
+    spans: dict[int, tuple[IntArray, IntArray]] = {}
+    masks: dict[int, MaskRecipe] = {}
+    for gc in calls:
+        gp = spec.group_plans[gc.group_index]
+        part = gp.paged
+        if part is None:
+            continue
+        index = gc.group_index
+        start, num = part.start_page, part.num_pages
+        page_indptr = part.page_indptr
+        if gc.masked:
+            empty = part.kv_lens == 0
+            if np.any(empty):
+                start = seal_inplace(np.where(empty, 0, start))
+                num = seal_inplace(np.where(empty, 1, num))
+                page_indptr = indptr(num, "pages")
+        spans[index] = (start, num)
+        host[f"g{index}.page_indptr"] = page_indptr
+        host[f"g{index}.last_page_len"] = part.last_page_len
+        if gc.masked:
+            assert isinstance(part.mask, ThresholdMask)
+            masks[index] = _mask_recipe(index, part.mask, host)
+    return CallInputs(host=host, spans=spans, masks=masks)
+
+
+def flashinfer_mask_offsets(
+    qo_lens: npt.NDArray[np.integer], kv_lens: npt.NDArray[np.integer]
+) -> npt.NDArray[np.int64]:
+    """Byte offset at which flashinfer 0.7.4's kernel reads each request's packed mask.
+
+    Given ``packed_custom_mask``, flashinfer 0.7.4's ``plan()`` computes the offsets as
+    the running sum of ``qo_len * kv_len`` — a count of *bits* — and its kernel adds
+    them to a *byte* pointer (known bug, flashinfer PR #2201). So request ``i``'s bytes
+    must start at byte ``sum_{r<i} qo_r * kv_r``. Returns int64 ``[bs + 1]``.
+    """
+    bits = qo_lens.astype(np.int64) * kv_lens.astype(np.int64)
+    return np.concatenate([[0], np.cumsum(bits)])
+
+
+def _mask_recipe(index: int, mask: ThresholdMask, host: dict[str, IntArray]) -> MaskRecipe:
+    offsets = flashinfer_mask_offsets(mask.qo_lens, mask.kv_lens)
+    if offsets[-1] > np.iinfo(np.int32).max:
+        raise UnsupportedError(
+            f"custom mask of {int(offsets[-1])} elements exceeds int32 offsets; "
+            "plan this batch with extend_path='paged'"
+        )
+    n_bytes = (mask.qo_lens.astype(np.int64) * mask.kv_lens + 7) // 8
+    limit = np.int64(2**31 - 1)
+    host[f"g{index}.mask.first_visible"] = seal_inplace(np.clip(mask.first_visible, -limit, limit))
+    host[f"g{index}.mask.qo_lens"] = mask.qo_lens
+    host[f"g{index}.mask.kv_lens"] = mask.kv_lens
+    host[f"g{index}.mask.byte_offsets"] = seal_inplace(offsets[:-1])
+    return MaskRecipe(
+        max_bytes=int(n_bytes.max()) if n_bytes.size else 0,
+        total_bytes=max(int(offsets[-1]), 1),
+    )
+
+
+def translate(spec: PlanSpec, policy: ExecutorPolicy, *, sm90: bool) -> Translation:
+    """Describe every FlashInfer ``plan()`` call of ``spec`` and the arrays it needs.
 
     Args:
         spec: the plan.
         policy: kernel choices (:class:`ExecutorPolicy`).
         sm90: whether the target GPU is Hopper (enables FA3 under ``"auto"``).
     """
-    return tuple(
-        _group_calls(spec, index, gp, policy, sm90) for index, gp in enumerate(spec.group_plans)
-    )
-
-
-def _common(spec: PlanSpec, gp: GroupPlan) -> list[tuple[str, Any]]:
-    heads = spec.heads
-    group = gp.group
-    return [
-        ("num_qo_heads", heads.num_qo_heads),
-        ("num_kv_heads", heads.num_kv_heads),
-        ("window_left", gp.window_left),
-        ("logits_soft_cap", float(group.logits_soft_cap)),
-        ("sm_scale", group.scale_for(heads.head_dim)),
-        ("q_data_type", heads.q_dtype),
-        ("kv_data_type", heads.kv_dtype),
-        ("o_data_type", heads.out_dtype),
-        ("non_blocking", True),
-    ]
-
-
-def _group_calls(
-    spec: PlanSpec, index: int, gp: GroupPlan, policy: ExecutorPolicy, sm90: bool
-) -> GroupCalls:
-    heads = spec.heads
-    paged_call = ragged_call = None
-    gather = None
-    device_mask = None
-    if gp.paged is not None:
-        p = gp.paged
-        masked = p.mask is not None
-        gather = _gather_for(p.start_page, p.num_pages, p.kv_lens, masked=masked)
-        last_page_len = p.last_page_len
-        paged_args: list[tuple[str, Any]] = []
-        if gp.path is KernelPath.DECODE:
-            key = WrapperKey(
-                WrapperKind.DECODE,
-                gp.group,
-                "fa2",
-                decode_uses_tensor_cores(heads, policy, spec.batch_size),
-            )
-            paged_args += [
-                ("indptr", HostArray("page_indptr", gather.page_indptr)),
-                ("indices", GatheredIndices(index)),
-                ("last_page_len", HostArray("last_page_len", last_page_len)),
-                ("head_dim", heads.head_dim),
-                ("page_size", spec.page_size),
-            ]
-        else:
-            backend = prefill_backend(heads, policy, custom_mask=masked, sm90=sm90)
-            key = WrapperKey(WrapperKind.PAGED_PREFILL, gp.group, backend, False)
-            paged_args += [
-                ("qo_indptr", HostArray("qo_indptr", spec.qo_indptr)),
-                ("paged_kv_indptr", HostArray("page_indptr", gather.page_indptr)),
-                ("paged_kv_indices", GatheredIndices(index)),
-                ("paged_kv_last_page_len", HostArray("last_page_len", last_page_len)),
-                ("head_dim_qk", heads.head_dim),
-                ("page_size", spec.page_size),
-                ("causal", p.causal),
-            ]
-            if p.mask is not None and p.mask.first_visible is not None:
-                device_mask = _device_mask(p.mask.first_visible, np.diff(spec.qo_indptr), p.kv_lens)
-                paged_args.append(("packed_custom_mask", BuiltMask(index)))
-            elif p.mask is not None:
-                laid_out = flashinfer_mask_layout(
-                    p.mask.packed, p.mask.indptr, np.diff(spec.qo_indptr), p.kv_lens
-                )
-                paged_args.append(("packed_custom_mask", HostArray("packed_mask", laid_out)))
-        paged_call = PlanCall(key, tuple(paged_args + _common(spec, gp)))
-    if gp.ragged is not None:
-        r = gp.ragged
-        backend = prefill_backend(heads, policy, custom_mask=False, sm90=sm90)
-        key = WrapperKey(WrapperKind.RAGGED_PREFILL, gp.group, backend, False)
-        ragged_args: list[tuple[str, Any]] = [
-            ("qo_indptr", HostArray("qo_indptr", spec.qo_indptr)),
-            ("kv_indptr", HostArray("kv_indptr", r.kv_indptr)),
-            ("head_dim_qk", heads.head_dim),
-            ("causal", r.causal),
-        ]
-        ragged_call = PlanCall(key, tuple(ragged_args + _common(spec, gp)))
-    return GroupCalls(
-        group_index=index,
-        path=gp.path,
-        paged=paged_call,
-        ragged=ragged_call,
-        gather=gather,
-        device_mask=device_mask,
-    )
-
-
-def flashinfer_mask_offsets(
-    qo_lens: npt.NDArray[np.int32], kv_lens: npt.NDArray[np.int32]
-) -> npt.NDArray[np.int64]:
-    """Byte offset at which flashinfer 0.7.4's kernel reads each request's packed mask.
-
-    ``plan()`` computes them as the running sum of ``qo_len * kv_len`` (a bit
-    count) and the kernel adds them to a byte pointer — see
-    :func:`flashinfer_mask_layout`. Returns int64 ``[bs + 1]``.
-    """
-    bits = qo_lens.astype(np.int64) * kv_lens.astype(np.int64)
-    return np.concatenate([[0], np.cumsum(bits)])
-
-
-def _device_mask(
-    first_visible: npt.NDArray[np.int64],
-    qo_lens: npt.NDArray[np.int32],
-    kv_lens: npt.NDArray[np.int32],
-) -> DeviceMask:
-    offsets = flashinfer_mask_offsets(qo_lens, kv_lens)
-    if offsets[-1] > np.iinfo(np.int32).max:
-        raise UnsupportedError(
-            f"custom mask of {int(offsets[-1])} elements exceeds int32 offsets; "
-            "plan this batch with extend_path='paged'"
-        )
-    n_bytes = (qo_lens.astype(np.int64) * kv_lens + 7) // 8
-    lo, hi = -np.int64(2**31 - 1), np.int64(2**31 - 1)
-    return DeviceMask(
-        first_visible=frozen_array(np.clip(first_visible, lo, hi)),
-        qo_lens=qo_lens,
-        kv_lens=kv_lens,
-        byte_offsets=frozen_array(offsets[:-1]),
-        max_bytes=int(n_bytes.max()) if n_bytes.size else 0,
-        total_bytes=max(int(offsets[-1]), 1),
-    )
-
-
-def _gather_for(
-    start_page: npt.NDArray[np.int32],
-    num_pages: npt.NDArray[np.int32],
-    kv_lens: npt.NDArray[np.int32],
-    *,
-    masked: bool,
-) -> PageGather:
-    """The page gather of a paged call.
-
-    With a custom mask, an empty segment is given one (unread) page and
-    ``last_page_len = 0``: flashinfer 0.7.4 sizes each request's mask as
-    ``qo_len * ((pages - 1) * page_size + last_page_len)`` without clamping, so
-    zero pages would give a negative size and shift every later request's mask.
-    The kernel still sees ``kv_len = 0`` (FlashInfer clamps there).
-    """
-    if masked:
-        empty = kv_lens == 0
-        if np.any(empty):
-            start_page = frozen_array(np.where(empty, 0, start_page))
-            num_pages = frozen_array(np.where(empty, 1, num_pages))
-    page_indptr = cumsum0(num_pages)
-    return PageGather(
-        start_page=start_page,
-        num_pages=num_pages,
-        page_indptr=page_indptr,
-        total_pages=int(page_indptr[-1]),
-    )
-
-
-def flashinfer_mask_layout(
-    packed: npt.NDArray[np.uint8],
-    mask_indptr: npt.NDArray[np.int32],
-    qo_lens: npt.NDArray[np.int32],
-    kv_lens: npt.NDArray[np.int32],
-) -> npt.NDArray[np.uint8]:
-    """Place each request's packed mask where flashinfer 0.7.4's kernel reads it.
-
-    Given ``packed_custom_mask``, flashinfer 0.7.4's ``plan()`` computes the mask
-    offsets as the running sum of ``qo_len * kv_len`` — a count of *bits* — and
-    its kernel adds them to a *byte* pointer (known bug, flashinfer PR #2201). So
-    request ``i``'s bytes must start at byte ``sum_{r<i} qo_r * kv_r``. This
-    returns a uint8 buffer of that size (one byte per mask element, like an
-    unpacked mask) holding the plan's compact, byte-aligned packed bytes at those
-    offsets; requests' gaps are zero.
-
-    Args:
-        packed: uint8 ``[mask_indptr[-1]]`` compact packed mask (DESIGN layout).
-        mask_indptr: int32 ``[bs + 1]`` (bytes) of ``packed``.
-        qo_lens, kv_lens: int32 ``[bs]`` (tokens) rows and columns per request.
-    """
-    bit_offsets = flashinfer_mask_offsets(qo_lens, kv_lens)
-    nbytes = (mask_indptr[1:].astype(np.int64) - mask_indptr[:-1]).astype(np.int64)
-    req = np.repeat(np.arange(nbytes.shape[0]), nbytes)
-    dest = bit_offsets[req] + np.arange(req.shape[0]) - mask_indptr[:-1].astype(np.int64)[req]
-    out = np.zeros(max(int(bit_offsets[-1]), 1), dtype=np.uint8)
-    out[dest] = packed
-    out.flags.writeable = False
-    return out
-
-
-def host_arrays(calls: tuple[GroupCalls, ...]) -> list[HostArray]:
-    """Every distinct :class:`HostArray` the calls reference (by identity), in order."""
-    seen: dict[int, HostArray] = {}
-    for gc in calls:
-        for call in (gc.paged, gc.ragged):
-            if call is None:
-                continue
-            for _, value in call.kwargs:
-                if isinstance(value, HostArray) and id(value.values) not in seen:
-                    seen[id(value.values)] = value
-    return list(seen.values())
+    calls = call_skeleton(spec, policy, sm90=sm90)
+    return Translation(calls, call_inputs(spec, calls))

@@ -1,54 +1,72 @@
 """`FlashInferExecutor`: applies a `PlanSpec` to FlashInfer wrappers and runs kernels.
 
-The thin stateful part of flashplan. ``apply(spec, table)``:
+The thin stateful part of flashplan. ``apply(spec, table)`` reads as its steps:
 
-1. translates the plan into ``plan()`` call descriptions (:func:`translate`, pure);
-2. packs every int32 host array the batch needs into one pinned buffer and
-   sends it to the device with a single non-blocking copy;
-3. gathers each group's page ids (``kv_indices``) and the new tokens' write slots
-   from the page table with Triton kernels, on the device;
-4. calls each wrapper's ``plan()`` with pinned host indptrs (so FlashInfer never
-   reads back from the device) and the device page ids.
+1. **translate** the plan (:mod:`~flashplan.executor.flashinfer.calls`; the call
+   skeleton is computed once per static key) and lay out the device work
+   (:func:`~flashplan.executor.flashinfer.staging.device_plan`, pure);
+2. **stage**: every int32 host array of the batch goes into one pinned slot of a ring
+   that is never overwritten while a queued copy may read it;
+3. **one copy**: a single non-blocking host-to-device copy into a persistent buffer;
+4. **one gather launch** (:func:`~flashplan.kernels.gather_slots`): every group's page
+   ids and every write slot, mapped through the sliding-window page map where a
+   windowed group needs it;
+5. **masks**: threshold custom masks expanded on the device;
+6. **plan() calls** with pinned host indptrs (so FlashInfer never reads back from the
+   device) and the device page ids.
 
-``run(group, q, k_new, v_new, kv_cache)`` writes the new K/V into the cache and
-runs the group's kernels; everything a kernel compiles in (window, soft cap,
-scale, causal, mask, dtypes) comes from the plan and is never overridden at run
-time. Nothing in apply or run waits for the GPU.
+``run(group, q, k_new, v_new, kv_cache)`` writes the new K/V into the cache (one
+Triton launch that skips unusable slots) and runs the group's kernels (the ragged +
+paged path merges its two partial states with flashplan's Triton merge, which keeps
+NaN visible: see :mod:`flashplan.kernels.merge_state`); everything a
+kernel compiles in (window, soft cap, scale, causal, mask, dtypes) comes from the
+plan and is never overridden at run time. Nothing in apply or run waits for the GPU,
+except in the opt-in ``check_pages`` mode.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
 
-from flashplan.errors import PageTableError, PlanMismatchError
-from flashplan.executor.checks import check_run_args
+from flashplan.errors import LayoutError, PageTableError, PlanMismatchError, UnsupportedError
+from flashplan.executor.checks import RunArgs, check_apply_args, check_run_args
+from flashplan.executor.flashinfer.buffers import DeviceBuffer, PinnedRing
 from flashplan.executor.flashinfer.calls import (
     BuiltMask,
-    GatheredIndices,
+    DeviceIndices,
     GroupCalls,
     HostArray,
-    PlanCall,
     WrapperKey,
-    host_arrays,
-    translate,
+    call_inputs,
+    call_skeleton,
+    skeleton_key,
 )
-from flashplan.executor.flashinfer.merge import merge_states
+from flashplan.executor.flashinfer.compat import check_version
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
-from flashplan.kernels.segments import segment_slots
+from flashplan.executor.flashinfer.staging import JOB_COLUMNS, DevicePlan, device_plan
+from flashplan.executor.gathers import Region, gather_jobs
+from flashplan.kernels.gather import NO_BAD_JOB, gather_slots, new_status
+from flashplan.kernels.merge_state import merge_state_triton
 from flashplan.kernels.threshold_mask import build_threshold_mask
+from flashplan.kernels.write_kv import write_kv
+from flashplan.layout.convert import as_bool, as_int
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.page_table import PageTable
-from flashplan.plan.spec import PlanSpec
+from flashplan.planning.spec import KernelPath, PlanSpec
 
-__all__ = ["FlashInferExecutor"]
+__all__ = ["DEFAULT_WORKSPACE_BYTES", "FlashInferExecutor"]
 
-_DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
+#: Default size of the float workspace all wrappers share (bytes): FlashInfer's
+#: recommended 128 MiB doubled, for split-KV partial results of large batches.
+DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
-def _import_flashinfer() -> Any:
+def import_flashinfer() -> Any:
+    """``import flashinfer`` with its import-time deprecation warnings silenced."""
     import warnings
 
     with warnings.catch_warnings():
@@ -57,42 +75,52 @@ def _import_flashinfer() -> Any:
     return flashinfer
 
 
-class _Staging:
-    """One batch's host arrays in a pinned int32 buffer, and its device copy."""
-
-    def __init__(self, arrays: list[np.ndarray], device: torch.device) -> None:
-        sizes = [a.shape[0] for a in arrays]
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        total = max(int(offsets[-1]), 1)
-        # The caching host allocator reuses a pinned block only once the copies that
-        # read it have completed (it records an event per copy): no overwrite hazard.
-        self.host = torch.empty(total, dtype=torch.int32, pin_memory=True)
-        if arrays:
-            np.concatenate(arrays, out=self.host.numpy()[: int(offsets[-1])])
-        self.device = torch.empty(total, dtype=torch.int32, device=device)
-        self.device.copy_(self.host, non_blocking=True)
-        self._offsets = offsets
-
-    def host_view(self, index: int) -> torch.Tensor:
-        return self.host[int(self._offsets[index]) : int(self._offsets[index + 1])]
-
-    def device_view(self, index: int) -> torch.Tensor:
-        return self.device[int(self._offsets[index]) : int(self._offsets[index + 1])]
+def _cuda_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise UnsupportedError(f"device: {device!r} is not a torch device ({exc})") from None
+    if dev.type != "cuda":
+        raise UnsupportedError(f"FlashInferExecutor needs a CUDA device, got {dev}")
+    if not torch.cuda.is_available():
+        raise UnsupportedError("FlashInferExecutor needs CUDA, which is not available here")
+    if dev.index is None:  # "cuda" means the current device; tensors say cuda:N
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 class FlashInferExecutor:
     """Runs :class:`~flashplan.PlanSpec` s on FlashInfer kernels (CUDA).
 
-    Same contract as :class:`~flashplan.ReferenceExecutor`: ``apply(spec, table)``
-    once per batch, then ``run(group, q, k_new, v_new, kv_cache)`` per layer.
+    Same contract as :class:`~flashplan.ReferenceExecutor` (the
+    :class:`~flashplan.Executor` protocol): ``apply(spec, table)`` once per batch, then
+    ``run(group, q, k_new, v_new, kv_cache)`` per layer, all on one CUDA stream.
+
+    **Bad page ids.** By default nothing waits for the GPU, so page ids are checked on
+    the device: an id below 0, at or beyond ``table.num_pages`` (when the table says
+    it), or evicted from the window pool is never used — reads go to page 0 instead,
+    writes are skipped, and writes to a page beyond the cache are skipped too — and
+    each such id is counted in :meth:`page_errors`, which an engine may read whenever
+    it syncs anyway. With ``check_pages=True`` every apply and run instead checks the
+    ids and the write slots at once and raises :class:`~flashplan.PageTableError`
+    naming the request: that mode reads back from the device (a sync per call).
 
     Args:
         device: the CUDA device of the KV cache (default: the current device).
         policy: kernel choices (:class:`ExecutorPolicy`; defaults measured on H200).
-        workspace_bytes: size of the float workspace shared by all wrappers.
+        workspace_bytes: size of the float workspace all wrappers share
+            (:data:`DEFAULT_WORKSPACE_BYTES`). A plan that needs more makes ``apply``
+            raise :class:`~flashplan.UnsupportedError` naming this argument.
         page_map: optional int32 device tensor mapping full-pool page ids to the
-            page ids of a separate sliding-window KV pool (last entry -1); applied
-            to windowed groups' gathered page ids and write slots.
+            page ids of a separate sliding-window KV pool (a negative entry marks an
+            evicted page); windowed groups' page ids and write slots go through it.
+        check_pages: the checked mode above.
+
+    Raises:
+        UnsupportedError: no CUDA, or ``device`` is not a CUDA device.
+        LayoutError: an argument of the wrong type or range.
     """
 
     def __init__(
@@ -100,39 +128,49 @@ class FlashInferExecutor:
         device: torch.device | str | None = None,
         *,
         policy: ExecutorPolicy | None = None,
-        workspace_bytes: int = _DEFAULT_WORKSPACE_BYTES,
+        workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
         page_map: torch.Tensor | None = None,
+        check_pages: bool = False,
     ) -> None:
-        self._fi = _import_flashinfer()
-        self.device = (
-            torch.device(device)
-            if device is not None
-            else torch.device("cuda", torch.cuda.current_device())
-        )
-        if self.device.type != "cuda":
-            raise PlanMismatchError(f"FlashInferExecutor needs a CUDA device, got {self.device}")
-        if self.device.index is None:  # "cuda" means the current device; tensors say cuda:N
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = _cuda_device(device)
+        self._fi = import_flashinfer()
+        check_version(str(self._fi.__version__))
+        if policy is not None and not isinstance(policy, ExecutorPolicy):
+            raise LayoutError("policy", "must be an ExecutorPolicy", value=policy)
         self.policy = policy or ExecutorPolicy()
-        self.sm90 = torch.cuda.get_device_capability(self.device) == (9, 0)
-        self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
-        self._wrappers: dict[WrapperKey, Any] = {}
+        self.workspace_bytes = as_int("workspace_bytes", workspace_bytes, minimum=1 << 20)
+        self.check_pages = as_bool("check_pages", check_pages)
+        if page_map is not None and (
+            not isinstance(page_map, torch.Tensor)
+            or page_map.dtype != torch.int32
+            or page_map.dim() != 1
+            or page_map.device != self.device
+        ):
+            raise LayoutError(
+                "page_map", f"must be an int32 1-D tensor on {self.device}", value=page_map
+            )
         self.page_map = page_map
+        # zeroed: FlashInfer asks for a zero-initialised float workspace on first use
+        self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """The per-executor state (an executor made from another shares its settings)."""
+        self.sm90 = torch.cuda.get_device_capability(self.device) == (9, 0)
+        self._wrappers: dict[WrapperKey, Any] = {}
+        self._skeletons: dict[object, tuple[GroupCalls, ...]] = {}
+        self._ring = PinnedRing()
+        self._staged = DeviceBuffer(self.device, torch.int32)
+        self._out_page = DeviceBuffer(self.device, torch.int32)
+        self._out_offset = DeviceBuffer(self.device, torch.int32)
+        self._mask_bufs: dict[int, DeviceBuffer] = {}
+        self._status = new_status(self.device)
         self._spec: PlanSpec | None = None
-        self._calls: tuple[GroupCalls, ...] = ()
-        self._staging: _Staging | None = None
-        self._masks: list[torch.Tensor] = []
-        self._slots: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._plan: DevicePlan | None = None
+        self._table: PageTable | None = None
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    # -- wrappers -----------------------------------------------------------------------
-    def _wrapper(self, key: WrapperKey) -> Any:
-        wrapper = self._wrappers.get(key)
-        if wrapper is None:
-            cls = getattr(self._fi, key.kind.value)
-            wrapper = cls(self._workspace, **key.constructor_kwargs())
-            self._wrappers[key] = wrapper
-        return wrapper
-
+    # -- state --------------------------------------------------------------------------
     @property
     def spec(self) -> PlanSpec | None:
         """The plan applied last, or ``None``."""
@@ -141,16 +179,56 @@ class FlashInferExecutor:
     @property
     def calls(self) -> tuple[GroupCalls, ...]:
         """The FlashInfer call descriptions of the applied plan."""
-        return self._calls
+        return () if self._plan is None else self._plan.calls
+
+    @property
+    def device_plan(self) -> DevicePlan | None:
+        """The device work of the applied plan (jobs, staging manifest, calls)."""
+        return self._plan
+
+    def page_errors(self) -> torch.Tensor:
+        """int32 ``[2]`` device tensor: bad page ids met so far, and the index of the
+        first gather job that met one (``2**31 - 1`` when none). Reading it is a sync;
+        :meth:`reset_page_errors` zeroes it."""
+        return self._status
+
+    def reset_page_errors(self) -> None:
+        """Zero the :meth:`page_errors` counters (on the device, no sync)."""
+        self._status[0] = 0
+        self._status[1] = NO_BAD_JOB
+
+    def _wrapper(self, key: WrapperKey, group_index: int) -> Any:
+        del group_index  # eager wrappers own no per-group buffers
+        wrapper = self._wrappers.get(key)
+        if wrapper is None:
+            cls = getattr(self._fi, key.kind.value)
+            wrapper = cls(self._workspace, **key.constructor_kwargs())
+            self._wrappers[key] = wrapper
+        return wrapper
+
+    def _skeleton(self, spec: PlanSpec) -> tuple[GroupCalls, ...]:
+        key = skeleton_key(spec, self.policy)
+        calls = self._skeletons.get(key)
+        if calls is None:
+            calls = call_skeleton(spec, self.policy, sm90=self.sm90)
+            self._skeletons[key] = calls
+        return calls
 
     # -- apply --------------------------------------------------------------------------
     def apply(self, spec: PlanSpec, table: PageTable) -> None:
-        """Plan every wrapper for ``spec``; sync-free.
+        """Plan every wrapper for ``spec``; sync-free (unless ``check_pages``).
+
+        A refused apply leaves the executor as it was: the earlier plan still runs.
 
         Raises:
-            PageTableError: the table is too small for the plan or not on this device.
+            PlanMismatchError: ``spec`` or ``table`` is not the right record.
+            PageTableError: the table is too small for the plan or not on this device
+                (in ``check_pages`` mode also: a bad page id, two requests writing one
+                slot).
+            UnsupportedError: a plan this policy cannot run (deterministic mode and a
+                ragged path), or one that needs more workspace than the executor has.
         """
-        table.check_covers(spec.pages_needed)
+        spec, table = check_apply_args(spec, table)
         if table.pages.device != self.device:
             raise PageTableError(
                 "pages",
@@ -158,145 +236,225 @@ class FlashInferExecutor:
                 table_device=str(table.pages.device),
                 device=str(self.device),
             )
-        calls = translate(spec, self.policy, sm90=self.sm90)
-        plan_inputs = host_arrays(calls)
-
-        # One segment per page-table gather: each group's page ids (columns), the new
-        # tokens' write slots and the encoder tokens' write slots (tokens).
-        bs = spec.batch_size
-        ps = spec.page_size
-        seg_first: list[np.ndarray] = []
-        seg_counts: list[np.ndarray] = []
-        seg_dst: list[np.ndarray] = []
-        seg_div: list[int] = []
-        seg_map: list[int] = []
-        regions: dict[object, tuple[int, int]] = {}
-        region = 0
-
-        def add(key: object, first: np.ndarray, indptr: np.ndarray, div: int, use_map: int) -> None:
-            nonlocal region
-            seg_first.append(first)
-            seg_counts.append(np.diff(indptr))
-            seg_dst.append(indptr[:-1] + region)
-            seg_div.append(div)
-            seg_map.append(use_map)
-            regions[key] = (region, region + int(indptr[-1]))
-            region += int(indptr[-1])
-
-        for gc in calls:
-            if gc.gather is not None:
-                windowed = (
-                    self.page_map is not None and spec.group_plans[gc.group_index].group.has_window
-                )
-                add(gc.group_index, gc.gather.start_page, gc.gather.page_indptr, 1, int(windowed))
-        add("new", spec.new_token_start, spec.qo_indptr, ps, 0)
-        if spec.encoder_indptr is not None:
-            add("encoder", np.zeros(bs, dtype=np.int32), spec.encoder_indptr, ps, 0)
-        num_segments = len(seg_div)
-        segments = [
-            np.tile(table.rows, num_segments),
-            np.concatenate(seg_first),
-            np.concatenate(seg_counts),
-            np.concatenate(seg_dst),
-            np.repeat(np.array(seg_div, dtype=np.int32), bs),
-            np.repeat(np.array(seg_map, dtype=np.int32), bs),
-        ]
-
-        # Everything int32 goes into one pinned buffer -> one H2D copy.
-        arrays: list[np.ndarray] = list(segments)
-        mask_index: dict[int, int] = {}
-        for gc in calls:
-            if gc.device_mask is not None:
-                dm = gc.device_mask
-                mask_index[gc.group_index] = len(arrays)
-                arrays += [dm.first_visible, dm.qo_lens, dm.kv_lens, dm.byte_offsets]
-        input_index: dict[int, int] = {}
-        for host in plan_inputs:
-            if host.values.dtype == np.int32:
-                input_index[id(host.values)] = len(arrays)
-                arrays.append(host.values)
-        staging = _Staging(arrays, self.device)
-
-        # Every gather of the batch in one kernel launch.
-        out_page = torch.empty(max(region, 1), dtype=torch.int32, device=self.device)
-        out_offset = torch.empty_like(out_page)
-        view = staging.device_view
-        segment_slots(
-            table.pages,
-            view(0),
-            view(1),
-            view(2),
-            view(3),
-            view(4),
-            view(5),
-            out_page,
-            out_offset,
-            page_map=self.page_map,
-        )
-        gathered = {
-            key: out_page[lo:hi] for key, (lo, hi) in regions.items() if isinstance(key, int)
-        }
-        self._slots = {False: self._region(out_page, out_offset, regions["new"])}
-        if "encoder" in regions:
-            self._slots[True] = self._region(out_page, out_offset, regions["encoder"])
-
-        masks: list[torch.Tensor] = []
-        built: dict[int, torch.Tensor] = {}
-        for group_index, first in mask_index.items():
-            rule = calls[group_index].device_mask
-            assert rule is not None
-            buf = torch.empty(rule.total_bytes, dtype=torch.uint8, device=self.device)
-            build_threshold_mask(
-                staging.device_view(first),
-                staging.device_view(first + 1),
-                staging.device_view(first + 2),
-                staging.device_view(first + 3),
-                buf,
-                rule.max_bytes,
+        if self.policy.deterministic and any(
+            p in (KernelPath.RAGGED, KernelPath.RAGGED_PAGED) for p in spec.key.paths
+        ):
+            raise UnsupportedError(
+                "deterministic mode runs extends on the paged path only (on a ragged path a "
+                "request's kernels would depend on the rest of the batch): plan with "
+                "extend_path='paged'"
             )
-            built[group_index] = buf
-            masks.append(buf)
+        calls = self._skeleton(spec)
+        dplan = self._device_plan(spec, calls, table)
+        staged, slot = self._stage(dplan)
+        page, offset = self._gather(dplan, staged, table)
+        if self.check_pages:
+            self._check_gathered(dplan, spec, table, page, offset)
+        masks = self._build_masks(dplan, staged)
 
         def resolve(value: Any) -> Any:
             if isinstance(value, HostArray):
-                if value.values.dtype == np.int32:
-                    return staging.host_view(input_index[id(value.values)])
-                pinned = torch.empty(value.values.shape[0], dtype=torch.uint8, pin_memory=True)
-                pinned.numpy()[:] = value.values
-                masks.append(pinned)
-                return pinned
-            if isinstance(value, GatheredIndices):
-                return gathered[value.group_index]
+                s = dplan.manifest[value.name]
+                return slot.host[s.offset : s.end]
+            if isinstance(value, DeviceIndices):
+                r = dplan.jobs.region(value.region)
+                return page[r.lo : r.hi]
             if isinstance(value, BuiltMask):
-                return built[value.group_index]
+                return masks[value.group_index]
             return value
 
         for gc in calls:
             for call in (gc.paged, gc.ragged):
                 if call is not None:
-                    self._plan(call, resolve)
-        self._spec, self._calls, self._staging, self._masks = spec, calls, staging, masks
+                    kwargs = {name: resolve(value) for name, value in call.kwargs}
+                    self._call_plan(self._wrapper(call.wrapper, gc.group_index), kwargs)
+        slot.mark_read(torch.cuda.current_stream(self.device))
+        self._spec, self._plan, self._table = spec, dplan, table
+        self._gathered = (page, offset)
 
-    @staticmethod
-    def _region(
-        out_page: torch.Tensor, out_offset: torch.Tensor, bounds: tuple[int, int]
+    def _device_plan(
+        self, spec: PlanSpec, calls: tuple[GroupCalls, ...], table: PageTable
+    ) -> DevicePlan:
+        inputs = call_inputs(spec, calls)
+        jobs = gather_jobs(
+            spec, table.rows, window_pool=self.page_map is not None, spans=inputs.spans
+        )
+        return device_plan(calls, jobs, inputs.host, inputs.masks)
+
+    def _gather_out(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gather's output buffers (page ids, in-page offsets) of at least ``size``."""
+        return self._out_page.get(size), self._out_offset.get(size)
+
+    def _stage(self, dplan: DevicePlan) -> tuple[torch.Tensor, Any]:
+        """Copy the staging data into a pinned slot and send it to the device at once."""
+        total = dplan.manifest.total
+        slot = self._ring.acquire(total)
+        host = slot.host[:total]
+        host.numpy()[:] = dplan.data
+        staged = self._staged.get(total)
+        staged.copy_(host, non_blocking=True)
+        return staged, slot
+
+    def _gather(
+        self, dplan: DevicePlan, staged: torch.Tensor, table: PageTable
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page id, in-page offset) int32 views of one region of the gather outputs."""
-        lo, hi = bounds
-        return out_page[lo:hi], out_offset[lo:hi]
+        jobs = dplan.jobs
+        page, offset = self._gather_out(max(jobs.total, 1))
+        rows, first, counts, dst, div, use_map = (
+            staged[dplan.manifest[n].offset : dplan.manifest[n].end] for n in JOB_COLUMNS
+        )
+        gather_slots(
+            table.pages, rows, first, counts, dst, div, use_map, page, offset,
+            total=int(jobs.counts.sum()), page_map=self.page_map,
+            num_pages=table.num_pages or 0, status=self._status,
+        )  # fmt: skip
+        return page, offset
 
-    def _plan(self, call: PlanCall, resolve: Any) -> None:
-        kwargs = {name: resolve(value) for name, value in call.kwargs}
-        self._wrapper(call.wrapper).plan(**kwargs)
+    def _build_masks(self, dplan: DevicePlan, staged: torch.Tensor) -> dict[int, torch.Tensor]:
+        built = {}
+        for index, recipe in dplan.masks.items():
+            buf = self._mask_bufs.setdefault(index, DeviceBuffer(self.device, torch.uint8))
+            out = buf.get(recipe.total_bytes)
+
+            def view(name: str, index: int = index) -> torch.Tensor:
+                s = dplan.manifest[f"g{index}.mask.{name}"]
+                return staged[s.offset : s.end]
+
+            build_threshold_mask(
+                view("first_visible"),
+                view("qo_lens"),
+                view("kv_lens"),
+                view("byte_offsets"),
+                out,
+                recipe.max_bytes,
+            )
+            built[index] = out
+        return built
+
+    def _call_plan(self, wrapper: Any, kwargs: dict[str, Any]) -> None:
+        try:
+            wrapper.plan(**kwargs)
+        except RuntimeError as exc:
+            text = str(exc).lower()
+            if "workspace" in text or "buffer size" in text or "out of memory" in text:
+                raise UnsupportedError(
+                    f"FlashInfer's plan() needs more workspace than this executor's "
+                    f"workspace_bytes={self.workspace_bytes} ({exc}); construct the "
+                    "executor with a larger workspace_bytes"
+                ) from exc
+            raise
+
+    # -- checked mode -------------------------------------------------------------------
+    def _check_gathered(
+        self,
+        dplan: DevicePlan,
+        spec: PlanSpec,
+        table: PageTable,
+        page: torch.Tensor,
+        offset: torch.Tensor,
+    ) -> None:
+        """check_pages mode: raise for bad ids and colliding write slots (syncs)."""
+        jobs = dplan.jobs
+        off = offset[: jobs.total].cpu().numpy()  # the documented sync of this mode
+        pg = page[: jobs.total].cpu().numpy()
+        bad = np.flatnonzero(off < 0)
+        if bad.size:
+            self._raise_bad(dplan, spec, table, int(bad[0]), "is not a valid page id")
+        for r in jobs.regions:
+            if r.name.startswith("pages/"):
+                continue
+            flat = pg[r.lo : r.hi].astype(np.int64) * spec.page_size + off[r.lo : r.hi]
+            order = np.argsort(flat, kind="stable")
+            same = np.flatnonzero(flat[order[1:]] == flat[order[:-1]])
+            if same.size:
+                entry = r.lo + int(order[same[0] + 1])
+                self._raise_bad(dplan, spec, table, entry, "is a cache slot another token writes")
+
+    def _raise_bad(
+        self, dplan: DevicePlan, spec: PlanSpec, table: PageTable, entry: int, what: str
+    ) -> None:
+        jobs = dplan.jobs
+        job = int(np.searchsorted(jobs.dst, entry, side="right")) - 1
+        region = next(r for r in jobs.regions if r.lo <= entry < r.hi)
+        request = job % max(spec.batch_size, 1)
+        raise PageTableError(
+            "pages",
+            f"an entry the plan gathers for {region.name!r} {what}",
+            request=request,
+            row=int(table.rows[request]),
+        )
+
+    def _check_cache_pages(self, args: RunArgs, group: AttentionGroup, num_pages: int) -> None:
+        """check_pages mode: every id this run reads or writes is inside the cache."""
+        assert self._plan is not None and self._gathered is not None and self._spec is not None
+        page = self._gathered[0]
+        names = []
+        if args.plan.paged is not None:
+            names.append(f"pages/{args.index}")
+        if args.writes:
+            names.append(self._write_region(group).name)
+        for name in names:
+            r = self._plan.jobs.region(name)
+            ids = page[r.lo : r.hi]
+            if r.size and int(ids.max()) >= num_pages:  # the documented sync of this mode
+                entry = r.lo + int(torch.argmax((ids >= num_pages).to(torch.int8)))
+                assert self._table is not None
+                self._raise_bad(
+                    self._plan, self._spec, self._table, entry,
+                    f"is beyond the KV cache's {num_pages} pages",
+                )  # fmt: skip
+
+    def _check_run(
+        self,
+        group: object,
+        q: object,
+        k_new: object,
+        v_new: object,
+        kv_cache: object,
+        return_lse: object,
+    ) -> RunArgs:
+        return check_run_args(self._spec, self.device, group, q, k_new, v_new, kv_cache, return_lse)
+
+    def _write_region(self, group: AttentionGroup) -> Region:
+        assert self._plan is not None
+        if group.cross_attention:
+            return self._plan.jobs.region("encoder")
+        if self.page_map is not None and group.uses_window_pool:
+            return self._plan.jobs.region("write/window")
+        return self._plan.jobs.region("write")
 
     # -- run ----------------------------------------------------------------------------
+    @overload
     def run(
         self,
         group: AttentionGroup,
         q: torch.Tensor,
         k_new: torch.Tensor | None,
         v_new: torch.Tensor | None,
-        kv_cache: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        *,
+        return_lse: Literal[False] = False,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def run(
+        self,
+        group: AttentionGroup,
+        q: torch.Tensor,
+        k_new: torch.Tensor | None,
+        v_new: torch.Tensor | None,
+        kv_cache: torch.Tensor | None,
+        *,
+        return_lse: Literal[True],
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def run(
+        self,
+        group: AttentionGroup,
+        q: torch.Tensor,
+        k_new: torch.Tensor | None,
+        v_new: torch.Tensor | None,
+        kv_cache: torch.Tensor | None,
         *,
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -305,32 +463,35 @@ class FlashInferExecutor:
         Arguments and results as :meth:`flashplan.ReferenceExecutor.run`: ``q``
         ``[total_q, num_qo_heads, head_dim]``, ``k_new``/``v_new``
         ``[total_q, num_kv_heads, head_dim]`` (encoder rows for a cross group, or
-        ``None``), ``kv_cache`` ``[num_pages, 2, page_size, num_kv_heads, head_dim]``;
-        returns ``out`` and, with ``return_lse``, float32 base-2 LSE ``[total_q, num_qo_heads]``.
+        ``None``), ``kv_cache`` ``[num_pages, 2, page_size, num_kv_heads, head_dim]``
+        (contiguous; ``None`` for a ragged-path group); returns ``out`` and, with
+        ``return_lse``, float32 base-2 LSE ``[total_q, num_qo_heads]``.
 
         Raises:
-            PlanMismatchError: the group was not planned, or a tensor's shape, dtype
-                or device contradicts the plan.
+            PlanMismatchError: the group was not planned, or a tensor's type, shape,
+                dtype or device contradicts the plan.
+            PageTableError: ``check_pages`` mode, an id outside the cache.
         """
-        spec = self._spec
-        gp = check_run_args(spec, group, q, k_new, v_new, kv_cache)
-        assert spec is not None
-        if q.device != self.device:
-            raise PlanMismatchError(f"q on {q.device}, executor on {self.device}")
-        gc = self._calls[spec.group_plans.index(gp)]
-        if k_new is not None and v_new is not None:
-            page, offset = self._slots[group.cross_attention]
-            if self.page_map is not None and group.has_window:
-                page = self.page_map[page.long()]
-            kv_cache[page, 0, offset] = k_new
-            kv_cache[page, 1, offset] = v_new
-        elif gc.ragged is not None:
-            raise PlanMismatchError(
-                f"group {group.describe()!r} runs on the ragged path: pass k_new and v_new"
-            )
-        if spec.total_q == 0:
+        args = self._check_run(group, q, k_new, v_new, kv_cache, return_lse)
+        spec, dplan = self._spec, self._plan
+        assert spec is not None and dplan is not None and self._gathered is not None
+        if kv_cache is not None and not kv_cache.is_contiguous():
+            raise PlanMismatchError("kv_cache: FlashInfer needs a contiguous cache tensor")
+        assert isinstance(group, AttentionGroup)
+        if self.check_pages and kv_cache is not None:
+            self._check_cache_pages(args, group, int(kv_cache.shape[0]))
+        gc = dplan.calls[args.index]
+        if args.writes:
+            assert kv_cache is not None and k_new is not None and v_new is not None
+            r = self._write_region(group)
+            page, offset = self._gathered
+            write_kv(
+                kv_cache, k_new, v_new, page[r.lo : r.hi], offset[r.lo : r.hi],
+                status=self._status,
+            )  # fmt: skip
+        if q.shape[0] == 0:
             out = q.new_zeros(q.shape, dtype=spec.heads.out_dtype)
-            lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+            lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
             return (out, lse) if return_lse else out
         states = []
         if gc.ragged is not None:
@@ -341,6 +502,6 @@ class FlashInferExecutor:
             states.append(wrapper.run(q, kv_cache, return_lse=return_lse or gc.merges))
         if gc.merges:
             (o_a, s_a), (o_b, s_b) = states
-            out, lse = merge_states(o_a, s_a, o_b, s_b)
+            out, lse = merge_state_triton(o_a, s_a, o_b, s_b)
             return (out, lse) if return_lse else out
         return states[0]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-from flashplan.errors import UnsupportedError
+from flashplan.errors import LayoutError, UnsupportedError
+from flashplan.layout.convert import as_bool
 from flashplan.layout.heads import HeadConfig
 
 __all__ = [
@@ -19,10 +20,21 @@ __all__ = [
     "ExecutorPolicy",
     "decode_uses_tensor_cores",
     "prefill_backend",
+    "split_kwargs",
 ]
 
 _FA3_DTYPES = (torch.float16, torch.bfloat16)
 _FA3_HEAD_DIMS = (64, 128, 256)
+
+
+def _backend(field: str, value: object) -> str:
+    if value not in ("auto", "fa2", "fa3"):
+        raise LayoutError(field, "must be 'auto', 'fa2' or 'fa3'", value=value)
+    return str(value)
+
+
+def _optional_bool(field: str, value: object) -> bool | None:
+    return None if value is None else as_bool(field, value)
 
 
 @attrs.frozen
@@ -34,12 +46,36 @@ class ExecutorPolicy:
             ``None`` lets :func:`decode_uses_tensor_cores` decide.
         prefill_backend: ``"fa2"``, ``"fa3"`` or ``"auto"`` (:func:`prefill_backend`
             decides per call). Calls with a custom mask always use FA2.
+        deterministic: batch-invariant results (what sglang's
+            ``enable_deterministic_inference`` is for): one request's output is
+            bit-identical whatever else is in the batch, wherever it sits, and
+            between an eager step and a CUDA-graph replay. Decode always runs on
+            tensor cores, no kernel splits a request's KV across work items
+            (``disable_split_kv``: nothing is reduced in a batch-dependent order),
+            and plans on a ragged path are refused (plan with
+            ``extend_path="paged"``: otherwise a request's kernels would depend on
+            the rest of the batch). See ``docs/guide-cuda-graphs.md`` for why this
+            differs from the reference file's fixed split tiles.
     """
 
-    decode_tensor_cores: bool | None = None
-    prefill_backend: str = attrs.field(
-        default="auto", validator=attrs.validators.in_(("auto", "fa2", "fa3"))
+    decode_tensor_cores: bool | None = attrs.field(
+        default=None, converter=lambda v: _optional_bool("decode_tensor_cores", v)
     )
+    prefill_backend: str = attrs.field(
+        default="auto", converter=lambda v: _backend("prefill_backend", v)
+    )
+    deterministic: bool = attrs.field(
+        default=False, converter=lambda v: as_bool("deterministic", v)
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.deterministic and self.decode_tensor_cores is False:
+            raise LayoutError(
+                "decode_tensor_cores",
+                "deterministic mode runs decode on tensor cores (the CUDA-core kernel "
+                "has no fixed split)",
+                decode_tensor_cores=False,
+            )
 
 
 #: Smallest decode batch that goes to the tensor-core kernel by default.
@@ -56,6 +92,8 @@ def decode_uses_tensor_cores(heads: HeadConfig, policy: ExecutorPolicy, batch_si
     kernel is faster (18-33 us vs 29-44 us); at batch 4 they tie or tensor cores
     win. The choice selects a wrapper (part of its key), never the plan.
     """
+    if policy.deterministic:
+        return True
     if policy.decode_tensor_cores is not None:
         return policy.decode_tensor_cores
     del heads  # measured: the head layout does not move the crossover
@@ -87,3 +125,13 @@ def prefill_backend(
     if policy.prefill_backend != "auto":
         return policy.prefill_backend
     return "fa3" if sm90 and fa3_kernels else "fa2"
+
+
+def split_kwargs(policy: ExecutorPolicy) -> list[tuple[str, object]]:
+    """The KV-split arguments of a ``plan()`` call: none by default (FlashInfer splits
+    long requests across work items as the batch suggests); ``disable_split_kv`` in
+    deterministic mode, so that no request's result depends on the batch. (A fixed
+    split tile, the reference file's eager choice, cannot be replayed in a CUDA graph:
+    FlashInfer's graph plans must keep their split decision, which a fixed tile makes
+    depend on the batch.)"""
+    return [("disable_split_kv", True)] if policy.deterministic else []

@@ -11,7 +11,7 @@ import numpy as np
 
 from flashplan.layout.batch import BatchLayout
 from flashplan.layout.heads import HeadConfig
-from flashplan.plan.spec import ExtendPath
+from flashplan.planning.spec import ExtendPath
 
 __all__ = ["default_extend_path"]
 

@@ -14,10 +14,19 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from flashplan.layout.arrays import IntArray, cumsum0, frozen_array
+from flashplan.arrays import (
+    IntArray,
+    array_key,
+    copy_readonly,
+    indptr,
+    readonly_when_unpickled,
+    seal_inplace,
+)
+from flashplan.errors import LayoutError
 
 __all__ = [
     "CustomMask",
+    "ThresholdMask",
     "mask_indptr",
     "pack_dense",
     "pack_threshold_rows",
@@ -26,60 +35,83 @@ __all__ = [
 ]
 
 
-@attrs.frozen(eq=False)
-class CustomMask:
-    """A per-request custom mask of a paged kernel call.
+def _mask_lengths(field: str, value: object) -> IntArray:
+    arr = np.asarray(value)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu" or (arr.size and int(arr.min()) < 0):
+        raise LayoutError(field, "must be a 1-D array of lengths >= 0", value=value)
+    return copy_readonly(arr)
 
-    Two forms: *threshold rows* — row ``j`` of request ``i`` sees columns
-    ``c >= first_visible[i] + j`` (clipped to ``[0, kv_len]``), the shape of a
-    sliding window seen through a trimmed prefix, stored as one int per request
-    and expanded only where it is used (on the GPU by a kernel, on the host by
-    :attr:`packed`) — or *explicit* packed bytes.
+
+def _first_visible(field: str, value: object) -> npt.NDArray[np.int64]:
+    arr = np.asarray(value)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise LayoutError(field, "must be a 1-D integer array", value=value)
+    return copy_readonly(arr, np.int64)
+
+
+@readonly_when_unpickled
+@attrs.frozen
+class ThresholdMask:
+    """A custom mask whose rows are "hidden up to a column, visible after it".
+
+    Row ``j`` of request ``i`` sees columns ``c`` with
+    ``clamp(first_visible[i] + j, 0, kv_lens[i]) <= c < kv_lens[i]``: the shape of a
+    sliding window seen through a trimmed prefix. It is stored as one integer per
+    request and expanded only where it is used (on the GPU by
+    :func:`flashplan.kernels.build_threshold_mask`, on the host by :attr:`packed`).
+
+    >>> m = ThresholdMask([2], [5], [2])   # 2 rows over 5 columns, row 0 from column 2
+    >>> m.dense(0).astype(int)
+    array([[0, 0, 1, 1, 1],
+           [0, 0, 0, 1, 1]])
+    >>> m.indptr.tolist()                  # ceil(2 * 5 / 8) bytes
+    [0, 2]
 
     Attributes:
         qo_lens: int32 ``[bs]`` (tokens) rows per request.
         kv_lens: int32 ``[bs]`` (tokens) columns per request (the kernel's kv length).
-        indptr: int32 ``[bs + 1]`` (bytes) offsets of the compact packed form:
-            ``ceil(qo_len * kv_len / 8)`` bytes per request, byte-aligned.
-        first_visible: int64 ``[bs]`` (columns) for the threshold form, else ``None``.
-        explicit: uint8 ``[indptr[-1]]`` packed bytes for the explicit form, else ``None``.
+        first_visible: int64 ``[bs]`` (columns) row 0's first visible column, before
+            clamping.
     """
 
-    qo_lens: IntArray
-    kv_lens: IntArray
-    indptr: IntArray
-    first_visible: npt.NDArray[np.int64] | None = None
-    explicit: npt.NDArray[np.uint8] | None = None
+    qo_lens: IntArray = attrs.field(converter=lambda v: _mask_lengths("qo_lens", v), eq=array_key)
+    kv_lens: IntArray = attrs.field(converter=lambda v: _mask_lengths("kv_lens", v), eq=array_key)
+    first_visible: npt.NDArray[np.int64] = attrs.field(
+        converter=lambda v: _first_visible("first_visible", v), eq=array_key
+    )
 
-    @classmethod
-    def from_threshold(
-        cls, qo_lens: IntArray, kv_lens: IntArray, first_visible: npt.NDArray[np.int64]
-    ) -> CustomMask:
-        """Threshold-row form (see class docstring)."""
-        return cls(
-            qo_lens,
-            kv_lens,
-            mask_indptr(qo_lens, kv_lens),
-            first_visible=frozen_array(first_visible, np.int64),
-        )
+    def __attrs_post_init__(self) -> None:
+        bs = self.qo_lens.shape[0]
+        if self.kv_lens.shape[0] != bs or self.first_visible.shape[0] != bs:
+            raise LayoutError(
+                "mask",
+                "qo_lens, kv_lens and first_visible must have one entry per request",
+                qo_lens=bs,
+                kv_lens=self.kv_lens.shape[0],
+                first_visible=self.first_visible.shape[0],
+            )
 
-    @classmethod
-    def from_dense(cls, masks: list[npt.NDArray[np.bool_]]) -> CustomMask:
-        """Explicit form from per-request ``[qo_len, kv_len]`` boolean matrices."""
-        packed, indptr = pack_dense(masks)
-        qo = frozen_array(np.array([m.shape[0] for m in masks], dtype=np.int64))
-        kv = frozen_array(np.array([m.shape[1] for m in masks], dtype=np.int64))
-        return cls(qo, kv, indptr, explicit=packed)
+    @cached_property
+    def indptr(self) -> IntArray:
+        """int32 ``[bs + 1]`` (bytes) offsets of the compact packed form:
+        ``ceil(qo_len * kv_len / 8)`` bytes per request, byte-aligned."""
+        return mask_indptr(self.qo_lens, self.kv_lens)
 
     @cached_property
     def packed(self) -> npt.NDArray[np.uint8]:
         """uint8 ``[indptr[-1]]``: the compact packed bytes (computed once, on the host)."""
-        if self.explicit is not None:
-            return self.explicit
-        assert self.first_visible is not None
-        return pack_threshold_rows(
-            self.qo_lens, self.kv_lens, threshold_rows(self.qo_lens, self.first_visible)
-        )[0]
+        rows = threshold_rows(self.qo_lens, self.first_visible)
+        return pack_threshold_rows(self.qo_lens, self.kv_lens, rows)[0]
+
+    def dense(self, request: int) -> npt.NDArray[np.bool_]:
+        """bool ``[qo_len, kv_len]``: request ``request``'s mask, unpacked."""
+        q, kv = int(self.qo_lens[request]), int(self.kv_lens[request])
+        first = int(self.first_visible[request]) + np.arange(q)[:, None]
+        return np.arange(kv)[None, :] >= np.clip(first, 0, kv)
+
+
+#: The custom masks a paged kernel call may carry.
+CustomMask = ThresholdMask
 
 
 def threshold_rows(
@@ -88,14 +120,14 @@ def threshold_rows(
     """Expand per-request ``first_visible`` to one value per row: ``first_visible[i] + j``."""
     q = qo_lens.astype(np.int64)
     req = np.repeat(np.arange(q.shape[0]), q)
-    row = np.arange(req.shape[0]) - np.repeat(cumsum0(q)[:-1].astype(np.int64), q)
+    row = np.arange(req.shape[0]) - np.repeat(indptr(q)[:-1].astype(np.int64), q)
     return first_visible.astype(np.int64)[req] + row
 
 
 def mask_indptr(qo_lens: IntArray, kv_lens: IntArray) -> IntArray:
     """int32 ``[bs + 1]`` (bytes): byte offsets of each request's packed mask."""
     bits = qo_lens.astype(np.int64) * kv_lens.astype(np.int64)
-    return cumsum0((bits + 7) // 8)
+    return indptr((bits + 7) // 8)
 
 
 def pack_threshold_rows(
@@ -118,12 +150,12 @@ def pack_threshold_rows(
     Returns:
         ``(packed uint8 [indptr[-1]], indptr int32 [bs + 1] in bytes)``.
     """
-    indptr = mask_indptr(qo_lens, kv_lens)
-    total_bytes = int(indptr[-1])
+    byte_ptr = mask_indptr(qo_lens, kv_lens)
+    total_bytes = int(byte_ptr[-1])
     req = np.repeat(np.arange(qo_lens.shape[0]), qo_lens)
-    row_in_req = np.arange(req.shape[0]) - np.repeat(cumsum0(qo_lens)[:-1], qo_lens)
+    row_in_req = np.arange(req.shape[0]) - np.repeat(indptr(qo_lens)[:-1], qo_lens)
     m = kv_lens.astype(np.int64)[req]
-    base_bit = indptr.astype(np.int64)[req] * 8 + row_in_req * m
+    base_bit = byte_ptr.astype(np.int64)[req] * 8 + row_in_req * m
     start = base_bit + np.clip(first_visible, 0, m)
     stop = base_bit + m
     keep = stop > start
@@ -148,7 +180,7 @@ def pack_threshold_rows(
         hi = hi_bit - byte * 8
         bits = ((np.left_shift(1, hi) - 1) ^ (np.left_shift(1, lo) - 1)).astype(np.uint8)
         np.bitwise_or.at(out, byte, bits)
-    return frozen_array(out, np.uint8), indptr
+    return seal_inplace(out, np.uint8), byte_ptr
 
 
 def pack_dense(masks: list[npt.NDArray[np.bool_]]) -> tuple[npt.NDArray[np.uint8], IntArray]:
@@ -156,7 +188,7 @@ def pack_dense(masks: list[npt.NDArray[np.bool_]]) -> tuple[npt.NDArray[np.uint8
     parts = [np.packbits(np.asarray(m, dtype=bool).ravel(), bitorder="little") for m in masks]
     sizes = np.array([p.shape[0] for p in parts], dtype=np.int64)
     packed = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
-    return frozen_array(packed, np.uint8), cumsum0(sizes)
+    return seal_inplace(packed, np.uint8), indptr(sizes)
 
 
 def unpack_request(

@@ -1,0 +1,118 @@
+"""Read-only host integer arrays: the data type every flashplan record holds.
+
+Per-request data lives in read-only ``numpy`` arrays (one array per field, never one
+object per request). Two ways to make one, named by whether they copy:
+
+* :func:`copy_readonly` always copies: use it for an array someone else may hold.
+* :func:`seal_inplace` never copies an array of the right dtype and layout: it marks
+  the caller's own freshly computed array read-only.
+
+:func:`indptr` turns lengths into FlashInfer-style index pointers, and
+:func:`checked_int32` casts a derived value computed in int64 to int32 after checking
+that it fits, so no derived length, offset or page id can wrap around.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from flashplan.errors import LayoutError
+
+__all__ = [
+    "INT32_MAX",
+    "IntArray",
+    "array_key",
+    "checked_int32",
+    "copy_readonly",
+    "indptr",
+    "readonly_when_unpickled",
+    "seal_inplace",
+]
+
+IntArray = npt.NDArray[np.int32]
+
+#: Largest value of every int32 array flashplan hands to a kernel.
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def copy_readonly(values: npt.ArrayLike, dtype: Any = np.int32) -> npt.NDArray[Any]:
+    """A fresh contiguous read-only copy of ``values`` as ``dtype`` (always copies)."""
+    out = np.array(values, dtype=dtype, copy=True, order="C")
+    out.flags.writeable = False
+    return out
+
+
+def seal_inplace(values: npt.NDArray[Any], dtype: Any = np.int32) -> npt.NDArray[Any]:
+    """Mark the caller's own array read-only, casting it to ``dtype`` only if needed.
+
+    Never copies an array that already has ``dtype`` and C layout: the caller gives up
+    the right to write it. Never pass an array someone else holds (use
+    :func:`copy_readonly` then).
+    """
+    out = values.astype(dtype, copy=False)
+    if not out.flags.c_contiguous:
+        out = np.ascontiguousarray(out)
+    out.flags.writeable = False
+    return out
+
+
+def checked_int32(field: str, values: npt.NDArray[Any], what: str) -> IntArray:
+    """Seal an int64 array computed by flashplan as int32, refusing values that overflow.
+
+    Raises:
+        LayoutError: naming ``field``, the first request whose value does not fit in
+            int32 and that value (``what`` says what the value is).
+    """
+    if values.size:
+        over = (values > INT32_MAX) | (values < -INT32_MAX - 1)
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise LayoutError(field, f"{what} exceeds int32", request=i, value=int(values[i]))
+    return seal_inplace(values)
+
+
+def indptr(lengths: npt.NDArray[Any], field: str = "lengths") -> IntArray:
+    """``[0, l0, l0 + l1, …]``: read-only int32 ``[n + 1]`` index pointers.
+
+    Raises:
+        LayoutError: the total exceeds int32 (named after ``field``).
+    """
+    out = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    if out[-1] > INT32_MAX:
+        raise LayoutError(field, "total exceeds int32", total=int(out[-1]))
+    return seal_inplace(out)
+
+
+def array_key(a: npt.NDArray[Any] | None) -> object:
+    """Hashable value key of an array (dtype, shape, bytes); ``None`` stays ``None``.
+
+    Used as attrs' ``eq`` key so that records holding arrays compare and hash by value.
+    """
+    if a is None:
+        return None
+    return (a.dtype.str, a.shape, a.tobytes())
+
+
+_Record = TypeVar("_Record", bound=type)
+
+
+def readonly_when_unpickled(cls: _Record) -> _Record:
+    """Class decorator for attrs records holding arrays: pickling and ``copy.deepcopy``
+    give back *read-only* arrays, as the original holds (numpy restores them writable,
+    which would let a copy's hash change under it). Apply it above ``@attrs.frozen``."""
+    restore = cls.__setstate__  # type: ignore[attr-defined]
+
+    def __setstate__(self: Any, state: Any) -> None:
+        restore(self, state)
+        for field in attrs.fields(type(self)):
+            value = getattr(self, field.name)
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False
+
+    cls.__setstate__ = __setstate__  # type: ignore[attr-defined]
+    return cls

@@ -1,0 +1,257 @@
+"""CUDA-graph buckets: fixed buffer sizes and padding, as pure host functions.
+
+A CUDA graph replays kernels with the arguments (pointers, grid sizes) they were
+captured with, so every buffer a captured step reads must keep its address and size.
+An engine picks a few *buckets* — batch sizes such as 1, 2, 4, 8, 16, 24, 32, … 256,
+each with a most-pages-per-request bound — captures one graph per bucket and replays
+the smallest bucket a batch fits in. Everything here is a pure function of the
+bucket, tested on the CPU:
+
+* :meth:`GraphBucket.layout` gives the fixed gather regions (their bases and
+  capacities) that the graph's kernels read: every group's page ids and the write
+  slots of the bucket's tokens.
+* :func:`bucket_jobs` re-addresses a batch's gather jobs into those regions and adds
+  *fill jobs* for the padding requests: each padding request reads one valid dummy
+  page and writes nowhere (offset -1, which :func:`~flashplan.kernels.write_kv` skips).
+* :func:`padded_inputs` pads the ``plan()`` host arrays to the bucket's batch size
+  (one page of one key per padding request), so FlashInfer plans exactly the fixed
+  batch size its graph wrappers were made for.
+* :func:`check_fits` refuses a plan that does not fit, naming the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from flashplan.arrays import INT32_MAX, IntArray, seal_inplace
+from flashplan.errors import BucketError
+from flashplan.executor.gathers import GatherJobs, Region, pages_region
+from flashplan.layout.batch import Mode
+from flashplan.layout.convert import as_int
+from flashplan.planning.spec import KernelPath, PlanKey, PlanSpec
+
+__all__ = ["BucketLayout", "GraphBucket", "bucket_jobs", "check_fits", "padded_inputs"]
+
+
+def _bucket_mode(field: str, value: object) -> Mode:
+    if not isinstance(value, Mode):
+        raise BucketError(field, "must be a flashplan.Mode", value=value)
+    return value
+
+
+@attrs.frozen
+class BucketLayout:
+    """Where a bucket's fixed gather regions live in its gather output buffer.
+
+    Attributes:
+        regions: each region at its fixed base, with its capacity (entries).
+        total: entries in all regions.
+    """
+
+    regions: tuple[Region, ...]
+    total: int
+
+    def region(self, name: str) -> Region:
+        """The fixed region called ``name``."""
+        for r in self.regions:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+
+@attrs.frozen
+class GraphBucket:
+    """The fixed shape a CUDA graph is captured for.
+
+    Attributes:
+        mode: :attr:`Mode.DECODE`, or :attr:`Mode.EXTEND` with the same number of new
+            tokens for every request (the draft-extend shape).
+        batch_size: requests the graph runs (a smaller batch is padded to it).
+        max_pages: most pages one request's kernel call may read (page-table columns).
+        tokens_per_request: new tokens per request (1 for decode).
+        dummy_page: the page id padding requests read (a valid page of the cache;
+            its contents do not matter).
+    """
+
+    mode: Mode = attrs.field(converter=lambda v: _bucket_mode("mode", v))
+    batch_size: int = attrs.field(converter=lambda v: as_int("batch_size", v, minimum=1))
+    max_pages: int = attrs.field(converter=lambda v: as_int("max_pages", v, minimum=1))
+    tokens_per_request: int = attrs.field(
+        default=1, converter=lambda v: as_int("tokens_per_request", v, minimum=1)
+    )
+    dummy_page: int = attrs.field(default=0, converter=lambda v: as_int("dummy_page", v, minimum=0))
+
+    def __attrs_post_init__(self) -> None:
+        if self.mode is Mode.DECODE and self.tokens_per_request != 1:
+            raise BucketError(
+                "tokens_per_request", "a decode bucket has one token per request",
+                tokens_per_request=self.tokens_per_request,
+            )  # fmt: skip
+        for what, value in (
+            ("batch_size * max_pages", self.batch_size * self.max_pages),
+            ("batch_size * tokens_per_request", self.total_q),
+        ):
+            if value > INT32_MAX:
+                raise BucketError("batch_size", f"{what} exceeds int32", value=value)
+
+    @classmethod
+    def decode(cls, batch_size: int, max_pages: int, *, dummy_page: int = 0) -> GraphBucket:
+        """A decode bucket: ``batch_size`` requests of one token, up to ``max_pages``."""
+        return cls(Mode.DECODE, batch_size, max_pages, 1, dummy_page)
+
+    @classmethod
+    def extend(
+        cls, batch_size: int, max_pages: int, tokens_per_request: int, *, dummy_page: int = 0
+    ) -> GraphBucket:
+        """An extend bucket with a fixed ``tokens_per_request`` (draft extend)."""
+        return cls(Mode.EXTEND, batch_size, max_pages, tokens_per_request, dummy_page)
+
+    @property
+    def total_q(self) -> int:
+        """Rows of ``q`` (and of new K/V) the graph runs: ``batch_size * tokens_per_request``."""
+        return self.batch_size * self.tokens_per_request
+
+    def layout(self, key: PlanKey, *, window_pool: bool) -> BucketLayout:
+        """The fixed gather regions of a graph for plans with ``key``.
+
+        Every group with a paged call gets ``batch_size * max_pages`` page ids; the
+        write slots of self groups get ``total_q`` entries (twice, mapped and unmapped,
+        with a sliding-window pool and a windowed group).
+        """
+        sizes: list[tuple[str, int]] = []
+        for index, path in enumerate(key.paths):
+            if path is not KernelPath.RAGGED:
+                sizes.append((pages_region(index), self.batch_size * self.max_pages))
+        if any(not g.cross_attention for g in key.groups):
+            sizes.append(("write", self.total_q))
+            if window_pool and any(g.uses_window_pool for g in key.groups):
+                sizes.append(("write/window", self.total_q))
+        regions = []
+        base = 0
+        for name, size in sizes:
+            regions.append(Region(name, base, base + size))
+            base += size
+        return BucketLayout(tuple(regions), max(base, 1))
+
+
+def check_fits(spec: PlanSpec, bucket: GraphBucket) -> None:
+    """Raise :class:`~flashplan.BucketError` unless ``spec`` fits ``bucket``.
+
+    A fitting plan has the bucket's mode, at most ``batch_size`` requests, exactly
+    ``tokens_per_request`` new tokens each, no encoder K/V to write, and no paged call
+    reading more than ``max_pages`` pages for a request.
+    """
+    if spec.key.mode is not bucket.mode:
+        raise BucketError(
+            "mode", "the plan's mode differs from the bucket's",
+            plan_mode=spec.key.mode.value, bucket_mode=bucket.mode.value,
+        )  # fmt: skip
+    if spec.batch_size > bucket.batch_size:
+        raise BucketError(
+            "batch_size", "the batch is larger than the bucket",
+            batch_size=spec.batch_size, bucket_batch_size=bucket.batch_size,
+        )  # fmt: skip
+    wrong = spec.qo_lens != bucket.tokens_per_request
+    if wrong.any():
+        i = int(np.flatnonzero(wrong)[0])
+        raise BucketError(
+            "tokens_per_request", "every request of a bucket has the same number of new tokens",
+            request=i, new_tokens=int(spec.qo_lens[i]),
+            tokens_per_request=bucket.tokens_per_request,
+        )  # fmt: skip
+    for index, gp in enumerate(spec.group_plans):
+        if gp.path in (KernelPath.RAGGED, KernelPath.RAGGED_PAGED):
+            raise BucketError(
+                "paths", "CUDA-graph buckets run paged paths only: plan with extend_path='paged'",
+                group=index, path=gp.path.value,
+            )  # fmt: skip
+        if gp.paged is not None:
+            over = gp.paged.num_pages > bucket.max_pages
+            if over.any():
+                i = int(np.flatnonzero(over)[0])
+                raise BucketError(
+                    "max_pages", "a request reads more pages than the bucket holds",
+                    request=i, group=index, pages=int(gp.paged.num_pages[i]),
+                    max_pages=bucket.max_pages,
+                )  # fmt: skip
+
+
+def bucket_jobs(
+    jobs: GatherJobs, bucket: BucketLayout, batch_size: int, graph: GraphBucket
+) -> GatherJobs:
+    """Re-address a batch's gather jobs into a bucket's fixed regions, padded.
+
+    Each packed region moves to its fixed base; then every padding request
+    (``batch_size .. graph.batch_size - 1``) gets a fill job per region: one dummy
+    page in a page-id region, ``tokens_per_request`` unwritable slots in a write
+    region. The result's page-id regions end where FlashInfer's ``kv_indices`` end
+    (real pages, then one per padding request); write regions span all ``total_q``
+    slots.
+
+    Args:
+        jobs: the batch's packed gather jobs (:func:`~flashplan.executor.gathers.gather_jobs`).
+        bucket: the fixed layout (:meth:`GraphBucket.layout`).
+        batch_size: requests in the batch (``<= graph.batch_size``).
+        graph: the bucket.
+    """
+    pads = graph.batch_size - batch_size
+    columns: list[list[npt.NDArray[np.int64]]] = [[] for _ in range(6)]
+    regions = []
+    for k, r in enumerate(jobs.regions):
+        fixed = bucket.region(r.name)
+        span = slice(k * batch_size, (k + 1) * batch_size)
+        j_rows, j_first, j_counts, j_dst, j_div, j_map = (
+            c[span].astype(np.int64) for c in jobs.columns()
+        )
+        per_pad = 1 if r.name.startswith("pages/") else graph.tokens_per_request
+        pad_dst = fixed.lo + r.size + per_pad * np.arange(pads, dtype=np.int64)
+        pad = np.full(pads, 1, np.int64)
+        parts = (
+            (j_rows, np.full(pads, -1, np.int64)),
+            (j_first, np.full(pads, graph.dummy_page, np.int64)),
+            (j_counts, pad * per_pad),
+            (j_dst - r.lo + fixed.lo, pad_dst),
+            (j_div, pad),
+            (j_map, pad * 0),
+        )
+        for col, (real, padding) in zip(columns, parts, strict=True):
+            col += [real, padding]
+        used = r.size + per_pad * pads
+        hi = fixed.hi if not r.name.startswith("pages/") else fixed.lo + used
+        regions.append(Region(r.name, fixed.lo, hi))
+    cols: list[IntArray] = [
+        seal_inplace(np.concatenate(c) if c else np.zeros(0, np.int32)) for c in columns
+    ]
+    rows, first, counts, dst, div, use_map = cols
+    return GatherJobs(
+        rows, first, counts, dst, div, use_map, regions=tuple(regions), total=bucket.total
+    )
+
+
+def padded_inputs(
+    host: Mapping[str, IntArray], batch_size: int, graph: GraphBucket
+) -> dict[str, IntArray]:
+    """The ``plan()`` host arrays padded to the bucket's batch size.
+
+    ``qo_indptr`` gains ``tokens_per_request`` rows per padding request; each group's
+    ``page_indptr`` one page and its ``last_page_len`` one key (the dummy page's slot 0).
+    """
+    pads = graph.batch_size - batch_size
+    out: dict[str, IntArray] = {}
+    for name, values in host.items():
+        if name == "qo_indptr":
+            step = graph.tokens_per_request
+        elif name.endswith(".page_indptr"):
+            step = 1
+        elif name.endswith(".last_page_len"):
+            out[name] = seal_inplace(np.concatenate([values, np.ones(pads, np.int32)]))
+            continue
+        else:  # pragma: no cover - masks are not part of graph buckets yet
+            raise BucketError(name, "this host array cannot be padded to a bucket")
+        tail = int(values[-1]) + step * np.arange(1, pads + 1, dtype=np.int64)
+        out[name] = seal_inplace(np.concatenate([values.astype(np.int64), tail]))
+    return out

@@ -1,0 +1,96 @@
+"""Buffers the FlashInfer executor keeps across batches (allocated once, grown
+geometrically, never per call).
+
+* :class:`PinnedRing`: pinned host staging slots. A slot is handed out only when the
+  copies that read it last have completed (checked with ``event.query()``, which never
+  waits); when every slot is busy the ring grows instead of waiting.
+* :class:`DeviceBuffer`: a device tensor that grows to the largest size asked for.
+
+Everything else is stream-ordered: the executor issues every copy, gather and kernel
+on the current stream, so a device buffer is rewritten only after the kernels that
+read it.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+__all__ = ["DeviceBuffer", "PinnedRing", "PinnedSlot"]
+
+
+def _grown(current: int, needed: int) -> int:
+    return max(needed, 2 * current, 1024)
+
+
+@attrs.define(eq=False)
+class PinnedSlot:
+    """One pinned int32 staging buffer and the event after its last reader."""
+
+    host: torch.Tensor
+    event: torch.cuda.Event | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Entries the slot holds."""
+        return int(self.host.shape[0])
+
+    def idle(self) -> bool:
+        """No queued copy may still read the slot (never waits)."""
+        return self.event is None or self.event.query()
+
+    def mark_read(self, stream: torch.cuda.Stream) -> None:
+        """Record that everything queued on ``stream`` so far may read the slot."""
+        if self.event is None:
+            self.event = torch.cuda.Event()
+        self.event.record(stream)
+
+
+class PinnedRing:
+    """A ring of pinned staging slots (see module docstring).
+
+    Args:
+        dtype: element type of the slots.
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.int32) -> None:
+        self.dtype = dtype
+        self.slots: list[PinnedSlot] = []
+
+    def acquire(self, size: int) -> PinnedSlot:
+        """An idle slot of at least ``size`` entries: an idle one that is big enough,
+        else an idle one regrown, else a new one. Never waits for the GPU."""
+        for slot in self.slots:
+            if slot.idle() and slot.capacity >= size:
+                return slot
+        for slot in self.slots:
+            if slot.idle():
+                slot.host = torch.empty(
+                    _grown(slot.capacity, size), dtype=self.dtype, pin_memory=True
+                )
+                return slot
+        largest = max((s.capacity for s in self.slots), default=0)
+        slot = PinnedSlot(torch.empty(_grown(largest, size), dtype=self.dtype, pin_memory=True))
+        self.slots.append(slot)
+        return slot
+
+
+class DeviceBuffer:
+    """A device tensor of ``dtype`` that grows to the largest size asked for.
+
+    A regrown buffer is a new allocation: the old one goes back to torch's caching
+    allocator, which reuses it only after the kernels queued on it.
+    """
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.tensor = torch.empty(0, dtype=dtype, device=device)
+
+    def get(self, size: int) -> torch.Tensor:
+        """The first ``size`` entries of the buffer (grown if needed)."""
+        if self.tensor.shape[0] < size:
+            self.tensor = torch.empty(
+                _grown(self.tensor.shape[0], size), dtype=self.dtype, device=self.device
+            )
+        return self.tensor[:size]

@@ -1,0 +1,276 @@
+"""CUDA-graph capture and replay on FlashInfer's graph-mode wrappers.
+
+An engine's step loop with graphs, per bucket (:class:`GraphBucket`)::
+
+    graph_ex = GraphExecutor(executor, GraphBucket.decode(batch_size=8, max_pages=256))
+    graph_ex.apply(first_spec, table)                  # any batch that fits the bucket
+    step = capture(graph_ex, lambda: model_forward(graph_ex, static_inputs))
+    ...
+    # every step: fill the static inputs, then
+    step.replay(spec, table)                           # replay planning + graph replay
+
+:class:`GraphExecutor` is an :class:`~flashplan.Executor` whose every buffer the
+graph reads — page ids, indptrs, last-page lengths, write slots — has a fixed address
+and a size fixed by the bucket. Its ``apply`` is the replay planning: it runs outside
+the graph, pads the batch to the bucket (padding requests read one dummy page and
+write nowhere), fills the fixed buffers in place (no allocation, no sync) and calls
+FlashInfer's ``plan()`` on wrappers made with ``use_cuda_graph=True``. Its ``run``
+takes the bucket's shapes: ``q`` of ``bucket.total_q`` rows, whose padding rows'
+outputs are to be ignored.
+
+Only paged paths replay (decode, and extends with a fixed token count per request):
+FlashInfer's graph plans must keep their launch configuration between replays, which
+holds for a fixed batch size and row capacity (see ``docs/guide-cuda-graphs.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import attrs
+import torch
+
+from flashplan.errors import PlanMismatchError
+from flashplan.executor.checks import RunArgs, check_run_args
+from flashplan.executor.flashinfer.bucket import (
+    BucketLayout,
+    GraphBucket,
+    bucket_jobs,
+    check_fits,
+    padded_inputs,
+)
+from flashplan.executor.flashinfer.calls import (
+    GroupCalls,
+    WrapperKey,
+    WrapperKind,
+    call_inputs,
+    call_skeleton,
+)
+from flashplan.executor.flashinfer.executor import FlashInferExecutor
+from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
+from flashplan.executor.gathers import gather_jobs, pages_region
+from flashplan.layout.page_table import PageTable
+from flashplan.planning.spec import PlanKey, PlanSpec
+
+__all__ = ["CapturedStep", "GraphExecutor", "capture"]
+
+T = TypeVar("T")
+
+
+class GraphExecutor(FlashInferExecutor):
+    """A :class:`FlashInferExecutor` for one CUDA-graph bucket (see module docstring).
+
+    Made from an eager executor, ``GraphExecutor(executor, bucket)``; it shares its device, policy,
+    workspace, page map and checked mode. The first ``apply`` fixes the plan key
+    (groups, paths, heads) the graph is captured for; later applies must have it.
+
+    Raises:
+        BucketError: (``apply``) a plan that does not fit the bucket.
+    """
+
+    def __init__(self, parent: FlashInferExecutor, bucket: GraphBucket) -> None:
+        if not isinstance(bucket, GraphBucket):
+            raise PlanMismatchError(f"bucket: expected a GraphBucket, got {type(bucket).__name__}")
+        self.device = parent.device
+        self._fi = parent._fi
+        self.policy = parent.policy
+        self.workspace_bytes = parent.workspace_bytes
+        self.check_pages = parent.check_pages
+        self.page_map = parent.page_map
+        self._workspace = parent._workspace
+        self._init_state()
+        self.bucket = bucket
+        self._key: PlanKey | None = None
+        self._layout: BucketLayout | None = None
+        self._fixed_page: torch.Tensor | None = None
+        self._fixed_offset: torch.Tensor | None = None
+        self._wrapper_buffers: dict[tuple[int, WrapperKind], dict[str, torch.Tensor]] = {}
+
+    # -- fixed buffers ------------------------------------------------------------------
+    def _fix_key(self, spec: PlanSpec) -> BucketLayout:
+        if self._key is None:
+            self._key = spec.key
+            self._layout = self.bucket.layout(spec.key, window_pool=self.page_map is not None)
+            self._fixed_page = torch.zeros(
+                self._layout.total, dtype=torch.int32, device=self.device
+            )
+            self._fixed_offset = torch.full(
+                (self._layout.total,), -1, dtype=torch.int32, device=self.device
+            )
+        elif spec.key != self._key:
+            raise PlanMismatchError(
+                "a graph executor runs plans of the key it was first applied with "
+                f"(groups, paths, heads); got {spec.key!r}, fixed {self._key!r}"
+            )
+        assert self._layout is not None
+        return self._layout
+
+    def _gather_out(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._fixed_page is not None and self._fixed_offset is not None
+        return self._fixed_page, self._fixed_offset
+
+    def _skeleton(self, spec: PlanSpec) -> tuple[GroupCalls, ...]:
+        key = ("graph", spec.key)
+        calls = self._skeletons.get(key)
+        if calls is None:
+            calls = _graph_skeleton(spec, self)
+            self._skeletons[key] = calls
+        return calls
+
+    def _device_plan(
+        self, spec: PlanSpec, calls: tuple[GroupCalls, ...], table: PageTable
+    ) -> DevicePlan:
+        layout = self._fix_key(spec)
+        inputs = call_inputs(spec, calls)
+        jobs = gather_jobs(
+            spec, table.rows, window_pool=self.page_map is not None, spans=inputs.spans
+        )
+        fixed = bucket_jobs(jobs, layout, spec.batch_size, self.bucket)
+        host = padded_inputs(inputs.host, spec.batch_size, self.bucket)
+        return device_plan(calls, fixed, host, inputs.masks)
+
+    def _wrapper(self, key: WrapperKey, group_index: int) -> Any:
+        wrapper = self._wrappers.get(key)
+        if wrapper is not None:
+            return wrapper
+        assert self._layout is not None and self._fixed_page is not None
+        bs = self.bucket.batch_size
+        dev = self.device
+
+        def ints(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int32, device=dev)
+
+        cls = getattr(self._fi, key.kind.value)
+        kwargs = key.constructor_kwargs()
+        if key.kind is WrapperKind.RAGGED_PREFILL:  # pragma: no cover - refused by check_fits
+            raise PlanMismatchError("CUDA-graph buckets run paged paths only")
+        r = self._layout.region(pages_region(group_index))
+        indices = self._fixed_page[r.lo : r.hi]
+        if key.kind is WrapperKind.DECODE:
+            wrapper = cls(
+                self._workspace,
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=ints(bs + 1),
+                paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=ints(bs),
+                **kwargs,
+            )
+        else:
+            wrapper = cls(
+                self._workspace,
+                use_cuda_graph=True,
+                qo_indptr_buf=ints(bs + 1),
+                paged_kv_indptr_buf=ints(bs + 1),
+                paged_kv_indices_buf=indices,
+                paged_kv_last_page_len_buf=ints(bs),
+                max_total_num_rows=self.bucket.total_q,
+                **kwargs,
+            )
+        self._wrappers[key] = wrapper
+        return wrapper
+
+    # -- apply / run --------------------------------------------------------------------
+    def apply(self, spec: PlanSpec, table: PageTable) -> None:
+        """Replay planning: pad ``spec`` to the bucket and refill the graph's fixed
+        buffers in place; sync-free (unless ``check_pages``).
+
+        Raises:
+            BucketError: the plan does not fit the bucket.
+            PlanMismatchError: the plan's key differs from the first one applied.
+            (and everything :meth:`FlashInferExecutor.apply` raises)
+        """
+        if isinstance(spec, PlanSpec):
+            check_fits(spec, self.bucket)
+        super().apply(spec, table)
+
+    def _check_run(
+        self,
+        group: object,
+        q: object,
+        k_new: object,
+        v_new: object,
+        kv_cache: object,
+        return_lse: object,
+    ) -> RunArgs:
+        args = check_run_args(
+            self._spec, self.device, group, q, k_new, v_new, kv_cache, return_lse,
+            total_q=self.bucket.total_q,
+        )  # fmt: skip
+        if args.writes and args.plan.group.cross_attention:
+            raise PlanMismatchError(
+                "a CUDA-graph bucket writes no encoder K/V: write them in an eager step "
+                "and pass k_new=v_new=None for cross groups in the graph"
+            )
+        return args
+
+
+def _graph_skeleton(spec: PlanSpec, ex: GraphExecutor) -> tuple[GroupCalls, ...]:
+    """The eager skeleton with the graph's batch size deciding the decode kernel, and
+    FA2 prefill (the backend FlashInfer's graph plans are checked with)."""
+    policy = attrs.evolve(ex.policy, prefill_backend="fa2")
+    return call_skeleton(spec, policy, sm90=ex.sm90, batch_size=ex.bucket.batch_size)
+
+
+@attrs.define(eq=False)
+class CapturedStep(Generic[T]):
+    """A captured CUDA graph, its executor and the forward's outputs.
+
+    Attributes:
+        executor: the :class:`GraphExecutor` the graph reads.
+        graph: the ``torch.cuda.CUDAGraph``.
+        output: what the captured forward returned: static tensors that each replay
+            overwrites (rows of padding requests hold garbage).
+    """
+
+    executor: GraphExecutor
+    graph: torch.cuda.CUDAGraph
+    output: T
+
+    def replay(self, spec: PlanSpec | None = None, table: PageTable | None = None) -> T:
+        """Plan ``spec`` on ``table`` (when given) into the fixed buffers, then replay.
+
+        Returns :attr:`output`, valid once the replay's kernels have run.
+        """
+        if (spec is None) != (table is None):
+            raise PlanMismatchError("replay() takes both spec and table, or neither")
+        if spec is not None and table is not None:
+            self.executor.apply(spec, table)
+        self.graph.replay()
+        return self.output
+
+
+def capture(
+    executor: GraphExecutor,
+    forward: Callable[[], T],
+    *,
+    warmup: int = 1,
+    pool: Any = None,
+) -> CapturedStep[T]:
+    """Capture ``forward`` (which calls ``executor.run``) into a CUDA graph.
+
+    The executor must have been applied with a batch that fits its bucket. ``forward``
+    runs ``warmup`` times eagerly on a side stream first (module loading, autotuning,
+    allocations), then once under capture.
+
+    Args:
+        executor: the bucket's graph executor.
+        forward: the step to capture: reads static input tensors, returns outputs.
+        warmup: eager runs before capture.
+        pool: a memory pool handle to share between graphs (``torch.cuda.graph_pool_handle()``).
+    """
+    if not isinstance(executor, GraphExecutor):
+        raise PlanMismatchError("capture() needs a GraphExecutor(executor, bucket)")
+    if executor.spec is None:
+        raise PlanMismatchError("apply a plan to the graph executor before capture()")
+    current = torch.cuda.current_stream(executor.device)
+    side = torch.cuda.Stream(executor.device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            forward()
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = forward()
+    return CapturedStep(executor, graph, output)

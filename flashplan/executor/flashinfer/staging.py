@@ -1,0 +1,114 @@
+"""What ``apply`` sends to the device, worked out on the host (pure, CPU-tested).
+
+:func:`device_plan` turns a plan and its translated calls into one
+:class:`DevicePlan`: the batch's gather jobs (:mod:`flashplan.executor.gathers`), every
+int32 host array the device needs laid end to end in one *staging* buffer with named
+slices (:class:`StagingManifest`: the job table, mask recipes and the ``plan()``
+indptrs), and the masks to build. The executor then only copies, launches and calls:
+stage -> one host-to-device copy -> one gather launch -> masks -> ``plan()`` calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from flashplan.executor.flashinfer.calls import GroupCalls, MaskRecipe
+from flashplan.executor.gathers import GatherJobs
+
+__all__ = ["JOB_COLUMNS", "DevicePlan", "Slice", "StagingManifest", "device_plan"]
+
+#: Names of the job table's slices, in :func:`~flashplan.kernels.gather_slots` order.
+JOB_COLUMNS = ("jobs.rows", "jobs.first", "jobs.counts", "jobs.dst", "jobs.div", "jobs.use_map")
+
+
+@attrs.frozen
+class Slice:
+    """Entries ``[offset, offset + size)`` of the staging buffer, called ``name``."""
+
+    name: str
+    offset: int
+    size: int
+
+    @property
+    def end(self) -> int:
+        """One past the slice's last entry."""
+        return self.offset + self.size
+
+
+@attrs.frozen(eq=False)
+class StagingManifest:
+    """The named int32 slices of one batch's staging buffer, end to end.
+
+    Attributes:
+        slices: every slice, in buffer order.
+        total: entries in all slices (at least 1: a buffer is never empty).
+    """
+
+    slices: tuple[Slice, ...]
+    total: int
+
+    def __getitem__(self, name: str) -> Slice:
+        for s in self.slices:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    @classmethod
+    def of(cls, arrays: Mapping[str, npt.NDArray[np.int32]]) -> StagingManifest:
+        """The manifest laying ``arrays`` end to end in their mapping order."""
+        slices = []
+        offset = 0
+        for name, values in arrays.items():
+            slices.append(Slice(name, offset, int(values.shape[0])))
+            offset += int(values.shape[0])
+        return cls(tuple(slices), max(offset, 1))
+
+
+@attrs.frozen(eq=False)
+class DevicePlan:
+    """Everything the device side of one ``apply`` needs.
+
+    Attributes:
+        calls: the translated ``plan()`` calls (placeholders resolved against the
+            manifest, the gather regions and the built masks).
+        jobs: the gather jobs (page ids of each paged call and the write slots).
+        manifest: the staging buffer's named slices.
+        data: int32 ``[manifest.total]``: the staging buffer's contents.
+        masks: per masked group, the size of its device-built mask.
+    """
+
+    calls: tuple[GroupCalls, ...]
+    jobs: GatherJobs
+    manifest: StagingManifest
+    data: npt.NDArray[np.int32]
+    masks: Mapping[int, MaskRecipe]
+
+
+def device_plan(
+    calls: tuple[GroupCalls, ...],
+    jobs: GatherJobs,
+    host: Mapping[str, npt.NDArray[np.int32]],
+    masks: Mapping[int, MaskRecipe],
+) -> DevicePlan:
+    """Lay out one batch's device work (see module docstring).
+
+    Args:
+        calls: the plan's translated calls
+            (:func:`~flashplan.executor.flashinfer.calls.call_skeleton`).
+        jobs: the batch's gather jobs (:func:`~flashplan.executor.gathers.gather_jobs`,
+            or a CUDA-graph bucket's :func:`~flashplan.executor.flashinfer.bucket.bucket_jobs`).
+        host: the ``plan()`` host arrays by name
+            (:attr:`~flashplan.executor.flashinfer.calls.CallInputs.host`).
+        masks: per masked group, its mask's size.
+    """
+    arrays: dict[str, npt.NDArray[np.int32]] = dict(zip(JOB_COLUMNS, jobs.columns(), strict=True))
+    arrays.update(host)
+    manifest = StagingManifest.of(arrays)
+    data = np.zeros(manifest.total, dtype=np.int32)
+    used = manifest.slices[-1].end if manifest.slices else 0
+    np.concatenate(list(arrays.values()), out=data[:used])
+    return DevicePlan(calls, jobs, manifest, data, masks)

@@ -1,0 +1,147 @@
+"""Every page-table gather of one batch, as one table of *gather jobs* (pure, host).
+
+A gather job reads ``count`` consecutive entries of one page-table row — page-table
+columns (``div = 1``: the page ids of a kernel call's page span) or row tokens
+(``div = page_size``: the page id and in-page offset each new token's K/V is written
+to). :func:`flashplan.kernels.segment_slots` runs every job of a batch in one launch;
+both executors use the same job table, so they read and write the same slots.
+
+The outputs of the jobs are laid end to end; :class:`GatherJobs` names the *region*
+of each purpose:
+
+* ``"pages/<g>"``: the page ids (FlashInfer's ``kv_indices``) of group ``g``'s paged
+  call, in request order (``page_indptr`` offsets within the region);
+* ``"write"``: the write slots of the new tokens of self groups in the full pool;
+* ``"write/window"``: the same slots mapped into the sliding-window pool (only with a
+  page map and a windowed group): windowed groups write there;
+* ``"encoder"``: the write slots of the encoder tokens a cross group writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from flashplan.arrays import IntArray, seal_inplace
+from flashplan.planning.spec import PlanSpec
+
+__all__ = ["GatherJobs", "Region", "gather_jobs"]
+
+
+@attrs.frozen
+class Region:
+    """Outputs ``[lo, hi)`` of the job table: what one purpose gathered."""
+
+    name: str
+    lo: int
+    hi: int
+
+    @property
+    def size(self) -> int:
+        """Entries in the region."""
+        return self.hi - self.lo
+
+
+@attrs.frozen(eq=False)
+class GatherJobs:
+    """The job table of one batch (see module docstring).
+
+    Attributes:
+        rows: int32 ``[n]`` page-table row of each job.
+        first: int32 ``[n]`` first column (``div = 1``) or row token (``div = page_size``).
+        counts: int32 ``[n]`` entries the job reads.
+        dst: int32 ``[n]`` where the job's first output goes.
+        div: int32 ``[n]`` 1 (columns) or the page size (tokens).
+        use_map: int32 ``[n]`` 1 where page ids go through the sliding-window page map.
+        regions: the named output regions, in order.
+        total: entries in all regions.
+    """
+
+    rows: IntArray
+    first: IntArray
+    counts: IntArray
+    dst: IntArray
+    div: IntArray
+    use_map: IntArray
+    regions: tuple[Region, ...]
+    total: int
+
+    def region(self, name: str) -> Region:
+        """The region called ``name`` (``KeyError`` when the batch has none)."""
+        for r in self.regions:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def has(self, name: str) -> bool:
+        """Whether the batch has a region called ``name``."""
+        return any(r.name == name for r in self.regions)
+
+    def columns(self) -> tuple[IntArray, ...]:
+        """The six job arrays in :func:`~flashplan.kernels.segment_slots` order."""
+        return (self.rows, self.first, self.counts, self.dst, self.div, self.use_map)
+
+
+def pages_region(group_index: int) -> str:
+    """Name of the region holding group ``group_index``'s page ids."""
+    return f"pages/{group_index}"
+
+
+def gather_jobs(
+    spec: PlanSpec,
+    rows: npt.NDArray[np.integer],
+    *,
+    window_pool: bool = False,
+    spans: Mapping[int, tuple[IntArray, IntArray]] | None = None,
+) -> GatherJobs:
+    """The gather jobs of ``spec`` for a table whose request ``i`` sits in ``rows[i]``.
+
+    Args:
+        spec: the plan.
+        rows: int ``[bs]`` table row per request (:attr:`PageTable.rows`).
+        window_pool: windowed groups keep their KV in a separate pool reached through
+            a page map: their page ids and writes are mapped.
+        spans: per group index, ``(start_page, num_pages)`` to gather instead of the
+            paged call's own span (an executor's quirk workaround).
+    """
+    bs = spec.batch_size
+    ps = spec.page_size
+    r32 = np.asarray(rows, dtype=np.int32)
+    parts: list[tuple[str, IntArray, IntArray, int, int]] = []  # name, first, counts, div, map
+    windowed = False
+    for index, gp in enumerate(spec.group_plans):
+        uses_map = window_pool and gp.group.uses_window_pool
+        windowed |= uses_map
+        if gp.paged is None:
+            continue
+        start, num = (spans or {}).get(index, (gp.paged.start_page, gp.paged.num_pages))
+        parts.append((pages_region(index), start, num, 1, int(uses_map)))
+    has_self = any(not gp.group.cross_attention for gp in spec.group_plans)
+    if has_self:
+        parts.append(("write", spec.write_start, spec.qo_lens, ps, 0))
+        if windowed:
+            parts.append(("write/window", spec.write_start, spec.qo_lens, ps, 1))
+    if spec.encoder_indptr is not None and any(gp.group.cross_attention for gp in spec.group_plans):
+        parts.append(("encoder", np.zeros(bs, np.int32), np.diff(spec.encoder_indptr), ps, 0))
+
+    n = len(parts)
+    counts = np.concatenate([p[2] for p in parts]).astype(np.int64) if n else np.zeros(0)
+    firsts = np.concatenate([p[1] for p in parts]) if n else np.zeros(0)
+    ends = np.cumsum(counts)
+    dst = ends - counts
+    sizes = counts.reshape(n, bs).sum(axis=1) if n else np.zeros(0, np.int64)
+    edges = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    regions = tuple(Region(p[0], int(edges[k]), int(edges[k + 1])) for k, p in enumerate(parts))
+    return GatherJobs(
+        rows=seal_inplace(np.tile(r32, n)),
+        first=seal_inplace(firsts),
+        counts=seal_inplace(counts),
+        dst=seal_inplace(dst),
+        div=seal_inplace(np.repeat(np.array([p[3] for p in parts], dtype=np.int32), bs)),
+        use_map=seal_inplace(np.repeat(np.array([p[4] for p in parts], dtype=np.int32), bs)),
+        regions=regions,
+        total=int(edges[-1]),
+    )

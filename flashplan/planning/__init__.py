@@ -1,0 +1,32 @@
+"""Pure planning: `BatchLayout` -> `PlanSpec` (host data only)."""
+
+from flashplan.planning.masks import CustomMask, ThresholdMask
+from flashplan.planning.materialize import PlanIntegrityError, materialize
+from flashplan.planning.planner import plan, planned_groups
+from flashplan.planning.policy import default_extend_path
+from flashplan.planning.spec import (
+    ExtendPath,
+    GroupPlan,
+    KernelPath,
+    PagedPart,
+    PlanKey,
+    PlanSpec,
+    RaggedPart,
+)
+
+__all__ = [
+    "CustomMask",
+    "ExtendPath",
+    "GroupPlan",
+    "KernelPath",
+    "PagedPart",
+    "PlanIntegrityError",
+    "PlanKey",
+    "PlanSpec",
+    "RaggedPart",
+    "ThresholdMask",
+    "default_extend_path",
+    "materialize",
+    "plan",
+    "planned_groups",
+]

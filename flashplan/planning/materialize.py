@@ -1,0 +1,90 @@
+"""Rebuild "which key each query sees" from a plan's kernel calls alone.
+
+:func:`materialize` applies FlashInfer's masking rules (:mod:`flashplan.kernel_rules`)
+to the arguments a plan gives each kernel call, and places the result in the group's
+key space. Comparing it with :mod:`flashplan.oracle` — which states the rules from the
+layout — checks the planner. Written per request for clarity: a test and ``explain``
+aid, not a hot path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from flashplan.kernel_rules import kernel_visibility
+from flashplan.layout.group import AttentionGroup
+from flashplan.planning.spec import PlanSpec
+
+__all__ = ["PlanIntegrityError", "materialize"]
+
+
+class PlanIntegrityError(AssertionError):
+    """A plan reads keys outside its group's key space, or reads one key twice."""
+
+
+def _one_call(
+    qo_len: int,
+    kv_len: int,
+    *,
+    causal: bool,
+    window_left: int,
+    mask: npt.NDArray[np.bool_] | None = None,
+) -> npt.NDArray[np.bool_]:
+    """``[qo_len, kv_len]`` visibility of one request's kernel call (custom mask applied)."""
+    seen = kernel_visibility(
+        np.array([qo_len]),
+        np.array([kv_len]),
+        qo_len,
+        kv_len,
+        causal=causal,
+        window_left=window_left,
+    )[0]
+    return seen if mask is None else seen & mask
+
+
+def materialize(spec: PlanSpec, group: AttentionGroup) -> list[npt.NDArray[np.bool_]]:
+    """Per request, ``[qo_len, num_keys]`` booleans built from the plan's kernel calls.
+
+    Entry ``[j, k]`` is true when new token ``j`` of the request attends to key ``k``
+    of the group's key space.
+
+    Raises:
+        PlanMismatchError: ``group`` was not planned.
+        PlanIntegrityError: a kernel call would read a key outside the group's key
+            space, or two calls would read the same key for the same query.
+    """
+    gp = spec.group_plan(group)
+    ps = spec.page_size
+    qo = spec.qo_lens
+    out = []
+    for i in range(spec.batch_size):
+        e, k_total = int(qo[i]), int(gp.num_keys[i])
+        pic = np.zeros((e, k_total), dtype=bool)
+        parts: list[tuple[int, npt.NDArray[np.bool_]]] = []
+        if gp.paged is not None:
+            p = gp.paged
+            mask = None if p.mask is None else p.mask.dense(i)
+            seen = _one_call(
+                e, int(p.kv_lens[i]), causal=p.causal, window_left=p.window_left, mask=mask
+            )
+            parts.append((int(p.start_page[i]) * ps - int(gp.key_start[i]), seen))
+        if gp.ragged is not None:
+            r = gp.ragged
+            n = int(r.kv_lens[i])
+            parts.append((k_total - n, _one_call(e, n, causal=r.causal, window_left=r.window_left)))
+        for first, seen in parts:
+            keys = first + np.arange(seen.shape[1])
+            inside = (keys >= 0) & (keys < k_total)
+            if seen[:, ~inside].any():
+                raise PlanIntegrityError(
+                    f"request {i}: plan shows keys outside [0, {k_total}) of group "
+                    f"{gp.group.describe()!r}"
+                )
+            sub = seen[:, inside]
+            cols = keys[inside]
+            if (pic[:, cols] & sub).any():
+                raise PlanIntegrityError(f"request {i}: two kernel calls read the same key")
+            pic[:, cols] |= sub
+        out.append(pic)
+    return out

@@ -1,0 +1,187 @@
+"""`plan(layout, heads) -> PlanSpec`: pure, host-only, vectorized over the batch."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flashplan.arrays import INT32_MAX, IntArray, indptr, seal_inplace
+from flashplan.errors import LayoutError
+from flashplan.layout.batch import BatchLayout, Mode
+from flashplan.layout.group import AttentionGroup
+from flashplan.layout.heads import HeadConfig
+from flashplan.planning.masks import ThresholdMask
+from flashplan.planning.policy import default_extend_path
+from flashplan.planning.spec import (
+    ExtendPath,
+    GroupPlan,
+    KernelPath,
+    PagedPart,
+    PlanKey,
+    PlanSpec,
+    RaggedPart,
+)
+
+__all__ = ["plan", "planned_groups"]
+
+
+def planned_groups(
+    groups: tuple[AttentionGroup, ...], head_dim: int
+) -> tuple[tuple[AttentionGroup, ...], tuple[AttentionGroup, ...]]:
+    """``(as given, resolved)``: the layout's groups with duplicates of one computation
+    dropped (first one kept), and the same groups with an explicit ``sm_scale``."""
+    given: list[AttentionGroup] = []
+    resolved: list[AttentionGroup] = []
+    for group in groups:
+        r = group.resolved(head_dim)
+        if r not in resolved:
+            given.append(group)
+            resolved.append(r)
+    return tuple(given), tuple(resolved)
+
+
+def plan(
+    layout: BatchLayout,
+    heads: HeadConfig,
+    *,
+    extend_path: ExtendPath | str = ExtendPath.AUTO,
+) -> PlanSpec:
+    """Plan every attention group of ``layout`` for the given heads.
+
+    Pure and host-only: reads nothing from any device and has no side effect.
+    Groups that compute the same attention (``sm_scale=None`` and an explicit
+    ``1 / sqrt(head_dim)``) are planned once.
+
+    Args:
+        layout: the batch.
+        heads: head counts and dtypes (part of the plan's static key).
+        extend_path: for extend batches, ``"paged"`` (one paged prefill over
+            prefix + new tokens), ``"ragged"`` (ragged prefill over the new tokens,
+            plus a paged prefill over the prefix merged in when any request has
+            one) or ``"auto"`` (:func:`~flashplan.planning.policy.default_extend_path`).
+            Ignored for decode batches and cross-attention groups.
+
+    Raises:
+        LayoutError: ``layout`` or ``heads`` is not the right record, or
+            ``extend_path`` is not one of the three names.
+    """
+    if not isinstance(layout, BatchLayout):
+        raise LayoutError("layout", "must be a BatchLayout", value=type(layout).__name__)
+    if not isinstance(heads, HeadConfig):
+        raise LayoutError("heads", "must be a HeadConfig", value=type(heads).__name__)
+    choice = ExtendPath.parse(extend_path)
+    if layout.mode is Mode.EXTEND and choice is ExtendPath.AUTO:
+        choice = default_extend_path(layout, heads)
+
+    qo_lens = layout.extend_lens
+    qo_indptr = indptr(qo_lens, "extend_lens")
+    given, resolved = planned_groups(layout.groups, heads.head_dim)
+    group_plans = tuple(_plan_group(layout, g, choice, qo_lens, qo_indptr) for g in given)
+    return PlanSpec(
+        key=PlanKey(
+            mode=layout.mode,
+            groups=resolved,
+            paths=tuple(gp.path for gp in group_plans),
+            page_size=layout.page_size,
+            heads=heads,
+        ),
+        qo_indptr=qo_indptr,
+        prefix_lens=layout.prefix_lens,
+        decoder_start=layout.decoder_start,
+        positions=_positions(layout.prefix_lens, qo_lens, qo_indptr),
+        encoder_indptr=None
+        if layout.encoder_new_lens is None
+        else indptr(layout.encoder_new_lens, "encoder_lens"),
+        pages_needed=layout.pages_needed,
+        group_plans=group_plans,
+    )
+
+
+def _positions(prefix: IntArray, qo_lens: IntArray, qo_indptr: IntArray) -> IntArray:
+    """int32 ``[total_q]``: ``prefix[i] + j`` for new token ``j`` of request ``i``."""
+    total = int(qo_indptr[-1])
+    shift = np.repeat(prefix.astype(np.int64) - qo_indptr[:-1], qo_lens)
+    return seal_inplace(shift + np.arange(total, dtype=np.int64))
+
+
+def _window(group: AttentionGroup) -> int:
+    """The group's window, capped at int32: a longer window than any row is full."""
+    return min(group.window_left, INT32_MAX)
+
+
+def _plan_group(
+    layout: BatchLayout,
+    group: AttentionGroup,
+    choice: ExtendPath,
+    qo_lens: IntArray,
+    qo_indptr: IntArray,
+) -> GroupPlan:
+    if group.cross_attention:
+        return _plan_cross(layout, group)
+    seq = layout.seq_lens.astype(np.int64)
+    prefix = layout.prefix_lens.astype(np.int64)
+    base = layout.decoder_start.astype(np.int64)
+    window = _window(group)
+    ps = layout.page_size
+    paged: PagedPart | None
+    ragged: RaggedPart | None = None
+    if layout.mode is Mode.DECODE:
+        path = KernelPath.DECODE
+        first_key = np.maximum(seq - (window + 1), 0) if window >= 0 else np.zeros_like(seq)
+        paged = PagedPart(base + first_key, base + seq, ps, True, window)
+    elif choice is ExtendPath.PAGED:
+        path = KernelPath.PAGED
+        first_key = np.maximum(prefix - window, 0) if window >= 0 else np.zeros_like(seq)
+        paged = PagedPart(base + first_key, base + seq, ps, group.causal, window)
+    else:
+        ragged = RaggedPart(qo_indptr, group.causal, window)
+        if not np.any(prefix):
+            path, paged = KernelPath.RAGGED, None
+        else:
+            path = KernelPath.RAGGED_PAGED
+            paged = _prefix_part(base, prefix, qo_lens, window, ps)
+    return GroupPlan(
+        group=group,
+        path=path,
+        paged=paged,
+        ragged=ragged,
+        key_start=layout.decoder_start,
+        num_keys=layout.seq_lens,
+    )
+
+
+def _plan_cross(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
+    assert layout.encoder_lens is not None  # checked when the layout was built
+    zeros = np.zeros(layout.batch_size, dtype=np.int32)
+    paged = PagedPart(zeros, layout.encoder_lens, layout.page_size, False, -1)
+    return GroupPlan(
+        group=group,
+        path=KernelPath.DECODE if layout.mode is Mode.DECODE else KernelPath.PAGED,
+        paged=paged,
+        ragged=None,
+        key_start=seal_inplace(zeros),
+        num_keys=layout.encoder_lens,
+    )
+
+
+def _prefix_part(
+    base: np.ndarray, prefix: np.ndarray, qo_lens: IntArray, window: int, page_size: int
+) -> PagedPart:
+    """The cached prefix of a ragged+paged extend, trimmed to the window.
+
+    Query ``j`` (position ``P + j``) sees prefix keys ``k >= P + j - window``. The
+    kernel's own window is bottom-right aligned to the trimmed span, which does not
+    match, so when the window bites inside the span the rule is expressed as a
+    :class:`~flashplan.planning.masks.ThresholdMask` and the kernel's window is off.
+    """
+    first_key = np.maximum(prefix - window, 0) if window >= 0 else np.zeros_like(prefix)
+    part = PagedPart(base + first_key, base + prefix, page_size, False, -1)
+    if window < 0:
+        return part
+    span_first = part.start_page.astype(np.int64) * page_size - base  # decoder positions
+    q = qo_lens.astype(np.int64)
+    # The window bites for the last new token when it hides the span's first key.
+    bites = (part.kv_lens > 0) & (q > 0) & (span_first < prefix + q - 1 - window)
+    if not np.any(bites):
+        return part
+    mask = ThresholdMask(qo_lens, part.kv_lens, prefix - window - span_first)
+    return PagedPart(part.first_token, part.end_token, page_size, False, -1, mask)

@@ -1,0 +1,426 @@
+"""`PlanSpec`, `GroupPlan` and their parts: the frozen output of planning.
+
+A plan splits into a hashable static :class:`PlanKey` (mode, groups, page size,
+heads, kernel path per group — never the batch's own lengths) and host int32
+arrays. Executors cache wrappers by key and feed the arrays to the kernels.
+All arrays are read-only numpy arrays on the host; units are given per field.
+Every record compares and hashes by value; fields that follow from others are
+properties, never stored, so a record cannot contradict itself.
+
+Token coordinates (see :class:`~flashplan.BatchLayout`): a *row token* indexes a
+request's page-table row; a *position* counts decoder tokens from 0.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from functools import cached_property
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from flashplan.arrays import IntArray, array_key, indptr, readonly_when_unpickled, seal_inplace
+from flashplan.errors import LayoutError, PlanMismatchError
+from flashplan.layout.batch import Mode
+from flashplan.layout.convert import as_bool, as_int
+from flashplan.layout.group import AttentionGroup
+from flashplan.layout.heads import HeadConfig
+from flashplan.planning.masks import CustomMask
+
+__all__ = [
+    "ExtendPath",
+    "GroupPlan",
+    "KernelPath",
+    "PagedPart",
+    "PlanKey",
+    "PlanSpec",
+    "RaggedPart",
+]
+
+
+class KernelPath(enum.Enum):
+    """Which kernels compute a group's attention.
+
+    ``DECODE``: paged decode kernel, one query per request.
+    ``PAGED``: paged prefill kernel over the whole visible KV (new tokens written first).
+    ``RAGGED``: ragged prefill over the new tokens only (no cached prefix anywhere).
+    ``RAGGED_PAGED``: ragged prefill over the new tokens + paged prefill over the
+    cached prefix, merged through their base-2 log-sum-exp.
+    """
+
+    DECODE = "decode"
+    PAGED = "paged"
+    RAGGED = "ragged"
+    RAGGED_PAGED = "ragged+paged"
+
+
+class ExtendPath(enum.Enum):
+    """How an extend batch's self-attention groups are planned (a planning choice)."""
+
+    AUTO = "auto"
+    PAGED = "paged"
+    RAGGED = "ragged"
+
+    @classmethod
+    def parse(cls, value: object) -> ExtendPath:
+        """An :class:`ExtendPath` from itself or its value (``"auto"``, ``"paged"``,
+        ``"ragged"``); :class:`~flashplan.LayoutError` for anything else."""
+        if isinstance(value, cls):
+            return value
+        for member in cls:
+            if value == member.value:
+                return member
+        raise LayoutError("extend_path", "must be 'auto', 'paged' or 'ragged'", extend_path=value)
+
+
+@attrs.frozen
+class PlanKey:
+    """The static, hashable part of a plan.
+
+    Two batches with equal keys can share wrappers, buffers and compiled kernels;
+    the key never depends on the batch's lengths beyond the kernel path chosen.
+    ``groups`` are the groups as planned: resolved to an explicit ``sm_scale``
+    (:meth:`AttentionGroup.resolved`), so equal computations give equal keys.
+    """
+
+    mode: Mode
+    groups: tuple[AttentionGroup, ...]
+    paths: tuple[KernelPath, ...]
+    page_size: int
+    heads: HeadConfig
+
+
+def _int_array(field: str, value: object) -> IntArray:
+    arr = np.asarray(value)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise LayoutError(field, "must be a 1-D integer array", shape=getattr(value, "shape", None))
+    if arr.dtype == np.int32 and not arr.flags.writeable:
+        return arr
+    return seal_inplace(np.array(arr, dtype=np.int32))
+
+
+def _same_length(field: str, *arrays: npt.NDArray[Any]) -> None:
+    sizes = {a.shape[0] for a in arrays}
+    if len(sizes) > 1:
+        raise LayoutError(field, "arrays must have one entry per request", sizes=sorted(sizes))
+
+
+@readonly_when_unpickled
+@attrs.frozen
+class PagedPart:
+    """The paged-KV kernel call of a group: request ``i`` reads row tokens
+    ``[first_token[i], end_token[i])`` of its page-table row.
+
+    Only the two bounds are stored; everything the kernel needs follows from them.
+    The call reads whole pages, starting at the page that holds ``first_token``
+    (:attr:`start_page`), so it may read up to ``page_size - 1`` leading keys that the
+    kernel's window or custom mask hides. An empty span (``end_token <= first_token``)
+    reads no page and has ``last_page_len = 0``, so that FlashInfer's
+    ``(pages - 1) * page_size + last_page_len`` counts no phantom key.
+
+    Example: two requests, page size 4; request 0 reads tokens 0..5, request 1 a
+    window of tokens 9..16 of a 17-token row:
+
+    >>> p = PagedPart(first_token=[0, 9], end_token=[6, 17], page_size=4,
+    ...               causal=True, window_left=-1)
+    >>> p.start_page.tolist(), p.num_pages.tolist(), p.last_page_len.tolist()
+    ([0, 2], [2, 3], [2, 1])
+    >>> p.kv_lens.tolist(), p.page_indptr.tolist(), p.max_kv_len
+    ([6, 9], [0, 2, 5], 9)
+
+    Attributes:
+        first_token: int32 ``[bs]`` (row tokens) first key the call must show.
+        end_token: int32 ``[bs]`` (row tokens) one past the last key.
+        page_size: tokens per page.
+        causal: the kernel's causal flag (bottom-right aligned).
+        window_left: the window compiled into this call (-1 = none). It equals the
+            group's window except where a custom mask carries the window instead.
+        mask: the custom mask (:data:`~flashplan.planning.masks.CustomMask`) or
+            ``None``: per request a ``qo_len x kv_len`` boolean matrix over the keys
+            the call reads.
+    """
+
+    first_token: IntArray = attrs.field(
+        converter=lambda v: _int_array("first_token", v), eq=array_key
+    )
+    end_token: IntArray = attrs.field(converter=lambda v: _int_array("end_token", v), eq=array_key)
+    page_size: int = attrs.field(converter=lambda v: as_int("page_size", v, minimum=1))
+    causal: bool = attrs.field(converter=lambda v: as_bool("causal", v))
+    window_left: int = attrs.field(converter=lambda v: as_int("window_left", v, minimum=-1))
+    mask: CustomMask | None = attrs.field(default=None)
+
+    def __attrs_post_init__(self) -> None:
+        _same_length("paged", self.first_token, self.end_token)
+        if self.first_token.size and int(self.first_token.min()) < 0:
+            i = int(np.flatnonzero(self.first_token < 0)[0])
+            raise LayoutError("first_token", "must be >= 0", request=i)
+        if self.mask is not None and not np.array_equal(self.mask.kv_lens, self.kv_lens):
+            raise LayoutError("mask", "the mask's columns must be the keys the call reads")
+
+    @cached_property
+    def _nonempty(self) -> npt.NDArray[np.bool_]:
+        return self.end_token > self.first_token
+
+    @cached_property
+    def start_page(self) -> IntArray:
+        """int32 ``[bs]`` (pages): first column of the row read (0 when empty)."""
+        return seal_inplace(np.where(self._nonempty, self.first_token // self.page_size, 0))
+
+    @cached_property
+    def kv_lens(self) -> IntArray:
+        """int32 ``[bs]`` (tokens): keys the kernel sees, counted from ``start_page``."""
+        start = self.start_page.astype(np.int64) * self.page_size
+        return seal_inplace(np.where(self._nonempty, self.end_token - start, 0))
+
+    @cached_property
+    def num_pages(self) -> IntArray:
+        """int32 ``[bs]`` (pages): ``ceil(kv_lens / page_size)``."""
+        return seal_inplace((self.kv_lens + (self.page_size - 1)) // self.page_size)
+
+    @cached_property
+    def last_page_len(self) -> IntArray:
+        """int32 ``[bs]`` (tokens): in ``[1, page_size]``, 0 for an empty span."""
+        full = (self.num_pages.astype(np.int64) - 1) * self.page_size
+        return seal_inplace(np.where(self._nonempty, self.kv_lens - full, 0))
+
+    @cached_property
+    def page_indptr(self) -> IntArray:
+        """int32 ``[bs + 1]`` (pages): request i's page ids are
+        ``kv_indices[page_indptr[i]:page_indptr[i+1]]`` after the gather."""
+        return indptr(self.num_pages, "pages")
+
+    @property
+    def total_pages(self) -> int:
+        """Pages the call reads in all: ``page_indptr[-1]``."""
+        return int(self.page_indptr[-1])
+
+    @cached_property
+    def max_kv_len(self) -> int:
+        """Longest span (tokens), 0 for an empty batch."""
+        return int(self.kv_lens.max()) if self.kv_lens.size else 0
+
+
+@readonly_when_unpickled
+@attrs.frozen
+class RaggedPart:
+    """The ragged-KV kernel call of a group: keys are this step's new tokens.
+
+    Attributes:
+        kv_indptr: int32 ``[bs + 1]`` (tokens) into ``k_new``/``v_new`` (equals the
+            plan's ``qo_indptr``).
+        causal: the kernel's causal flag.
+        window_left: the window compiled into this call (-1 = none).
+    """
+
+    kv_indptr: IntArray = attrs.field(converter=lambda v: _int_array("kv_indptr", v), eq=array_key)
+    causal: bool = attrs.field(converter=lambda v: as_bool("causal", v))
+    window_left: int = attrs.field(converter=lambda v: as_int("window_left", v, minimum=-1))
+
+    @cached_property
+    def kv_lens(self) -> IntArray:
+        """int32 ``[bs]`` (tokens): keys per request."""
+        return seal_inplace(np.diff(self.kv_indptr))
+
+    @cached_property
+    def max_kv_len(self) -> int:
+        """Longest ragged span (tokens)."""
+        return int(self.kv_lens.max()) if self.kv_lens.size else 0
+
+
+@readonly_when_unpickled
+@attrs.frozen
+class GroupPlan:
+    """How one attention group runs for this batch.
+
+    Example: a causal full-attention group over two extend requests with 3 and 2
+    new tokens after 5 and 0 cached tokens, page size 4, planned paged-only: the
+    paged call reads row tokens ``[0, 8)`` and ``[0, 2)``.
+
+    >>> import flashplan as fp
+    >>> layout = fp.BatchLayout.extend([8, 2], [5, 0], page_size=4)
+    >>> gp = fp.plan(layout, fp.HeadConfig(4, 1, 64), extend_path="paged").group_plans[0]
+    >>> gp.path.value, gp.paged.page_indptr.tolist(), gp.paged.last_page_len.tolist()
+    ('paged', [0, 2, 3], [4, 2])
+    >>> gp.key_start.tolist(), gp.num_keys.tolist(), gp.first_key.tolist()
+    ([0, 0], [8, 2], [0, 0])
+
+    Attributes:
+        group: the group this plan is for (as the layout gave it).
+        path: kernel path (:class:`KernelPath`).
+        paged: the paged kernel call, or ``None`` on the pure ragged path.
+        ragged: the ragged kernel call, or ``None`` on paged paths.
+        key_start: int32 ``[bs]`` (row tokens): where the group's key 0 lives
+            (self groups: the layout's ``decoder_start``; cross groups: 0).
+        num_keys: int32 ``[bs]`` (tokens): keys in the group's key space
+            (``seq_lens`` for self groups, ``encoder_lens`` for cross groups).
+    """
+
+    group: AttentionGroup = attrs.field(validator=attrs.validators.instance_of(AttentionGroup))
+    path: KernelPath = attrs.field(validator=attrs.validators.instance_of(KernelPath))
+    paged: PagedPart | None
+    ragged: RaggedPart | None
+    key_start: IntArray = attrs.field(converter=lambda v: _int_array("key_start", v), eq=array_key)
+    num_keys: IntArray = attrs.field(converter=lambda v: _int_array("num_keys", v), eq=array_key)
+
+    def __attrs_post_init__(self) -> None:
+        if (self.paged is None) != (self.path is KernelPath.RAGGED):
+            raise LayoutError("paged", f"path {self.path.value} and the paged call disagree")
+        if (self.ragged is not None) != (self.path in (KernelPath.RAGGED, KernelPath.RAGGED_PAGED)):
+            raise LayoutError("ragged", f"path {self.path.value} and the ragged call disagree")
+        _same_length("group_plan", self.key_start, self.num_keys)
+
+    @property
+    def uses_custom_mask(self) -> bool:
+        """Whether the paged call carries a custom mask."""
+        return self.paged is not None and self.paged.mask is not None
+
+    @cached_property
+    def first_key(self) -> npt.NDArray[np.int64]:
+        """int64 ``[bs]`` (keys of the group's key space): the first key the plan shows
+        any query of each request (its window trim; 0 without a window)."""
+        if self.paged is None:
+            return np.zeros(self.num_keys.shape[0], dtype=np.int64)
+        return np.maximum(self.paged.first_token.astype(np.int64) - self.key_start, 0)
+
+
+def _group_plans(value: Iterable[object]) -> tuple[GroupPlan, ...]:
+    plans = tuple(value)
+    for i, gp in enumerate(plans):
+        if not isinstance(gp, GroupPlan):
+            raise LayoutError("group_plans", "must hold GroupPlan records", index=i, value=gp)
+    return plans  # type: ignore[return-value]
+
+
+def _encoder_indptr(field: str, value: object) -> IntArray | None:
+    return None if value is None else _int_array(field, value)
+
+
+@readonly_when_unpickled
+@attrs.frozen
+class PlanSpec:
+    """A complete, frozen plan for one batch: what every executor needs.
+
+    Example: a decode step of two requests with 5 and 9 tokens, page size 4:
+
+    >>> import flashplan as fp
+    >>> spec = fp.plan(fp.BatchLayout.decode([5, 9], page_size=4), fp.HeadConfig(4, 1, 64))
+    >>> spec.qo_indptr.tolist(), spec.positions.tolist(), spec.write_start.tolist()
+    ([0, 1, 2], [4, 8], [4, 8])
+    >>> paged = spec.group_plans[0].paged
+    >>> paged.page_indptr.tolist(), paged.last_page_len.tolist(), spec.pages_needed.tolist()
+    ([0, 2, 5], [1, 1], [2, 3])
+
+    Attributes:
+        key: the static part (:class:`PlanKey`).
+        qo_indptr: int32 ``[bs + 1]`` (tokens): request i's queries (and new K/V
+            rows) are ``q[qo_indptr[i]:qo_indptr[i+1]]``.
+        prefix_lens: int32 ``[bs]`` (tokens) decoder tokens cached before the step.
+        decoder_start: int32 ``[bs]`` (row tokens) where decoder position 0 lives.
+        positions: int32 ``[total_q]``: each new token's decoder position (for RoPE).
+        encoder_indptr: int32 ``[bs + 1]`` (tokens) into the encoder K/V rows a cross
+            group's ``run`` writes (requests whose encoder is cached have none), or
+            ``None`` without encoder.
+        pages_needed: int32 ``[bs]`` (pages) each page-table row must hold.
+        group_plans: one :class:`GroupPlan` per group of ``key.groups``, same order.
+    """
+
+    key: PlanKey = attrs.field(validator=attrs.validators.instance_of(PlanKey))
+    qo_indptr: IntArray = attrs.field(converter=lambda v: _int_array("qo_indptr", v), eq=array_key)
+    prefix_lens: IntArray = attrs.field(
+        converter=lambda v: _int_array("prefix_lens", v), eq=array_key
+    )
+    decoder_start: IntArray = attrs.field(
+        converter=lambda v: _int_array("decoder_start", v), eq=array_key
+    )
+    positions: IntArray = attrs.field(converter=lambda v: _int_array("positions", v), eq=array_key)
+    encoder_indptr: IntArray | None = attrs.field(
+        converter=lambda v: _encoder_indptr("encoder_indptr", v), eq=array_key
+    )
+    pages_needed: IntArray = attrs.field(
+        converter=lambda v: _int_array("pages_needed", v), eq=array_key
+    )
+    group_plans: tuple[GroupPlan, ...] = attrs.field(converter=lambda v: _group_plans(v))
+
+    def __attrs_post_init__(self) -> None:
+        bs = self.qo_indptr.shape[0] - 1
+        if bs < 0:
+            raise LayoutError("qo_indptr", "needs at least one entry")
+        _same_length("plan", self.prefix_lens, self.decoder_start, self.pages_needed)
+        if self.prefix_lens.shape[0] != bs:
+            raise LayoutError("prefix_lens", "must have one entry per request", batch_size=bs)
+        if self.positions.shape[0] != self.total_q:
+            raise LayoutError("positions", "must have one entry per query", total_q=self.total_q)
+        if len(self.group_plans) != len(self.key.groups):
+            raise LayoutError("group_plans", "must have one plan per group of the key")
+
+    @property
+    def batch_size(self) -> int:
+        """Number of requests."""
+        return int(self.qo_indptr.shape[0] - 1)
+
+    @cached_property
+    def qo_lens(self) -> IntArray:
+        """int32 ``[bs]`` (tokens): new tokens (queries) per request."""
+        return seal_inplace(np.diff(self.qo_indptr))
+
+    @property
+    def total_q(self) -> int:
+        """Rows of ``q`` (tokens)."""
+        return int(self.qo_indptr[-1])
+
+    @cached_property
+    def max_q_len(self) -> int:
+        """Longest query segment (tokens)."""
+        return int(self.qo_lens.max()) if self.qo_lens.size else 0
+
+    @cached_property
+    def write_start(self) -> IntArray:
+        """int32 ``[bs]`` (row tokens): where each request's first new token's K/V is
+        written (``decoder_start + prefix_lens``)."""
+        return seal_inplace(self.decoder_start.astype(np.int64) + self.prefix_lens)
+
+    @property
+    def heads(self) -> HeadConfig:
+        """Head configuration the plan was made for."""
+        return self.key.heads
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per KV page."""
+        return self.key.page_size
+
+    @property
+    def total_encoder(self) -> int:
+        """Rows of encoder K/V (tokens); 0 without encoder."""
+        return 0 if self.encoder_indptr is None else int(self.encoder_indptr[-1])
+
+    def group_index(self, group: AttentionGroup) -> int:
+        """Position of ``group``'s plan in :attr:`group_plans`.
+
+        A group matches the plan of any group that resolves to the same computation
+        (:meth:`AttentionGroup.resolved`): ``sm_scale=None`` and an explicit
+        ``1 / sqrt(head_dim)`` find the same plan.
+
+        Raises:
+            PlanMismatchError: ``group`` is not an :class:`AttentionGroup` or was not
+                planned.
+        """
+        if not isinstance(group, AttentionGroup):
+            raise PlanMismatchError(
+                f"group: expected an AttentionGroup, got {type(group).__name__} {group!r}"
+            )
+        wanted = group.resolved(self.heads.head_dim)
+        for index, planned in enumerate(self.key.groups):
+            if planned == wanted:
+                return index
+        raise PlanMismatchError(
+            f"group {group.describe()!r} ({group!r}) was not planned; planned groups: "
+            + ", ".join(g.describe() for g in self.key.groups)
+        )
+
+    def group_plan(self, group: AttentionGroup) -> GroupPlan:
+        """The plan of ``group`` (see :meth:`group_index`)."""
+        return self.group_plans[self.group_index(group)]

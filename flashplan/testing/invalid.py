@@ -1,0 +1,297 @@
+"""The invalid-input catalogue: Hypothesis strategies that draw input flashplan must
+refuse, each with the error field and request the refusal must name."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+from hypothesis import strategies as st
+
+from flashplan.testing.constructors import construct
+from flashplan.testing.valid import attention_groups
+
+__all__ = ["INVALID_KINDS", "InvalidCase", "invalid_layout_kwargs"]
+
+
+@attrs.frozen
+class InvalidCase:
+    """An invalid input and the error it must raise.
+
+    Attributes:
+        constructor: name of the constructor (a key of
+            :data:`~flashplan.testing.constructors.CONSTRUCTORS`).
+        kwargs: its keyword arguments.
+        field: the field the :class:`~flashplan.FlashplanError` must name.
+        request: index of the first offending request the error must name, or ``None``
+            when the error is about the batch or record as a whole.
+        kind: which rule is broken (``"negative_length"``, ``"string_length"`` …).
+    """
+
+    constructor: str
+    kwargs: dict[str, Any]
+    field: str
+    request: int | None = None
+    kind: str = ""
+
+    def build(self) -> Any:
+        """Call the constructor with the kwargs (it is expected to raise)."""
+        return construct(self.constructor, self.kwargs)
+
+
+@st.composite
+def _valid_batch(draw: st.DrawFn, min_batch: int = 1) -> tuple[list[int], list[int]]:
+    """``(seq_lens, prefix_lens)`` of a valid extend batch, 1..6 requests."""
+    bs = draw(st.integers(min_batch, 6))
+    seq = draw(st.lists(st.integers(1, 40), min_size=bs, max_size=bs))
+    pre = [draw(st.integers(0, s)) for s in seq]
+    return seq, pre
+
+
+def _offenders(draw: st.DrawFn, bs: int) -> list[int]:
+    return sorted(draw(st.lists(st.integers(0, bs - 1), min_size=1, max_size=bs, unique=True)))
+
+
+_NON_INTEGRAL = (2.5, 0.5, -1.5, 1e-3, math.nan, math.inf, -math.inf)
+_STRINGS = ("3", "x", "", "2.5", "one")
+_BAD_PAGE_SIZES: tuple[Any, ...] = (0, -1, -16, 2.0, 1.5, "16", None, True, 16.0)
+
+
+def _layout_fields(ctor: str) -> tuple[str, ...]:
+    return {
+        "BatchLayout.decode": ("seq_lens", "encoder_lens"),
+        "BatchLayout.extend": ("seq_lens", "prefix_lens", "encoder_lens"),
+        "BatchLayout.from_extend_lens": ("extend_lens", "prefix_lens"),
+    }[ctor]
+
+
+def _layout_kwargs(ctor: str, seq: list[int], pre: list[int]) -> dict[str, Any]:
+    """Valid kwargs for a layout constructor over this batch."""
+    if ctor == "BatchLayout.decode":
+        return {"seq_lens": list(seq)}
+    if ctor == "BatchLayout.extend":
+        return {"seq_lens": list(seq), "prefix_lens": list(pre)}
+    return {"extend_lens": [s - p for s, p in zip(seq, pre, strict=True)], "prefix_lens": list(pre)}
+
+
+_LAYOUT_CTORS = ("BatchLayout.decode", "BatchLayout.extend", "BatchLayout.from_extend_lens")
+
+
+@st.composite
+def _bad_values(draw: st.DrawFn, kind: str) -> InvalidCase:
+    """Negative, too large, non-integral or string values injected into one per-request field."""
+    ctor = draw(st.sampled_from(_LAYOUT_CTORS))
+    field = draw(st.sampled_from(_layout_fields(ctor)))
+    seq, pre = draw(_valid_batch())
+    kwargs = _layout_kwargs(ctor, seq, pre)
+    if field == "encoder_lens":
+        kwargs["encoder_lens"] = draw(
+            st.lists(st.integers(0, 40), min_size=len(seq), max_size=len(seq))
+        )
+    values: list[Any] = list(kwargs[field])
+    bad = _offenders(draw, len(values))
+    for i in bad:
+        if kind == "negative_length":
+            values[i] = -draw(st.integers(1, 1000))
+        elif kind == "int32_overflow":
+            values[i] = draw(st.integers(2**31, 2**62))
+        elif kind == "non_integral_length":
+            values[i] = draw(st.sampled_from(_NON_INTEGRAL))
+        else:
+            values[i] = draw(st.sampled_from(_STRINGS))
+    if kind == "non_integral_length":  # integral floats elsewhere are accepted
+        values = [
+            float(v) if i not in bad and draw(st.booleans()) else v for i, v in enumerate(values)
+        ]
+    kwargs[field] = values
+    return InvalidCase(ctor, kwargs, field, bad[0], kind)
+
+
+@st.composite
+def _prefix_over_seq(draw: st.DrawFn) -> InvalidCase:
+    seq, pre = draw(_valid_batch())
+    bad = _offenders(draw, len(seq))
+    for i in bad:
+        pre[i] = seq[i] + draw(st.integers(1, 50))
+    return InvalidCase(
+        "BatchLayout.extend",
+        {"seq_lens": seq, "prefix_lens": pre},
+        "prefix_lens",
+        bad[0],
+        "prefix_over_seq",
+    )
+
+
+@st.composite
+def _decode_zero(draw: st.DrawFn) -> InvalidCase:
+    seq, _ = draw(_valid_batch())
+    bad = _offenders(draw, len(seq))
+    for i in bad:
+        seq[i] = 0
+    return InvalidCase(
+        "BatchLayout.decode", {"seq_lens": seq}, "seq_lens", bad[0], "decode_zero_length"
+    )
+
+
+@st.composite
+def _batch_mismatch(draw: st.DrawFn) -> InvalidCase:
+    ctor = draw(st.sampled_from(_LAYOUT_CTORS))
+    seq, pre = draw(_valid_batch())
+    kwargs = _layout_kwargs(ctor, seq, pre)
+    if ctor == "BatchLayout.extend":
+        field = draw(st.sampled_from(("prefix_lens", "encoder_lens")))
+    else:  # decode has no prefix argument; from_extend_lens checks its own prefix size
+        field = "encoder_lens" if ctor == "BatchLayout.decode" else "prefix_lens"
+    size = draw(st.integers(0, len(seq) + 3).filter(lambda n: n != len(seq)))
+    if field == "prefix_lens":
+        kwargs["prefix_lens"] = [0] * size
+    else:
+        kwargs["encoder_lens"] = draw(st.lists(st.integers(0, 40), min_size=size, max_size=size))
+    return InvalidCase(ctor, kwargs, field, None, "batch_size_mismatch")
+
+
+@st.composite
+def _bad_page_size(draw: st.DrawFn) -> InvalidCase:
+    ctor = draw(st.sampled_from(_LAYOUT_CTORS))
+    seq, pre = draw(_valid_batch())
+    kwargs = _layout_kwargs(ctor, seq, pre)
+    kwargs["page_size"] = draw(st.sampled_from(_BAD_PAGE_SIZES) | st.integers(-100, 0))
+    return InvalidCase(ctor, kwargs, "page_size", None, "bad_page_size")
+
+
+@st.composite
+def _cross_without_encoder(draw: st.DrawFn) -> InvalidCase:
+    ctor = draw(st.sampled_from(_LAYOUT_CTORS))
+    seq, pre = draw(_valid_batch())
+    kwargs = _layout_kwargs(ctor, seq, pre)
+    others = draw(
+        st.lists(
+            attention_groups(kinds=("full", "sliding", "bidirectional")), max_size=2, unique=True
+        )
+    )
+    cross = draw(attention_groups(kinds=("cross",)))
+    groups = [*others, cross]
+    kwargs["groups"] = tuple(draw(st.permutations(groups)))
+    return InvalidCase(ctor, kwargs, "encoder_lens", None, "cross_without_encoder")
+
+
+@st.composite
+def _bad_groups(draw: st.DrawFn) -> InvalidCase:
+    ctor = draw(st.sampled_from(_LAYOUT_CTORS))
+    seq, pre = draw(_valid_batch())
+    kwargs = _layout_kwargs(ctor, seq, pre)
+    if draw(st.booleans()):
+        kwargs["groups"] = ()
+    else:
+        g = draw(attention_groups(kinds=("full", "sliding", "bidirectional")))
+        kwargs["groups"] = (g, g)
+    return InvalidCase(ctor, kwargs, "groups", None, "bad_groups")
+
+
+@st.composite
+def _bad_window(draw: st.DrawFn) -> InvalidCase:
+    which = draw(st.sampled_from(("below_minus_one", "non_causal", "cross", "non_int")))
+    if which == "below_minus_one":
+        w = draw(st.integers(-(1 << 20), -2))
+        if draw(st.booleans()):
+            return InvalidCase(
+                "AttentionGroup.sliding",
+                {"window_left": w},
+                "window_left",
+                None,
+                "window_below_minus_one",
+            )
+        return InvalidCase(
+            "AttentionGroup", {"window_left": w}, "window_left", None, "window_below_minus_one"
+        )
+    if which == "non_int":
+        not_int: Any = draw(st.sampled_from((2.5, 3.0, "4", None, True)))
+        return InvalidCase(
+            "AttentionGroup", {"window_left": not_int}, "window_left", None, "window_not_int"
+        )
+    w = draw(st.integers(0, 300))
+    kwargs: dict[str, Any] = {"window_left": w, "causal": False}
+    if which == "cross":
+        kwargs["cross_attention"] = True
+    return InvalidCase("AttentionGroup", kwargs, "window_left", None, "window_non_causal")
+
+
+@st.composite
+def _bad_heads(draw: st.DrawFn) -> InvalidCase:
+    if draw(st.booleans()):
+        kv = draw(st.integers(2, 16))
+        qo = draw(st.integers(1, 64).filter(lambda q: q % kv != 0))
+        return InvalidCase(
+            "HeadConfig",
+            {"num_qo_heads": qo, "num_kv_heads": kv, "head_dim": 128},
+            "num_kv_heads",
+            None,
+            "heads_not_dividing",
+        )
+    field = draw(st.sampled_from(("num_qo_heads", "num_kv_heads", "head_dim")))
+    kwargs: dict[str, Any] = {"num_qo_heads": 8, "num_kv_heads": 2, "head_dim": 128}
+    kwargs[field] = draw(st.sampled_from((0, -1, 2.0, "8", None, True)))
+    return InvalidCase("HeadConfig", kwargs, field, None, "heads_not_positive_int")
+
+
+def _cross_causal() -> st.SearchStrategy[InvalidCase]:
+    return st.sampled_from(({}, {"causal": True})).map(
+        lambda extra: InvalidCase(
+            "AttentionGroup", {"cross_attention": True, **extra}, "causal", None, "cross_causal"
+        )
+    )
+
+
+_INVALID_KINDS: Mapping[str, Callable[[], st.SearchStrategy[InvalidCase]]] = {
+    "negative_length": lambda: _bad_values("negative_length"),
+    "int32_overflow": lambda: _bad_values("int32_overflow"),
+    "non_integral_length": lambda: _bad_values("non_integral_length"),
+    "string_length": lambda: _bad_values("string_length"),
+    "prefix_over_seq": _prefix_over_seq,
+    "decode_zero_length": _decode_zero,
+    "batch_size_mismatch": _batch_mismatch,
+    "bad_page_size": _bad_page_size,
+    "cross_without_encoder": _cross_without_encoder,
+    "bad_groups": _bad_groups,
+    "bad_window": _bad_window,
+    "bad_heads": _bad_heads,
+    "cross_causal": _cross_causal,
+}
+
+#: Kinds of invalid input :func:`invalid_layout_kwargs` can draw.
+INVALID_KINDS: tuple[str, ...] = tuple(_INVALID_KINDS)
+
+
+def invalid_layout_kwargs(*, kinds: Sequence[str] | None = None) -> st.SearchStrategy[InvalidCase]:
+    """Draw invalid constructor input and the error it must raise.
+
+    Each draw is an :class:`InvalidCase`: constructor name, kwargs, the expected error
+    field, the first offending request's index (or ``None``) and the kind of rule
+    broken. Build it with ``case.build()``; it must raise a
+    :class:`~flashplan.FlashplanError` whose ``field`` and ``request`` match.
+    Every draw breaks exactly one rule:
+
+    * negative lengths (``seq_lens``, ``prefix_lens``, ``encoder_lens``, ``extend_lens``),
+    * lengths beyond int32 (up to 2**62),
+    * non-integral floats (2.5, NaN, ±inf) among ints or integral floats,
+    * strings among the lengths,
+    * ``prefix_lens > seq_lens`` (the first offender is expected),
+    * batch-size mismatches between per-request fields,
+    * ``page_size <= 0`` or not an int (2.0, "16", ``None``, ``True``),
+    * a decode request with ``seq_len = 0``,
+    * ``encoder_lens`` of the wrong size, a cross group without ``encoder_lens``,
+    * no group, or a repeated group,
+    * ``window_left < -1`` or not an int, a window on a non-causal (or cross) group,
+    * a causal cross group,
+    * head counts that do not divide, non-positive head sizes.
+
+    Args:
+        kinds: restrict to some of :data:`INVALID_KINDS`.
+    """
+    chosen = INVALID_KINDS if kinds is None else tuple(kinds)
+    unknown = set(chosen) - set(_INVALID_KINDS)
+    if unknown:
+        raise ValueError(f"unknown invalid kinds {sorted(unknown)}; known: {INVALID_KINDS}")
+    return st.one_of(*(_INVALID_KINDS[k]() for k in chosen))
