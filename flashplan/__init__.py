@@ -8,6 +8,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from flashplan.errors import (
+    BucketError,
     FlashplanError,
     LayoutError,
     PageTableError,
@@ -32,6 +33,7 @@ from flashplan.planning import (
 __all__ = [
     "AttentionGroup",
     "BatchLayout",
+    "BucketError",
     "Executor",
     "ExtendPath",
     "FlashplanError",

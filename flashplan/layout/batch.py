@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from flashplan.arrays import (
     INT32_MAX,
@@ -46,9 +47,13 @@ def _groups(field: str, value: object) -> tuple[AttentionGroup, ...]:
     """One group or an iterable of groups, as a tuple of distinct groups."""
     if isinstance(value, AttentionGroup):
         return (value,)
-    if value is None or isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise LayoutError(field, "must be an AttentionGroup or an iterable of them", value=value)
-    groups = tuple(value)
+    bad = LayoutError(field, "must be an AttentionGroup or an iterable of them", value=value)
+    if isinstance(value, (str, bytes, torch.Tensor, np.ndarray)) or not isinstance(value, Iterable):
+        raise bad
+    try:
+        groups = tuple(value)
+    except TypeError:
+        raise bad from None
     if not groups:
         raise LayoutError(field, "at least one AttentionGroup is needed")
     for i, g in enumerate(groups):
@@ -248,6 +253,7 @@ class BatchLayout:
         page_size: int = 1,
         groups: Iterable[AttentionGroup] | AttentionGroup | None = None,
         encoder_lens: ArrayLike | None = None,
+        encoder_cached: object = None,
     ) -> BatchLayout:
         """A block-bidirectional extend (diffusion LMs): each request's last
         ``block_size`` tokens are new and see the prefix and every token of the block.
@@ -270,7 +276,7 @@ class BatchLayout:
         prefix = seal_inplace(seq - np.int32(block))
         if groups is None:
             groups = (AttentionGroup.bidirectional(),)
-        return cls(Mode.EXTEND, seq, prefix, encoder_lens, page_size, groups)
+        return cls(Mode.EXTEND, seq, prefix, encoder_lens, page_size, groups, encoder_cached)
 
     # -- derived ------------------------------------------------------------------------
     @property

@@ -121,7 +121,7 @@ def _host_numpy(field: str, values: object) -> npt.NDArray[Any]:
     except (TypeError, ValueError, OverflowError):
         arr = np.empty(len(values), dtype=object)
         arr[:] = list(values)
-    if arr.dtype.kind in "USVMm":  # strings, bytes, void, dates: check element by element
+    if arr.dtype.kind in "USVMmc":  # strings, bytes, dates, complex: element by element
         arr = np.empty(len(values), dtype=object)
         arr[:] = list(values)
     return arr
@@ -196,8 +196,10 @@ def as_flags(field: str, values: object) -> npt.NDArray[np.bool_]:
     """Per-request booleans (a sequence of bools, a bool array or a CPU bool tensor) as a
     read-only bool array ``[bs]``; ints and strings are refused, naming the request."""
     if isinstance(values, torch.Tensor):
-        if values.device.type != "cpu":
-            raise LayoutError(field, "must be host data", device=str(values.device))
+        if values.device.type != "cpu" or values.layout != torch.strided:
+            raise LayoutError(field, "must be a dense host tensor", device=str(values.device))
+        if values.dtype != torch.bool:
+            raise LayoutError(field, "must hold bools", dtype=str(values.dtype))
         values = values.detach().numpy()
     if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
         raise LayoutError(field, "must be a 1-D sequence of bools", type=type(values).__name__)

@@ -70,9 +70,10 @@ class ExtendPath(enum.Enum):
         ``"ragged"``); :class:`~flashplan.LayoutError` for anything else."""
         if isinstance(value, cls):
             return value
-        for member in cls:
-            if value == member.value:
-                return member
+        if isinstance(value, str):
+            for member in cls:
+                if value == member.value:
+                    return member
         raise LayoutError("extend_path", "must be 'auto', 'paged' or 'ragged'", extend_path=value)
 
 

@@ -16,7 +16,7 @@ W127 = fp.AttentionGroup(window_left=127, logits_soft_cap=30.0)
 CROSS = fp.AttentionGroup.cross()
 
 
-def _executor() -> object:
+def _executor() -> fp.Executor:
     from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 
     return FlashInferExecutor(policy=ExecutorPolicy(prefill_backend="fa2"))

@@ -5,6 +5,8 @@ geometrically, never per call).
   copies that read it last have completed (checked with ``event.query()``, which never
   waits); when every slot is busy the ring grows instead of waiting.
 * :class:`DeviceBuffer`: a device tensor that grows to the largest size asked for.
+* :class:`WrapperPool`: FlashInfer wrappers, never re-planned while a queued copy of
+  their previous plan may still read their pinned buffer.
 
 Everything else is stream-ordered: the executor issues every copy, gather and kernel
 on the current stream, so a device buffer is rewritten only after the kernels that
@@ -13,10 +15,13 @@ read it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import attrs
 import torch
 
-__all__ = ["DeviceBuffer", "PinnedRing", "PinnedSlot"]
+__all__ = ["DeviceBuffer", "PinnedRing", "PinnedSlot", "WrapperPool", "WrapperSlot"]
 
 
 def _grown(current: int, needed: int) -> int:
@@ -94,3 +99,58 @@ class DeviceBuffer:
                 _grown(self.tensor.shape[0], size), dtype=self.dtype, device=self.device
             )
         return self.tensor[:size]
+
+
+@attrs.define(eq=False)
+class WrapperSlot:
+    """One FlashInfer wrapper and the event after the copies of its last ``plan()``."""
+
+    wrapper: Any
+    event: torch.cuda.Event | None = None
+
+    def idle(self) -> bool:
+        """The copies the wrapper's last ``plan()`` queued have run (never waits)."""
+        return self.event is None or self.event.query()
+
+
+class WrapperPool:
+    """Wrappers by key, several per key when the host plans ahead of the GPU.
+
+    FlashInfer's ``plan()`` writes the plan into the wrapper's pinned host buffer at
+    once and queues its copy to the device: planning the same wrapper again before
+    that copy has run would overwrite what the queued copy reads (and the kernels of
+    the earlier batch would run with the later plan). So a wrapper is re-planned only
+    once its previous plan's copies have completed — checked with ``event.query()``;
+    when every wrapper of a key is busy, the pool makes another one instead of
+    waiting (each holds FlashInfer's 8 MiB device and 8 MiB pinned int workspaces).
+
+    With ``grow=False`` (CUDA graphs: the captured kernels read one wrapper's buffers)
+    the pool keeps one wrapper per key and waits for its previous plan's copies — a
+    wait only when the host runs a whole step ahead of the GPU on the same bucket.
+    """
+
+    def __init__(self, *, grow: bool = True) -> None:
+        self.grow = grow
+        self.slots: dict[Any, list[WrapperSlot]] = {}
+
+    def acquire(self, key: Any, make: Callable[[], Any]) -> WrapperSlot:
+        """An idle wrapper for ``key`` (made with ``make()`` when needed)."""
+        slots = self.slots.setdefault(key, [])
+        for slot in slots:
+            if slot.idle():
+                return slot
+        if slots and not self.grow:
+            slot = slots[0]
+            assert slot.event is not None
+            slot.event.synchronize()  # documented: graphs only, host a step ahead
+            return slot
+        slot = WrapperSlot(make())
+        slots.append(slot)
+        return slot
+
+    @staticmethod
+    def mark_planned(slot: WrapperSlot, stream: torch.cuda.Stream) -> None:
+        """Record that the copies of ``slot``'s plan are queued on ``stream``."""
+        if slot.event is None:
+            slot.event = torch.cuda.Event()
+        slot.event.record(stream)

@@ -27,6 +27,7 @@ except in the opt-in ``check_pages`` mode.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, Literal, overload
 
 import numpy as np
@@ -34,7 +35,7 @@ import torch
 
 from flashplan.errors import LayoutError, PageTableError, PlanMismatchError, UnsupportedError
 from flashplan.executor.checks import RunArgs, check_apply_args, check_run_args
-from flashplan.executor.flashinfer.buffers import DeviceBuffer, PinnedRing
+from flashplan.executor.flashinfer.buffers import DeviceBuffer, PinnedRing, WrapperPool
 from flashplan.executor.flashinfer.calls import (
     BuiltMask,
     DeviceIndices,
@@ -157,7 +158,8 @@ class FlashInferExecutor:
     def _init_state(self) -> None:
         """The per-executor state (an executor made from another shares its settings)."""
         self.sm90 = torch.cuda.get_device_capability(self.device) == (9, 0)
-        self._wrappers: dict[WrapperKey, Any] = {}
+        self._pool = WrapperPool(grow=self._grow_wrappers)
+        self._planned: dict[tuple[int, str], Any] = {}
         self._skeletons: dict[object, tuple[GroupCalls, ...]] = {}
         self._ring = PinnedRing()
         self._staged = DeviceBuffer(self.device, torch.int32)
@@ -197,14 +199,13 @@ class FlashInferExecutor:
         self._status[0] = 0
         self._status[1] = NO_BAD_JOB
 
-    def _wrapper(self, key: WrapperKey, group_index: int) -> Any:
+    #: Eager executors make another wrapper rather than wait (see WrapperPool).
+    _grow_wrappers = True
+
+    def _make_wrapper(self, key: WrapperKey, group_index: int) -> Any:
         del group_index  # eager wrappers own no per-group buffers
-        wrapper = self._wrappers.get(key)
-        if wrapper is None:
-            cls = getattr(self._fi, key.kind.value)
-            wrapper = cls(self._workspace, **key.constructor_kwargs())
-            self._wrappers[key] = wrapper
-        return wrapper
+        cls = getattr(self._fi, key.kind.value)
+        return cls(self._workspace, **key.constructor_kwargs())
 
     def _skeleton(self, spec: PlanSpec) -> tuple[GroupCalls, ...]:
         key = skeleton_key(spec, self.policy)
@@ -263,13 +264,21 @@ class FlashInferExecutor:
                 return masks[value.group_index]
             return value
 
+        stream = torch.cuda.current_stream(self.device)
+        planned: dict[tuple[int, str], Any] = {}
         for gc in calls:
-            for call in (gc.paged, gc.ragged):
-                if call is not None:
-                    kwargs = {name: resolve(value) for name, value in call.kwargs}
-                    self._call_plan(self._wrapper(call.wrapper, gc.group_index), kwargs)
-        slot.mark_read(torch.cuda.current_stream(self.device))
+            for part, call in (("paged", gc.paged), ("ragged", gc.ragged)):
+                if call is None:
+                    continue
+                key, index = call.wrapper, gc.group_index
+                held = self._pool.acquire(key, partial(self._make_wrapper, key, index))
+                kwargs = {name: resolve(value) for name, value in call.kwargs}
+                self._call_plan(held.wrapper, kwargs)
+                self._pool.mark_planned(held, stream)
+                planned[(index, part)] = held.wrapper
+        slot.mark_read(stream)
         self._spec, self._plan, self._table = spec, dplan, table
+        self._planned = planned
         self._gathered = (page, offset)
 
     def _device_plan(
@@ -495,10 +504,10 @@ class FlashInferExecutor:
             return (out, lse) if return_lse else out
         states = []
         if gc.ragged is not None:
-            wrapper = self._wrappers[gc.ragged.wrapper]
+            wrapper = self._planned[(args.index, "ragged")]
             states.append(wrapper.run(q, k_new, v_new, return_lse=return_lse or gc.merges))
         if gc.paged is not None:
-            wrapper = self._wrappers[gc.paged.wrapper]
+            wrapper = self._planned[(args.index, "paged")]
             states.append(wrapper.run(q, kv_cache, return_lse=return_lse or gc.merges))
         if gc.merges:
             (o_a, s_a), (o_b, s_b) = states

@@ -85,7 +85,6 @@ class GraphExecutor(FlashInferExecutor):
         self._layout: BucketLayout | None = None
         self._fixed_page: torch.Tensor | None = None
         self._fixed_offset: torch.Tensor | None = None
-        self._wrapper_buffers: dict[tuple[int, WrapperKind], dict[str, torch.Tensor]] = {}
 
     # -- fixed buffers ------------------------------------------------------------------
     def _fix_key(self, spec: PlanSpec) -> BucketLayout:
@@ -130,10 +129,10 @@ class GraphExecutor(FlashInferExecutor):
         host = padded_inputs(inputs.host, spec.batch_size, self.bucket)
         return device_plan(calls, fixed, host, inputs.masks)
 
-    def _wrapper(self, key: WrapperKey, group_index: int) -> Any:
-        wrapper = self._wrappers.get(key)
-        if wrapper is not None:
-            return wrapper
+    #: The graph reads one wrapper per key: wait rather than make another.
+    _grow_wrappers = False
+
+    def _make_wrapper(self, key: WrapperKey, group_index: int) -> Any:
         assert self._layout is not None and self._fixed_page is not None
         bs = self.bucket.batch_size
         dev = self.device
@@ -167,7 +166,6 @@ class GraphExecutor(FlashInferExecutor):
                 max_total_num_rows=self.bucket.total_q,
                 **kwargs,
             )
-        self._wrappers[key] = wrapper
         return wrapper
 
     # -- apply / run --------------------------------------------------------------------

@@ -1,0 +1,193 @@
+"""CUDA-graph buckets on the CPU: buffer sizes, padding rows and refusals are pure host
+functions of the bucket (the graphs themselves run in tests/gpu/test_step_loop.py).
+
+The padded gather runs here through the gather kernel's torch twin into the bucket's
+fixed buffers: the real requests' entries must equal an unpadded gather's, every
+padding request must read exactly one dummy page and write nowhere, and nothing may be
+written outside the fixed regions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flashplan as fp
+from flashplan.executor.flashinfer.bucket import (
+    GraphBucket,
+    bucket_jobs,
+    check_fits,
+    padded_inputs,
+)
+from flashplan.executor.flashinfer.calls import call_inputs, call_skeleton
+from flashplan.executor.flashinfer.policy import ExecutorPolicy
+from flashplan.executor.gathers import gather_jobs, pages_region
+from flashplan.kernels import gather_slots_torch
+from flashplan.testing import attention_groups, decode_layouts, page_tables
+
+HEADS = fp.HeadConfig(8, 2, 64)
+
+
+def _gather(jobs, table, total: int, fill: int = -7):  # type: ignore[no-untyped-def]
+    page = torch.full((max(total, 1),), fill, dtype=torch.int32)
+    offset = torch.full((max(total, 1),), fill, dtype=torch.int32)
+    cols = [torch.from_numpy(np.array(c, dtype=np.int32)) for c in jobs.columns()]
+    gather_slots_torch(table.pages, *cols, page, offset, total=int(jobs.counts.sum()))
+    return page.numpy(), offset.numpy()
+
+
+def test_bucket_validation_and_sizes() -> None:
+    b = GraphBucket.decode(8, 256)
+    assert (b.batch_size, b.max_pages, b.tokens_per_request, b.total_q) == (8, 256, 1, 8)
+    with pytest.raises(fp.BucketError):
+        GraphBucket(fp.Mode.DECODE, 8, 16, tokens_per_request=4)
+    for bad in (0, -1, 2.5, "8", True):
+        with pytest.raises(fp.LayoutError):
+            GraphBucket.decode(bad, 16)  # type: ignore[arg-type]
+    with pytest.raises(fp.BucketError):
+        GraphBucket.decode(2**16, 2**16)  # batch_size * max_pages > int32
+    groups = (fp.AttentionGroup.full(), fp.AttentionGroup.sliding(7), fp.AttentionGroup.cross())
+    spec = fp.plan(
+        fp.BatchLayout.decode([3, 9], page_size=4, groups=groups, encoder_lens=[2, 5]), HEADS
+    )
+    layout = b.layout(spec.key, window_pool=True)
+    sizes = [(r.name, r.lo, r.size) for r in layout.regions]
+    assert sizes == [
+        ("pages/0", 0, 8 * 256),
+        ("pages/1", 8 * 256, 8 * 256),
+        ("pages/2", 2 * 8 * 256, 8 * 256),
+        ("write", 3 * 8 * 256, 8),
+        ("write/window", 3 * 8 * 256 + 8, 8),
+    ]
+    assert layout.total == 3 * 8 * 256 + 16
+    assert [r.name for r in b.layout(spec.key, window_pool=False).regions][-1] == "write"
+    e = GraphBucket.extend(4, 10, tokens_per_request=3)
+    assert e.total_q == 12 and e.mode is fp.Mode.EXTEND
+
+
+def test_plans_that_do_not_fit_are_refused() -> None:
+    bucket = GraphBucket.decode(4, 3)
+    spec = fp.plan(fp.BatchLayout.decode([3, 9, 1], page_size=4), HEADS)
+    check_fits(spec, bucket)
+    too_many = fp.plan(fp.BatchLayout.decode([1] * 5, page_size=4), HEADS)
+    with pytest.raises(fp.BucketError) as err:
+        check_fits(too_many, bucket)
+    assert err.value.field == "batch_size"
+    too_long = fp.plan(fp.BatchLayout.decode([3, 13, 1], page_size=4), HEADS)
+    with pytest.raises(fp.BucketError) as err:
+        check_fits(too_long, bucket)
+    assert (err.value.field, err.value.request) == ("max_pages", 1)
+    extend = fp.plan(fp.BatchLayout.extend([3, 4], [1, 1], page_size=4), HEADS)
+    with pytest.raises(fp.BucketError) as err:
+        check_fits(extend, bucket)
+    assert err.value.field == "mode"
+    eb = GraphBucket.extend(4, 3, tokens_per_request=2)
+    with pytest.raises(fp.BucketError) as err:
+        check_fits(fp.plan(fp.BatchLayout.extend([3, 4], [1, 1], page_size=4), HEADS), eb)
+    assert (err.value.field, err.value.request) == ("tokens_per_request", 1)
+    ragged = fp.plan(
+        fp.BatchLayout.extend([3, 4], [1, 2], page_size=4), HEADS, extend_path="ragged"
+    )
+    with pytest.raises(fp.BucketError) as err:
+        check_fits(ragged, eb)
+    assert err.value.field == "paths"
+    check_fits(
+        fp.plan(fp.BatchLayout.extend([3, 4], [1, 2], page_size=4), HEADS, extend_path="paged"), eb
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=decode_layouts(
+        min_batch=1,
+        max_batch=6,
+        max_len=70,
+        long_len=90,
+        groups=None,
+        encoder=False,
+        page_sizes=(1, 2, 16),
+    ).filter(lambda lay: not any(g.cross_attention for g in lay.groups)),
+    extra=st.integers(0, 5),
+    window_pool=st.booleans(),
+    data=st.data(),
+)
+def test_padded_gather_matches_unpadded_and_pads_harmlessly(
+    layout: fp.BatchLayout, extra: int, window_pool: bool, data: st.DataObject
+) -> None:
+    spec = fp.plan(layout, HEADS)
+    max_pages = max(int(gp.paged.num_pages.max()) for gp in spec.group_plans if gp.paged) + 1
+    bucket = GraphBucket.decode(layout.batch_size + extra, max_pages, dummy_page=3)
+    check_fits(spec, bucket)
+    table, _ = data.draw(page_tables(spec))
+    calls = call_skeleton(spec, ExecutorPolicy(), sm90=True, batch_size=bucket.batch_size)
+    inputs = call_inputs(spec, calls)
+    packed = gather_jobs(spec, table.rows, window_pool=False, spans=inputs.spans)
+    fixed_layout = bucket.layout(spec.key, window_pool=False)
+    fixed = bucket_jobs(packed, fixed_layout, spec.batch_size, bucket)
+    want_p, want_o = _gather(packed, table, packed.total)
+    got_p, got_o = _gather(fixed, table, fixed_layout.total)
+    bs, pads = spec.batch_size, extra
+    for r_packed, r_fixed in zip(packed.regions, fixed.regions, strict=True):
+        base = fixed_layout.region(r_packed.name)
+        assert (r_fixed.name, r_fixed.lo) == (base.name, base.lo)
+        n = r_packed.size
+        # The real entries, at the region's fixed base, are the unpadded gather's.
+        assert got_p[base.lo : base.lo + n].tolist() == want_p[r_packed.lo : r_packed.hi].tolist()
+        assert got_o[base.lo : base.lo + n].tolist() == want_o[r_packed.lo : r_packed.hi].tolist()
+        per_pad = 1  # decode: one dummy page to read, one slot not to write
+        pad = slice(base.lo + n, base.lo + n + per_pad * pads)
+        assert (got_p[pad] == 3).all() and (got_o[pad] == -1).all()
+        # Nothing beyond the padded entries is written (the -7 sentinel survives).
+        assert (got_p[base.lo + n + pads : base.hi] == -7).all()
+        if r_packed.name.startswith("pages/"):
+            assert r_fixed.hi == base.lo + n + pads  # FlashInfer's kv_indices end here
+        else:
+            assert r_fixed.hi == base.hi  # write regions span every bucket slot
+    host = padded_inputs(inputs.host, bs, bucket)
+    for index, gp in enumerate(spec.group_plans):
+        assert gp.paged is not None
+        ind = host[f"g{index}.page_indptr"]
+        last = host[f"g{index}.last_page_len"]
+        assert ind.shape == (bucket.batch_size + 1,) and last.shape == (bucket.batch_size,)
+        assert ind[: bs + 1].tolist() == inputs.host[f"g{index}.page_indptr"].tolist()
+        assert np.diff(ind)[bs:].tolist() == [1] * pads and last[bs:].tolist() == [1] * pads
+        r = fixed.region(pages_region(index))
+        assert r.size == int(ind[-1])
+    if "qo_indptr" in host:
+        assert host["qo_indptr"].tolist() == list(range(bucket.batch_size + 1))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    groups=st.lists(
+        attention_groups(kinds=("full", "sliding")), min_size=1, max_size=2, unique=True
+    ),
+    tokens=st.integers(1, 4),
+    extra=st.integers(0, 3),
+    data=st.data(),
+)
+def test_fixed_token_extend_bucket_pads_every_token(
+    groups: list[fp.AttentionGroup], tokens: int, extra: int, data: st.DataObject
+) -> None:
+    bs = data.draw(st.integers(1, 4))
+    prefix = data.draw(st.lists(st.integers(0, 30), min_size=bs, max_size=bs))
+    layout = fp.BatchLayout.from_extend_lens([tokens] * bs, prefix, page_size=2, groups=groups)
+    spec = fp.plan(layout, HEADS, extend_path="paged")
+    bucket = GraphBucket.extend(bs + extra, 32, tokens, dummy_page=0)
+    check_fits(spec, bucket)
+    table, _ = data.draw(page_tables(spec))
+    calls = call_skeleton(spec, ExecutorPolicy(), sm90=True, batch_size=bucket.batch_size)
+    inputs = call_inputs(spec, calls)
+    packed = gather_jobs(spec, table.rows, spans=inputs.spans)
+    fixed_layout = bucket.layout(spec.key, window_pool=False)
+    fixed = bucket_jobs(packed, fixed_layout, bs, bucket)
+    _, got_o = _gather(fixed, table, fixed_layout.total)
+    w = fixed.region("write")
+    assert w.size == bucket.total_q
+    assert (got_o[w.lo + bs * tokens : w.hi] == -1).all()  # padding tokens write nowhere
+    assert (got_o[w.lo : w.lo + bs * tokens] >= 0).all()
+    host = padded_inputs(inputs.host, bs, bucket)
+    assert host["qo_indptr"].tolist() == [tokens * i for i in range(bucket.batch_size + 1)]
