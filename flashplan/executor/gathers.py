@@ -96,6 +96,7 @@ def gather_jobs(
     *,
     window_pool: bool = False,
     spans: Mapping[int, tuple[IntArray, IntArray]] | None = None,
+    encoder_writes: bool = True,
 ) -> GatherJobs:
     """The gather jobs of ``spec`` for a table whose request ``i`` sits in ``rows[i]``.
 
@@ -106,6 +107,8 @@ def gather_jobs(
             a page map: their page ids and writes are mapped.
         spans: per group index, ``(start_page, num_pages)`` to gather instead of the
             paged call's own span (an executor's quirk workaround).
+        encoder_writes: gather the encoder tokens' write slots (a CUDA-graph bucket,
+            which writes no encoder K/V, leaves them out).
     """
     bs = spec.batch_size
     ps = spec.page_size
@@ -124,7 +127,11 @@ def gather_jobs(
         parts.append(("write", spec.write_start, spec.qo_lens, ps, 0))
         if windowed:
             parts.append(("write/window", spec.write_start, spec.qo_lens, ps, 1))
-    if spec.encoder_indptr is not None and any(gp.group.cross_attention for gp in spec.group_plans):
+    if (
+        encoder_writes
+        and spec.encoder_indptr is not None
+        and any(gp.group.cross_attention for gp in spec.group_plans)
+    ):
         parts.append(("encoder", np.zeros(bs, np.int32), np.diff(spec.encoder_indptr), ps, 0))
 
     n = len(parts)

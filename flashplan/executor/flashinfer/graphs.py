@@ -123,7 +123,11 @@ class GraphExecutor(FlashInferExecutor):
         layout = self._fix_key(spec)
         inputs = call_inputs(spec, calls)
         jobs = gather_jobs(
-            spec, table.rows, window_pool=self.page_map is not None, spans=inputs.spans
+            spec,
+            table.rows,
+            window_pool=self.page_map is not None,
+            spans=inputs.spans,
+            encoder_writes=False,
         )
         fixed = bucket_jobs(jobs, layout, spec.batch_size, self.bucket)
         host = padded_inputs(inputs.host, spec.batch_size, self.bucket)
