@@ -16,7 +16,15 @@ from flashplan.errors import (
     UnsupportedError,
 )
 from flashplan.executor import Executor, ReferenceExecutor
-from flashplan.layout import AttentionGroup, BatchLayout, HeadConfig, Mode, PageTable
+from flashplan.layout import (
+    AttentionGroup,
+    BatchLayout,
+    DraftDecode,
+    DraftTree,
+    HeadConfig,
+    Mode,
+    PageTable,
+)
 from flashplan.planning import (
     ExtendPath,
     GroupPlan,
@@ -28,12 +36,15 @@ from flashplan.planning import (
     RaggedPart,
     materialize,
     plan,
+    plan_steps,
 )
 
 __all__ = [
     "AttentionGroup",
     "BatchLayout",
     "BucketError",
+    "DraftDecode",
+    "DraftTree",
     "Executor",
     "ExtendPath",
     "FlashplanError",
@@ -54,6 +65,7 @@ __all__ = [
     "UnsupportedError",
     "materialize",
     "plan",
+    "plan_steps",
 ]
 
 try:

@@ -50,6 +50,8 @@ def key_row_tokens(layout: BatchLayout, group: AttentionGroup) -> list[npt.NDArr
 
 def visibility(layout: BatchLayout, group: AttentionGroup) -> list[npt.NDArray[np.bool_]]:
     """Per request, a ``[extend_len, num_keys]`` boolean matrix of visible keys."""
+    if layout.draft is not None and not group.cross_attention:
+        return _verify_visibility(layout, group)
     out = []
     keys_per_req = key_space_len(layout, group)
     for prefix, new, n_keys in zip(
@@ -107,3 +109,29 @@ def dense_attention(
     probs = probs.masked_fill(~mask[None], 0.0)  # keys nobody sees contribute nothing
     out = torch.einsum("hqk,khd->qhd", probs, vh.masked_fill(~mask.any(0)[:, None, None], 0.0))
     return out, (lse / _LN2).T
+
+
+def _verify_visibility(layout: BatchLayout, group: AttentionGroup) -> list[npt.NDArray[np.bool_]]:
+    """Verify: draft token ``t`` (position ``P + depth(t)``, key slot ``P + t``) sees every
+    prefix key and the slots of its ancestors and itself; a window ``W`` keeps the keys
+    whose *position* is at least ``P + depth(t) - W`` (a draft key's position is
+    ``P + depth``)."""
+    draft = layout.draft
+    assert draft is not None
+    out = []
+    for i, prefix in enumerate(layout.prefix_lens.tolist()):
+        n = draft.num_tokens
+        depth = draft.depth[i].astype(np.int64)
+        parents = draft.parents[i].tolist()
+        seen = np.zeros((n, prefix + n), dtype=bool)
+        for t in range(n):
+            pos = prefix + int(depth[t])
+            for k in range(prefix):
+                seen[t, k] = group.window_left < 0 or k >= pos - group.window_left
+            a = t
+            while a >= 0:  # the token, then its parent, up to the root
+                key_pos = prefix + int(depth[a])
+                seen[t, prefix + a] = group.window_left < 0 or key_pos >= pos - group.window_left
+                a = parents[a]
+        out.append(seen)
+    return out

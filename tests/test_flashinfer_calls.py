@@ -52,13 +52,14 @@ from flashplan.executor.flashinfer.policy import (
 )
 from flashplan.executor.flashinfer.staging import JOB_COLUMNS, device_plan
 from flashplan.executor.gathers import gather_jobs, pages_region
-from flashplan.kernels.threshold_mask import build_threshold_mask_torch
-from flashplan.planning.masks import unpack_request
+from flashplan.kernels.custom_mask import build_custom_mask_torch
+from flashplan.planning.masks import TreeMask, unpack_request
 from flashplan.testing import (
     attention_groups,
     decode_layouts,
     extend_layouts,
     head_configs,
+    verify_layouts,
 )
 
 with warnings.catch_warnings():
@@ -247,6 +248,9 @@ def _mask_buffer(index: int, gp: GroupPlan, kw: dict[str, Any], inputs: CallInpu
     np.testing.assert_array_equal(
         arrays["first_visible"], np.clip(part.mask.first_visible, -(2**31 - 1), 2**31 - 1)
     )
+    assert recipe.num_tokens == (
+        part.mask.row_offsets.shape[1] if hasattr(part.mask, "row_offsets") else 0
+    )
     # The device builder writes request i at byte_offsets[i]: flashinfer's offsets.
     np.testing.assert_array_equal(arrays["byte_offsets"], _flashinfer_mask_offsets(kw)[:-1])
     n_bytes = (qo_lens * part.kv_lens.astype(np.int64) + 7) // 8
@@ -254,9 +258,22 @@ def _mask_buffer(index: int, gp: GroupPlan, kw: dict[str, Any], inputs: CallInpu
     end = arrays["byte_offsets"].astype(np.int64) + n_bytes
     assert recipe.total_bytes >= max(int(end.max()) if bs else 0, 1)
     buf = torch.full((recipe.total_bytes,), 0xA5, dtype=torch.uint8)
+    tree = None
+    if recipe.num_tokens:
+        n = recipe.num_tokens
+        words = inputs.host[f"g{index}.mask.tail_bits"]
+        assert words.dtype == np.int32  # staged through the int32 buffer
+        bits = torch.from_numpy(words.copy().view(np.uint8)[: bs * n * n].copy())
+        tree = (
+            _t(inputs.host[f"g{index}.mask.row_offsets"]),
+            _t(inputs.host[f"g{index}.mask.tail_start"]),
+            bits,
+        )
     # The torch twin of the executor's Triton kernel (same contract; the kernel itself is
     # checked against it in tests/kernels): independent of Triton's interpreter mode.
-    build_threshold_mask_torch(*(_t(arrays[n]) for n in arrays), buf)
+    build_custom_mask_torch(
+        *(_t(arrays[n]) for n in arrays), buf, tree=tree, num_tokens=recipe.num_tokens
+    )
     return buf.numpy()
 
 
@@ -358,7 +375,9 @@ def check_translation(
                 np.testing.assert_array_equal(kw["qo_indptr"], spec.qo_indptr)
                 # The prefix part of ragged+paged is non-causal; a paged-only call is
                 # causal exactly when the group is (cross groups: never).
-                want_causal = False if gp.path is KernelPath.RAGGED_PAGED else group.causal
+                # A verify tree's mask carries causality itself.
+                tree = isinstance(gp.paged.mask, TreeMask)
+                want_causal = False if gp.path is KernelPath.RAGGED_PAGED or tree else group.causal
                 assert kw["causal"] is want_causal
                 assert gp.paged.causal is want_causal
             assert call.wrapper.constructor_kwargs()["kv_layout"] == "NHD"
@@ -438,10 +457,14 @@ policies = st.builds(
 
 @st.composite
 def any_layouts(draw: st.DrawFn) -> BatchLayout:
-    mode = draw(st.sampled_from(("decode", "extend", "extend_prefix", "extend_no_prefix")))
+    mode = draw(
+        st.sampled_from(("decode", "extend", "extend_prefix", "extend_no_prefix", "verify"))
+    )
     kw: dict[str, Any] = {"page_sizes": PAGE_SIZES, "max_len": 40, "long_len": 120}
     if mode == "decode":
         return draw(decode_layouts(**kw))
+    if mode == "verify":
+        return draw(verify_layouts(page_sizes=PAGE_SIZES))
     prefix = {"extend": None, "extend_prefix": True, "extend_no_prefix": False}[mode]
     return draw(extend_layouts(prefix=prefix, **kw))
 
@@ -480,6 +503,10 @@ def test_translate_binds_and_matches_plan(
     layout: BatchLayout, heads: HeadConfig, extend_path: str, policy: ExecutorPolicy, sm90: bool
 ) -> None:
     assume(policy.prefill_backend != "fa3" or _fa3_capable(heads))  # refused: tested below
+    if layout.mode is fp.Mode.VERIFY and extend_path == "ragged":
+        with pytest.raises(fp.LayoutError):
+            fp.plan(layout, heads, extend_path=extend_path)
+        return
     spec = fp.plan(layout, heads, extend_path=extend_path)
     check_translation(spec, policy, sm90=sm90)
 

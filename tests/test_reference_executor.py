@@ -9,8 +9,6 @@ slots the layout implies.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -18,21 +16,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashplan as fp
-from flashplan.oracle import visibility
-from flashplan.testing import attention_groups, head_configs, layouts, page_tables
+from flashplan.oracle import dense_attention as oracle_attention
+from flashplan.oracle import key_row_tokens, visibility
+from flashplan.testing import (
+    attention_groups,
+    head_configs,
+    layouts,
+    page_tables,
+    verify_layouts,
+)
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # fp32 math: only rounding error
-
-
-def key_positions(layout: fp.BatchLayout, group: fp.AttentionGroup, i: int) -> np.ndarray:
-    """Logical tokens (in request i's table row) of the group's keys, from the layout."""
-    if group.cross_attention:
-        assert layout.encoder_lens is not None
-        return np.arange(int(layout.encoder_lens[i]))
-    ps = layout.page_size
-    enc = 0 if layout.encoder_lens is None else int(layout.encoder_lens[i])
-    offset = math.ceil(enc / ps) * ps  # decoder tokens start at the next page boundary
-    return offset + np.arange(int(layout.seq_lens[i]))
 
 
 def read_tokens(
@@ -47,39 +41,37 @@ def read_tokens(
 def dense_attention(
     layout: fp.BatchLayout,
     group: fp.AttentionGroup,
-    heads: fp.HeadConfig,
     q: torch.Tensor,
     cache: torch.Tensor,
     table: fp.PageTable,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 output [total_q, Hq, D] and base-2 LSE [total_q, Hq]."""
-    outs, lses = [], []
+    """float64 output [total_q, Hq, D] and base-2 LSE [total_q, Hq], from the oracle."""
     qo = np.concatenate([[0], np.cumsum(layout.extend_lens)])
-    g = heads.num_qo_heads // heads.num_kv_heads
-    scale = group.scale_for(heads.head_dim)
+    outs, lses = [], []
+    tokens = key_row_tokens(layout, group)
     for i, seen in enumerate(visibility(layout, group)):
-        k, v = read_tokens(cache, table, i, key_positions(layout, group, i), layout.page_size)
-        k = k.double().repeat_interleave(g, dim=1)
-        v = v.double().repeat_interleave(g, dim=1)
-        logits = torch.einsum("qhd,khd->hqk", q[qo[i] : qo[i + 1]].double(), k) * scale
-        if group.logits_soft_cap:
-            cap = group.logits_soft_cap
-            logits = cap * torch.tanh(logits / cap)
-        logits = logits.masked_fill(~torch.from_numpy(seen)[None], float("-inf"))
-        lse = torch.logsumexp(logits, dim=-1)  # [h, q]
-        probs = torch.exp(logits - lse.clamp_min(-1e300)[..., None])
-        outs.append(torch.einsum("hqk,khd->qhd", probs, v))
-        lses.append((lse / math.log(2)).T)
+        k, v = read_tokens(cache, table, i, tokens[i], layout.page_size)
+        o, s = oracle_attention(q[qo[i] : qo[i + 1]], k, v, seen, group)
+        outs.append(o)
+        lses.append(s)
     if not outs:
-        return torch.zeros(0, heads.num_qo_heads, heads.head_dim, dtype=torch.float64), torch.zeros(
-            0, heads.num_qo_heads, dtype=torch.float64
+        return torch.zeros(0, q.shape[1], q.shape[2], dtype=torch.float64), torch.zeros(
+            0, q.shape[1], dtype=torch.float64
         )
     return torch.cat(outs), torch.cat(lses)
 
 
 @st.composite
 def small_window_layouts(draw: st.DrawFn) -> fp.BatchLayout:
-    """Layouts whose groups include windows small enough to bite (0..16)."""
+    """Layouts (verify ones too) whose groups include windows small enough to bite."""
+    if draw(st.integers(0, 3)) == 0:
+        verify_groups = attention_groups(kinds=("full", "sliding", "cross"), max_window=6)
+        groups = draw(st.lists(verify_groups, min_size=1, max_size=3, unique=True))
+        return draw(
+            verify_layouts(
+                max_batch=4, max_len=30, long_len=60, page_sizes=(1, 2, 16), groups=groups
+            )
+        )
     groups = draw(st.lists(attention_groups(max_window=16), min_size=1, max_size=3, unique=True))
     cross = any(g.cross_attention for g in groups)
     return draw(
@@ -111,6 +103,8 @@ def test_reference_matches_dense_float64(
     seed: int,
     data: st.DataObject,
 ) -> None:
+    if layout.mode is fp.Mode.VERIFY:
+        extend_path = "paged"
     spec = fp.plan(layout, heads, extend_path=extend_path)
     table, pool = data.draw(page_tables(spec))
     gen = torch.Generator().manual_seed(seed)
@@ -130,15 +124,15 @@ def test_reference_matches_dense_float64(
         for i in range(layout.batch_size):
             if group.cross_attention:
                 enc = np.concatenate([[0], np.cumsum(layout.encoder_lens)])
-                lo, hi, tokens = enc[i], enc[i + 1], key_positions(layout, group, i)
+                lo, hi, tokens = enc[i], enc[i + 1], key_row_tokens(layout, group)[i]
             else:
                 lo, hi = qo[i], qo[i + 1]
-                tokens = key_positions(layout, group, i)[int(layout.prefix_lens[i]) :]
+                tokens = key_row_tokens(layout, group)[i][int(layout.prefix_lens[i]) :]
             k_got, v_got = read_tokens(cache, table, i, tokens, layout.page_size)
             assert torch.equal(k_got, k_new[lo:hi]) and torch.equal(v_got, v_new[lo:hi])
 
         # 2. attention equals float64 dense attention over the oracle's keys
-        ref_out, ref_lse = dense_attention(layout, group, heads, q, cache, table)
+        ref_out, ref_lse = dense_attention(layout, group, q, cache, table)
         assert out.shape == (spec.total_q, hq, d) and out.dtype == heads.out_dtype
         if out.numel():
             err = (out.double() - ref_out).abs().max() / ref_out.abs().max().clamp_min(1e-6)

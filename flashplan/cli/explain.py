@@ -32,6 +32,7 @@ from flashplan.cli.render import (
 )
 from flashplan.errors import LayoutError
 from flashplan.layout.batch import BatchLayout
+from flashplan.layout.drafts import DraftTree
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
 from flashplan.oracle import visibility
@@ -76,9 +77,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seq-lens",
         type=int_list,
-        required=True,
+        default=None,
         metavar="L,L,...",
-        help="decoder KV length of each request after the step (new tokens included)",
+        help="decoder KV length of each request after the step (new tokens included); "
+        "required but with --parents",
     )
     parser.add_argument(
         "--prefix-lens",
@@ -91,6 +93,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--decode",
         action="store_true",
         help="a decode step: one new token per request (prefix = seq - 1)",
+    )
+    parser.add_argument(
+        "--parents",
+        default=None,
+        metavar="-1,0,0,1[;...]",
+        help="a target-verify step: each request's draft tree as parent indices (-1 at "
+        "token 0), one tree for all or one per request separated by ';'; the prefixes "
+        "are --prefix-lens",
     )
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (16)")
     parser.add_argument(
@@ -150,6 +160,26 @@ def build_layout(args: argparse.Namespace) -> BatchLayout:
             groups.append(g)
     if args.cross:
         groups.append(AttentionGroup.cross())
+    if args.parents is not None:
+        if args.decode or args.prefix_lens is None:
+            raise LayoutError("parents", "a verify step takes --prefix-lens (and not --decode)")
+        trees = [int_list(t) for t in args.parents.split(";")]
+        if len(trees) == 1:
+            trees = trees * len(args.prefix_lens)
+        if len({len(t) for t in trees}) != 1 or len(trees) != len(args.prefix_lens):
+            raise LayoutError(
+                "parents", "one tree (or one per request) of the same size N is needed"
+            )
+        draft = DraftTree.from_parents(np.array(trees, dtype=np.int64).reshape(len(trees), -1))
+        return BatchLayout.verify(
+            args.prefix_lens,
+            draft,
+            page_size=args.page_size,
+            groups=groups,
+            encoder_lens=args.encoder_lens,
+        )
+    if args.seq_lens is None:
+        raise LayoutError("seq_lens", "--seq-lens is required (or --parents for a verify step)")
     if args.decode:
         if args.prefix_lens is not None:
             raise LayoutError(
@@ -201,12 +231,13 @@ def explain(
         ),
         describe_header(spec),
     ]
-    starts = spec.prefix_lens
+    qo = spec.qo_indptr.tolist()
+    positions = [spec.positions[qo[i] : qo[i + 1]] for i in range(spec.batch_size)]
     for index, gp in enumerate(spec.group_plans):
         group = gp.group
         key_name = "encoder keys" if group.cross_attention else "keys"
         pictures = ascii_visibility(
-            visibility(layout, group), q_start=starts, key_name=key_name, max_cols=max_cols
+            visibility(layout, group), positions=positions, key_name=key_name, max_cols=max_cols
         )
         problem = check_plan(spec, layout, group)
         if problem is None:

@@ -106,10 +106,14 @@ def _range(lo: int, hi: int) -> str:
     return f"[{lo}, {hi})" if hi > lo else "-"
 
 
-def _positions(lo: int, n: int) -> str:
-    if n <= 0:
+def _position_text(values: npt.NDArray[np.integer]) -> str:
+    """``"5..9"`` for consecutive positions, else the list (``"7, 8, 8, 9"``)."""
+    if values.size == 0:
         return "-"
-    return str(lo) if n == 1 else f"{lo}..{lo + n - 1}"
+    lo, hi = int(values[0]), int(values[-1])
+    if values.size == hi - lo + 1 and (np.diff(values) == 1).all():
+        return str(lo) if lo == hi else f"{lo}..{hi}"
+    return ", ".join(str(int(v)) for v in values)
 
 
 def describe_group(spec: PlanSpec, gp: GroupPlan, *, index: int | None = None) -> str:
@@ -135,7 +139,6 @@ def describe_group(spec: PlanSpec, gp: GroupPlan, *, index: int | None = None) -
 
     ps = spec.page_size
     qo_ptr = spec.qo_indptr.astype(np.int64)
-    prefix = spec.prefix_lens.astype(np.int64)
     n_keys = gp.num_keys.astype(np.int64)
     qo = spec.qo_lens.astype(np.int64)
     first_key = gp.first_key
@@ -148,7 +151,7 @@ def describe_group(spec: PlanSpec, gp: GroupPlan, *, index: int | None = None) -
     rows = []
     for i in range(spec.batch_size):
         q0, q1 = int(qo_ptr[i]), int(qo_ptr[i + 1])
-        row = [str(i), _range(q0, q1), _positions(int(prefix[i]), q1 - q0)]
+        row = [str(i), _range(q0, q1), _position_text(spec.positions[q0:q1])]
         has_mask = False
         if gp.paged is not None:
             p = gp.paged
@@ -289,7 +292,7 @@ def _ruler(cols: list[int | None]) -> tuple[str, str]:
 
 def _picture(
     mask: npt.NDArray[np.bool_],
-    q_start: int,
+    labels: npt.NDArray[np.int64],
     *,
     max_cols: int,
     max_rows: int,
@@ -305,7 +308,7 @@ def _picture(
     seen_cols = np.flatnonzero(drawn.any(axis=0))
     cols = _columns(n, max_cols, int(seen_cols[0]) if seen_cols.size else n)
     keyed = np.array([k for k in cols if k is not None], dtype=np.int64)
-    pos_w = max(3, len(str(q_start + max(e - 1, 0))))
+    pos_w = max(3, len(str(int(labels.max()) if labels.size else 0)))
     pad = indent + " " * (pos_w + 2)
     lines = []
     if n:
@@ -328,7 +331,7 @@ def _picture(
             note = f"{vis.size}: {vis[0]}..{vis[-1]}"
         else:
             note = f"{vis.size}: {vis[0]}..{vis[-1]} (with gaps)"
-        lines.append(f"{indent}{q_start + j:>{pos_w}}  {''.join(cells)}   {note}")
+        lines.append(f"{indent}{int(labels[j]):>{pos_w}}  {''.join(cells)}   {note}")
     return lines
 
 
@@ -336,6 +339,7 @@ def ascii_visibility(
     masks: Sequence[npt.NDArray[np.bool_]],
     *,
     q_start: Sequence[int] | npt.NDArray[np.integer] | None = None,
+    positions: Sequence[npt.NDArray[np.integer]] | None = None,
     key_name: str = "keys",
     max_cols: int = 80,
     max_rows: int = 32,
@@ -354,6 +358,8 @@ def ascii_visibility(
         masks: one boolean array ``[num_queries_i, num_keys_i]`` per request.
         q_start: absolute position of each request's first query (default 0): for a
             self group the request's cached prefix length ``P``.
+        positions: instead of ``q_start``, each request's query positions (a verify
+            tree's are not consecutive).
         key_name: what the columns are, for the per-request title (``"keys"``,
             ``"encoder keys"``).
         max_cols: widest picture drawn in full (>= 8).
@@ -365,6 +371,8 @@ def ascii_visibility(
     starts = [0] * len(masks) if q_start is None else [int(s) for s in q_start]
     if len(starts) != len(masks):
         raise ValueError(f"q_start has {len(starts)} entries for {len(masks)} masks")
+    if positions is not None and len(positions) != len(masks):
+        raise ValueError(f"positions has {len(positions)} entries for {len(masks)} masks")
     if not masks:
         return "(no requests)"
     lines: list[str] = []
@@ -373,8 +381,13 @@ def ascii_visibility(
         if m.ndim != 2:
             raise ValueError(f"masks[{i}] must be 2-D [queries, keys], got shape {m.shape}")
         e, n = m.shape
+        labels = (
+            np.asarray(positions[i], dtype=np.int64)
+            if positions is not None
+            else s + np.arange(e, dtype=np.int64)
+        )
         qs = "query" if e == 1 else "queries"
-        where = f" at position{'s' if e > 1 else ''} {_positions(s, e)}" if e else ""
+        where = f" at position{'s' if e > 1 else ''} {_position_text(labels)}" if e else ""
         keys = key_name.removesuffix("s") if n == 1 else key_name
         lines.append(f"request {i}: {e} {qs}{where}; {n} {keys}")
         if e == 0:
@@ -382,5 +395,5 @@ def ascii_visibility(
         if n == 0:
             lines.append(f"{indent}(no {key_name}: every query sees nothing, output 0, LSE -inf)")
             continue
-        lines += _picture(m, s, max_cols=max_cols, max_rows=max_rows, indent=indent)
+        lines += _picture(m, labels, max_cols=max_cols, max_rows=max_rows, indent=indent)
     return "\n".join(lines)

@@ -28,7 +28,7 @@ import numpy.typing as npt
 from flashplan.arrays import IntArray, seal_inplace
 from flashplan.planning.spec import PlanSpec
 
-__all__ = ["GatherJobs", "Region", "gather_jobs"]
+__all__ = ["GatherJobs", "Region", "concat_jobs", "gather_jobs", "pages_region"]
 
 
 @attrs.frozen
@@ -152,3 +152,27 @@ def gather_jobs(
         regions=regions,
         total=int(edges[-1]),
     )
+
+
+def concat_jobs(tables: list[GatherJobs], prefixes: list[str]) -> GatherJobs:
+    """Several job tables as one (their outputs end to end), region names prefixed.
+
+    A multi-step draft decode gathers every step's page ids in one launch.
+    """
+    shift = np.cumsum([0] + [t.total for t in tables])
+    columns = [
+        np.concatenate([c[k] for c in (t.columns() for t in tables)])
+        if tables
+        else np.zeros(0, np.int32)
+        for k in range(6)
+    ]
+    columns[3] = np.concatenate(
+        [t.dst.astype(np.int64) + int(shift[i]) for i, t in enumerate(tables)]
+    )
+    regions = tuple(
+        Region(prefix + r.name, r.lo + int(shift[i]), r.hi + int(shift[i]))
+        for i, (t, prefix) in enumerate(zip(tables, prefixes, strict=True))
+        for r in t.regions
+    )
+    rows, first, counts, dst, div, use_map = (seal_inplace(c) for c in columns)
+    return GatherJobs(rows, first, counts, dst, div, use_map, regions, int(shift[-1]))

@@ -46,6 +46,13 @@ class Executor(Protocol):
         """Prepare ``spec`` for running on ``table``'s pages."""
         ...
 
+    def apply_steps(
+        self, specs: tuple[PlanSpec, ...] | list[PlanSpec], table: PageTable
+    ) -> tuple[Executor, ...]:
+        """Prepare every step of a multi-step draft decode at once
+        (:func:`flashplan.plan_steps`); one executor per step, to ``run`` that step."""
+        ...
+
     @overload
     def run(
         self,

@@ -273,6 +273,18 @@ class ReferenceExecutor:
             max_kv=max_kv,
         )
 
+    def apply_steps(
+        self, specs: tuple[PlanSpec, ...] | list[PlanSpec], table: PageTable
+    ) -> tuple[ReferenceExecutor, ...]:
+        """Apply every step of a multi-step draft decode; one executor per step (the
+        same contract as :meth:`FlashInferExecutor.apply_steps`)."""
+        views = []
+        for spec in specs:
+            view = ReferenceExecutor(compute_dtype=self.compute_dtype, page_map=self.page_map)
+            view.apply(spec, table)
+            views.append(view)
+        return tuple(views)
+
     # -- run ----------------------------------------------------------------------------
     @overload
     def run(

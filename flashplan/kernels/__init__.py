@@ -4,7 +4,7 @@
   batch (page ids of kernel calls, KV write slots) in one launch, bad ids caught.
 * :func:`write_kv` / :func:`write_kv_torch`: new K/V rows into a paged cache, skipping
   slots marked unusable.
-* :func:`build_threshold_mask` / :func:`build_threshold_mask_torch`: packed custom
+* :func:`build_custom_mask` / :func:`build_custom_mask_torch`: packed custom
   masks expanded on the device from one integer per request.
 * :func:`merge_state_triton` / :func:`merge_state_torch`: merge two partial attention
   states whose log-sum-exp is in base 2 (FlashInfer's convention).
@@ -18,15 +18,15 @@ before the first import to run them on CPU tensors through Triton's interpreter.
 from __future__ import annotations
 
 from flashplan.kernels._triton import triton_mode
+from flashplan.kernels.custom_mask import build_custom_mask, build_custom_mask_torch
 from flashplan.kernels.gather import NO_BAD_JOB, gather_slots, gather_slots_torch, new_status
 from flashplan.kernels.merge_state import merge_state_torch, merge_state_triton
-from flashplan.kernels.threshold_mask import build_threshold_mask, build_threshold_mask_torch
 from flashplan.kernels.write_kv import write_kv, write_kv_torch
 
 __all__ = [
     "NO_BAD_JOB",
-    "build_threshold_mask",
-    "build_threshold_mask_torch",
+    "build_custom_mask",
+    "build_custom_mask_torch",
     "gather_slots",
     "gather_slots_torch",
     "merge_state_torch",

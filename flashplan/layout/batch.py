@@ -22,9 +22,10 @@ from flashplan.arrays import (
 )
 from flashplan.errors import LayoutError
 from flashplan.layout.convert import ArrayLike, as_flags, as_int, as_lengths
+from flashplan.layout.drafts import DraftTree
 from flashplan.layout.group import AttentionGroup
 
-__all__ = ["BatchLayout", "Mode"]
+__all__ = ["DEFAULT_GROUPS", "BatchLayout", "Mode", "as_groups"]
 
 
 class Mode(enum.Enum):
@@ -33,17 +34,20 @@ class Mode(enum.Enum):
     ``DECODE``: one new token per request, planned on FlashInfer's decode kernels.
     ``EXTEND``: any number of new tokens per request (prefill, chunked prefill,
     block-bidirectional extend, draft extend).
+    ``VERIFY``: speculative target verify: each request's ``N`` draft tokens, a tree
+    (:class:`~flashplan.layout.drafts.DraftTree`), after its prefix.
     """
 
     DECODE = "decode"
     EXTEND = "extend"
+    VERIFY = "verify"
 
 
 #: The groups a layout is planned for by default: one causal full-attention group.
 DEFAULT_GROUPS: tuple[AttentionGroup, ...] = (AttentionGroup(),)
 
 
-def _groups(field: str, value: object) -> tuple[AttentionGroup, ...]:
+def as_groups(field: str, value: object) -> tuple[AttentionGroup, ...]:
     """One group or an iterable of groups, as a tuple of distinct groups."""
     if isinstance(value, AttentionGroup):
         return (value,)
@@ -112,6 +116,8 @@ class BatchLayout:
         page_size: tokens per KV page (1 = sglang's token table).
         groups: the attention groups (kinds of layers) this batch is planned for;
             a single group is accepted.
+        draft: the draft trees of a :attr:`Mode.VERIFY` batch (``None`` otherwise);
+            ``extend_lens`` are then its ``N`` tokens per request.
         encoder_cached: per request, whether its encoder K/V is already in the cache
             (written in an earlier step), or ``None`` for none. A cross group's
             ``run`` writes the encoder K/V of the other requests only: its ``k_new`` /
@@ -129,11 +135,12 @@ class BatchLayout:
     )
     page_size: int = attrs.field(default=1, converter=lambda v: as_int("page_size", v, minimum=1))
     groups: tuple[AttentionGroup, ...] = attrs.field(
-        default=DEFAULT_GROUPS, converter=lambda v: _groups("groups", v)
+        default=DEFAULT_GROUPS, converter=lambda v: as_groups("groups", v)
     )
     encoder_cached: npt.NDArray[np.bool_] | None = attrs.field(
         default=None, converter=lambda v: _optional_flags("encoder_cached", v), eq=array_key
     )
+    draft: DraftTree | None = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:
         bs = self.seq_lens.shape[0]
@@ -164,6 +171,32 @@ class BatchLayout:
                     request=i,
                     seq_len=int(self.seq_lens[i]),
                     prefix_len=int(self.prefix_lens[i]),
+                )
+        if (self.draft is not None) != (self.mode is Mode.VERIFY):
+            raise LayoutError("draft", "a verify batch, and only a verify batch, has a draft")
+        if self.draft is not None:
+            if not isinstance(self.draft, DraftTree):
+                raise LayoutError("draft", "must be a DraftTree", value=type(self.draft).__name__)
+            if self.draft.batch_size != bs:
+                raise LayoutError(
+                    "draft",
+                    "batch size differs from seq_lens",
+                    seq_lens_size=bs,
+                    draft_size=self.draft.batch_size,
+                )
+            wrong = (self.seq_lens - self.prefix_lens) != self.draft.num_tokens
+            if wrong.any():
+                i = _first(wrong)
+                raise LayoutError(
+                    "seq_lens",
+                    "a verify step adds the draft's N tokens to each request",
+                    request=i,
+                    new_tokens=int(self.seq_lens[i] - self.prefix_lens[i]),
+                    num_draft_tokens=self.draft.num_tokens,
+                )
+            if any(not g.causal and not g.cross_attention for g in self.groups):
+                raise LayoutError(
+                    "groups", "verify batches plan causal self groups (and cross groups)"
                 )
         if self.encoder_lens is not None and self.encoder_lens.shape[0] != bs:
             raise LayoutError(
@@ -243,6 +276,82 @@ class BatchLayout:
             )
         seq = checked_int32("seq_lens", ext.astype(np.int64) + prefix, "prefix + extend length")
         return cls.extend(seq, prefix, **kwargs)
+
+    @classmethod
+    def verify(
+        cls,
+        prefix_lens: ArrayLike,
+        draft: DraftTree,
+        *,
+        page_size: int = 1,
+        groups: Iterable[AttentionGroup] | AttentionGroup = DEFAULT_GROUPS,
+        encoder_lens: ArrayLike | None = None,
+        encoder_cached: object = None,
+    ) -> BatchLayout:
+        """A speculative target-verify step: request ``i`` holds ``prefix_lens[i]`` cached
+        tokens and verifies the ``N`` draft tokens of ``draft`` (a
+        :class:`~flashplan.layout.drafts.DraftTree`; :meth:`DraftTree.chain` for chains,
+        :meth:`DraftTree.eagle` for EAGLE's shape). The drafts' K/V is written at row
+        tokens ``prefix .. prefix + N - 1``; query ``j`` sits at position
+        ``prefix + depth(j)`` and sees the prefix, its ancestors and itself.
+        """
+        if not isinstance(draft, DraftTree):
+            raise LayoutError("draft", "must be a DraftTree", value=type(draft).__name__)
+        prefix = as_lengths("prefix_lens", prefix_lens)
+        seq = checked_int32(
+            "prefix_lens", prefix.astype(np.int64) + draft.num_tokens, "prefix + draft length"
+        )
+        return cls(Mode.VERIFY, seq, prefix, encoder_lens, page_size, groups, encoder_cached, draft)
+
+    @classmethod
+    def draft_extend(
+        cls,
+        prefix_lens: ArrayLike,
+        accepted_lens: ArrayLike,
+        *,
+        tokens_per_request: int | None = None,
+        page_size: int = 1,
+        groups: Iterable[AttentionGroup] | AttentionGroup = DEFAULT_GROUPS,
+    ) -> BatchLayout:
+        """The draft model's extend after a verify: request ``i`` adds its
+        ``accepted_lens[i]`` accepted tokens after ``prefix_lens[i]`` cached ones.
+
+        With ``tokens_per_request = n`` (the fixed shape a CUDA graph replays), every
+        request adds ``n`` tokens: the first ``accepted_lens[i]`` are real and the rest
+        padding. Causality keeps padding out of every real token's keys; padding tokens'
+        outputs are meaningless (ignore those rows), and their K/V lands in the request's
+        own slots past its accepted tokens, which the next step overwrites — so the
+        table must hold ``prefix + n`` tokens per request.
+
+        Raises:
+            LayoutError: an accepted length above ``tokens_per_request`` (naming the
+                request).
+        """
+        prefix = as_lengths("prefix_lens", prefix_lens)
+        accepted = as_lengths("accepted_lens", accepted_lens)
+        if accepted.shape != prefix.shape:
+            raise LayoutError(
+                "accepted_lens",
+                "batch size differs from prefix_lens",
+                prefix_lens_size=prefix.shape[0],
+                accepted_lens_size=accepted.shape[0],
+            )
+        new = accepted
+        if tokens_per_request is not None:
+            n = as_int("tokens_per_request", tokens_per_request, minimum=1)
+            over = accepted > n
+            if over.any():
+                i = _first(over)
+                raise LayoutError(
+                    "accepted_lens",
+                    "more accepted tokens than tokens_per_request",
+                    request=i,
+                    accepted=int(accepted[i]),
+                    tokens_per_request=n,
+                )
+            new = seal_inplace(np.full_like(prefix, n))
+        seq = checked_int32("prefix_lens", prefix.astype(np.int64) + new, "prefix + new tokens")
+        return cls(Mode.EXTEND, seq, prefix, None, page_size, groups)
 
     @classmethod
     def block_extend(

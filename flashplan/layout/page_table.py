@@ -189,6 +189,84 @@ class PageTable:
         return cls(pages=pages, rows=rows, num_pages=max(end, 1))
 
     @classmethod
+    def draft_branches(
+        cls,
+        table: PageTable,
+        prefix_lens: ArrayLike,
+        topk: int,
+        branch_pages: torch.Tensor,
+        *,
+        page_size: int,
+        num_pages: int | None = None,
+    ) -> PageTable:
+        """The table of a multi-step draft decode: one row per branch.
+
+        Row ``i * topk + b`` is branch ``b`` of request ``i``: the request's full prefix
+        pages (``prefix_lens[i] // page_size`` columns of its row in ``table``, shared,
+        never written), then the branch's own ``branch_pages[i, b]``. With
+        ``page_size > 1`` the engine copies the prefix's partial last page into each
+        branch's first own page (its K/V for every layer) before the draft steps; with
+        ``page_size = 1`` the own pages are the branch's draft-token slots. Built on the
+        table's device with a few tensor ops: no sync.
+
+        Args:
+            table: the requests' table (its ``rows`` give each request's row).
+            prefix_lens: int ``[bs]`` (tokens) host prefix lengths.
+            topk: branches per request.
+            branch_pages: int32 ``[bs, topk, pages_per_branch]`` on the table's device
+                (``DraftDecode.branch_pages`` pages per branch suffice).
+            page_size: tokens per page.
+            num_pages: the pool size both tables' ids point into, if known.
+
+        Raises:
+            PageTableError: shapes or devices that do not match.
+        """
+        prefix = _table_lengths("prefix_lens", prefix_lens)
+        k = _table_int("topk", topk, minimum=1)
+        bs = int(prefix.shape[0])
+        if bs != table.batch_size:
+            raise PageTableError(
+                "prefix_lens",
+                "batch size differs from the table",
+                table_batch_size=table.batch_size,
+            )
+        if (
+            not isinstance(branch_pages, torch.Tensor)
+            or branch_pages.dtype != torch.int32
+            or branch_pages.dim() != 3
+            or tuple(branch_pages.shape[:2]) != (bs, k)
+            or branch_pages.device != table.pages.device
+        ):
+            raise PageTableError(
+                "branch_pages",
+                f"must be an int32 tensor [bs={bs}, topk={k}, pages] on {table.pages.device}",
+                shape=tuple(getattr(branch_pages, "shape", ())),
+            )
+        ps = _table_int("page_size", page_size, minimum=1)
+        dev = table.pages.device
+        own = int(branch_pages.shape[2])
+        full = prefix.astype(np.int64) // ps  # shared full pages per request
+        widest = int(full.max()) if bs else 0
+        if widest > table.max_pages:
+            i = int(np.argmax(full))
+            raise PageTableError(
+                "prefix_lens", "the table row is shorter than the prefix", request=i,
+                full_pages=int(full[i]), max_pages=table.max_pages,
+            )  # fmt: skip
+        width = max(widest + own, 1)
+        rows = torch.from_numpy(np.repeat(table.rows.astype(np.int64), k)).to(dev)
+        shared = table.pages[rows]  # [bs * topk, max_pages]
+        if shared.shape[1] < width:
+            pad = shared.new_zeros(shared.shape[0], width - shared.shape[1])
+            shared = torch.cat([shared, pad], dim=1)
+        cols = torch.arange(width, device=dev)[None, :]
+        full_t = torch.from_numpy(np.repeat(full, k)).to(dev)[:, None]
+        mine = branch_pages.reshape(bs * k, own)
+        index = (cols - full_t).clamp(0, max(own - 1, 0))
+        pages = torch.where(cols < full_t, shared[:, :width], torch.gather(mine, 1, index))
+        return cls(pages.contiguous(), np.arange(bs * k, dtype=np.int32), num_pages)
+
+    @classmethod
     def shuffled(
         cls,
         pages_needed: ArrayLike,

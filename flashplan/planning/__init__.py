@@ -2,7 +2,7 @@
 
 from flashplan.planning.masks import CustomMask, ThresholdMask
 from flashplan.planning.materialize import PlanIntegrityError, materialize
-from flashplan.planning.planner import plan, planned_groups
+from flashplan.planning.planner import plan, plan_steps, planned_groups
 from flashplan.planning.policy import default_extend_path
 from flashplan.planning.spec import (
     ExtendPath,
@@ -28,5 +28,6 @@ __all__ = [
     "default_extend_path",
     "materialize",
     "plan",
+    "plan_steps",
     "planned_groups",
 ]

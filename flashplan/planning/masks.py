@@ -27,6 +27,7 @@ from flashplan.errors import LayoutError
 __all__ = [
     "CustomMask",
     "ThresholdMask",
+    "TreeMask",
     "mask_indptr",
     "pack_dense",
     "pack_threshold_rows",
@@ -58,7 +59,7 @@ class ThresholdMask:
     ``clamp(first_visible[i] + j, 0, kv_lens[i]) <= c < kv_lens[i]``: the shape of a
     sliding window seen through a trimmed prefix. It is stored as one integer per
     request and expanded only where it is used (on the GPU by
-    :func:`flashplan.kernels.build_threshold_mask`, on the host by :attr:`packed`).
+    :func:`flashplan.kernels.build_custom_mask`, on the host by :attr:`packed`).
 
     >>> m = ThresholdMask([2], [5], [2])   # 2 rows over 5 columns, row 0 from column 2
     >>> m.dense(0).astype(int)
@@ -110,8 +111,100 @@ class ThresholdMask:
         return np.arange(kv)[None, :] >= np.clip(first, 0, kv)
 
 
+def _row_offsets(field: str, value: object) -> npt.NDArray[np.int32]:
+    arr = np.asarray(value)
+    if arr.ndim != 2 or arr.dtype.kind not in "iu":
+        raise LayoutError(field, "must be an integer array [bs, N]", shape=arr.shape)
+    return copy_readonly(arr)
+
+
+def _tail_bits(field: str, value: object) -> npt.NDArray[np.bool_]:
+    arr = np.asarray(value)
+    if arr.ndim != 3 or arr.shape[1] != arr.shape[2] or arr.dtype != np.bool_:
+        raise LayoutError(field, "must be a bool array [bs, N, N]", shape=arr.shape)
+    return copy_readonly(arr, bool)
+
+
+@readonly_when_unpickled
+@attrs.frozen
+class TreeMask:
+    """The custom mask of a tree verify: a threshold over the prefix, explicit bits over
+    the draft tokens.
+
+    Request ``i`` has ``N`` rows (its draft tokens) and ``kv_lens[i]`` columns: the keys
+    its call reads, the prefix's then the ``N`` drafts' from column ``tail_start[i]``
+    on. Row ``t`` sees prefix column ``c < tail_start[i]`` when
+    ``c >= first_visible[i] + row_offsets[i, t]`` (a sliding window measured from the
+    row's *position*, or 0 to hide only the leading keys of the first page), and draft
+    column ``tail_start[i] + a`` when ``tail_bits[i, t, a]`` (``a`` is an ancestor of
+    ``t`` or ``t`` itself, inside the window).
+
+    >>> m = TreeMask([2], [5], [1], [[0, 1]], [3], [[[True, False], [True, True]]])
+    >>> m.dense(0).astype(int)
+    array([[0, 1, 1, 1, 0],
+           [0, 0, 1, 1, 1]])
+
+    Attributes:
+        qo_lens: int32 ``[bs]`` (tokens): ``N`` rows per request.
+        kv_lens: int32 ``[bs]`` (tokens): columns per request.
+        first_visible: int64 ``[bs]`` (columns): the prefix threshold of a row at
+            offset 0.
+        row_offsets: int32 ``[bs, N]`` (columns): each row's shift of that threshold.
+        tail_start: int64 ``[bs]`` (columns): where the draft columns begin.
+        tail_bits: bool ``[bs, N, N]``: which draft key each row sees.
+    """
+
+    qo_lens: IntArray = attrs.field(converter=lambda v: _mask_lengths("qo_lens", v), eq=array_key)
+    kv_lens: IntArray = attrs.field(converter=lambda v: _mask_lengths("kv_lens", v), eq=array_key)
+    first_visible: npt.NDArray[np.int64] = attrs.field(
+        converter=lambda v: _first_visible("first_visible", v), eq=array_key
+    )
+    row_offsets: npt.NDArray[np.int32] = attrs.field(
+        converter=lambda v: _row_offsets("row_offsets", v), eq=array_key
+    )
+    tail_start: npt.NDArray[np.int64] = attrs.field(
+        converter=lambda v: _first_visible("tail_start", v), eq=array_key
+    )
+    tail_bits: npt.NDArray[np.bool_] = attrs.field(
+        converter=lambda v: _tail_bits("tail_bits", v), eq=array_key
+    )
+
+    def __attrs_post_init__(self) -> None:
+        bs, n = self.row_offsets.shape
+        sizes = {
+            a.shape[0] for a in (self.qo_lens, self.kv_lens, self.first_visible, self.tail_start)
+        }
+        if sizes != {bs} or self.tail_bits.shape[:2] != (bs, n):
+            raise LayoutError("mask", "every array needs one entry per request", sizes=sizes)
+        if bs and (self.qo_lens != n).any():
+            raise LayoutError("qo_lens", "a tree mask has N rows per request", num_tokens=n)
+        if bs and ((self.tail_start < 0) | (self.tail_start + n > self.kv_lens)).any():
+            raise LayoutError("tail_start", "the draft columns must lie inside the call's keys")
+
+    @cached_property
+    def indptr(self) -> IntArray:
+        """int32 ``[bs + 1]`` (bytes) offsets of the compact packed form."""
+        return mask_indptr(self.qo_lens, self.kv_lens)
+
+    def dense(self, request: int) -> npt.NDArray[np.bool_]:
+        """bool ``[N, kv_len]``: request ``request``'s mask."""
+        kv, start = int(self.kv_lens[request]), int(self.tail_start[request])
+        n = self.row_offsets.shape[1]
+        c = np.arange(kv)[None, :]
+        thr = np.clip(int(self.first_visible[request]) + self.row_offsets[request], 0, kv)
+        out = (c >= thr[:, None]) & (c < start)
+        out[:, start : start + n] = self.tail_bits[request]
+        return out
+
+    @cached_property
+    def packed(self) -> npt.NDArray[np.uint8]:
+        """uint8 ``[indptr[-1]]``: the compact packed bytes (host; tests and the CPU)."""
+        parts = [self.dense(i) for i in range(self.qo_lens.shape[0])]
+        return pack_dense(parts)[0]
+
+
 #: The custom masks a paged kernel call may carry.
-CustomMask = ThresholdMask
+CustomMask = ThresholdMask | TreeMask
 
 
 def threshold_rows(

@@ -7,9 +7,10 @@ import numpy as np
 from flashplan.arrays import INT32_MAX, IntArray, indptr, seal_inplace
 from flashplan.errors import LayoutError
 from flashplan.layout.batch import BatchLayout, Mode
+from flashplan.layout.draft_decode import DraftDecode
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
-from flashplan.planning.masks import ThresholdMask
+from flashplan.planning.masks import ThresholdMask, TreeMask
 from flashplan.planning.policy import default_extend_path
 from flashplan.planning.spec import (
     ExtendPath,
@@ -21,7 +22,7 @@ from flashplan.planning.spec import (
     RaggedPart,
 )
 
-__all__ = ["plan", "planned_groups"]
+__all__ = ["plan", "plan_steps", "planned_groups"]
 
 
 def planned_groups(
@@ -71,6 +72,10 @@ def plan(
     choice = ExtendPath.parse(extend_path)
     if layout.mode is Mode.EXTEND and choice is ExtendPath.AUTO:
         choice = default_extend_path(layout, heads)
+    if layout.mode is Mode.VERIFY and choice is ExtendPath.RAGGED:
+        raise LayoutError(
+            "extend_path", "verify batches run on the paged path", extend_path=choice.value
+        )
 
     qo_lens = layout.extend_lens
     qo_indptr = indptr(qo_lens, "extend_lens")
@@ -87,7 +92,9 @@ def plan(
         qo_indptr=qo_indptr,
         prefix_lens=layout.prefix_lens,
         decoder_start=layout.decoder_start,
-        positions=_positions(layout.prefix_lens, qo_lens, qo_indptr),
+        positions=_verify_positions(layout)
+        if layout.draft is not None
+        else _positions(layout.prefix_lens, qo_lens, qo_indptr),
         encoder_indptr=None
         if layout.encoder_new_lens is None
         else indptr(layout.encoder_new_lens, "encoder_lens"),
@@ -96,11 +103,29 @@ def plan(
     )
 
 
+def plan_steps(draft: DraftDecode, heads: HeadConfig) -> tuple[PlanSpec, ...]:
+    """Plan every step of a multi-step draft decode (one decode plan per step, over
+    ``batch_size * topk`` branches; see :class:`~flashplan.layout.draft_decode.DraftDecode`).
+
+    Apply them together with ``executor.apply_steps(specs, branch_table)``.
+    """
+    if not isinstance(draft, DraftDecode):
+        raise LayoutError("draft", "must be a DraftDecode", value=type(draft).__name__)
+    return tuple(plan(draft.step(s), heads) for s in range(draft.steps))
+
+
 def _positions(prefix: IntArray, qo_lens: IntArray, qo_indptr: IntArray) -> IntArray:
     """int32 ``[total_q]``: ``prefix[i] + j`` for new token ``j`` of request ``i``."""
     total = int(qo_indptr[-1])
     shift = np.repeat(prefix.astype(np.int64) - qo_indptr[:-1], qo_lens)
     return seal_inplace(shift + np.arange(total, dtype=np.int64))
+
+
+def _verify_positions(layout: BatchLayout) -> IntArray:
+    """int32 ``[bs * N]``: ``prefix + depth(t)`` of each draft token (request-major)."""
+    assert layout.draft is not None
+    depth = layout.draft.depth.astype(np.int64)
+    return seal_inplace((layout.prefix_lens.astype(np.int64)[:, None] + depth).reshape(-1))
 
 
 def _window(group: AttentionGroup) -> int:
@@ -124,6 +149,8 @@ def _plan_group(
     ps = layout.page_size
     paged: PagedPart | None
     ragged: RaggedPart | None = None
+    if layout.mode is Mode.VERIFY:
+        return _plan_verify(layout, group)
     if layout.mode is Mode.DECODE:
         path = KernelPath.DECODE
         first_key = np.maximum(seq - (window + 1), 0) if window >= 0 else np.zeros_like(seq)
@@ -144,6 +171,49 @@ def _plan_group(
         path=path,
         paged=paged,
         ragged=ragged,
+        key_start=layout.decoder_start,
+        num_keys=layout.seq_lens,
+    )
+
+
+def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
+    """A causal self group of a verify batch: one paged prefill over prefix + drafts.
+
+    A chain is a causal extend (its tokens' positions are their slots), so the kernel's
+    causal flag and window are exact. A tree needs a :class:`TreeMask`: the kernel's
+    window measures from a token's slot ``L + t``, but the window must follow its
+    position ``L + depth(t)``, so the mask carries the window and the kernel's is off.
+    """
+    draft = layout.draft
+    assert draft is not None
+    ps = layout.page_size
+    prefix = layout.prefix_lens.astype(np.int64)
+    base = layout.decoder_start.astype(np.int64)
+    end = base + layout.seq_lens
+    window = _window(group)
+    first_key = np.maximum(prefix - window, 0) if window >= 0 else np.zeros_like(prefix)
+    if draft.is_chain:
+        paged = PagedPart(base + first_key, end, ps, True, window)
+    else:
+        span = PagedPart(base + first_key, end, ps, False, -1)
+        span_first = span.start_page.astype(np.int64) * ps - base  # decoder positions
+        depth = draft.depth.astype(np.int64)
+        tail = prefix - span_first  # column of draft token 0
+        bits = draft.ancestors
+        if window >= 0:
+            first = prefix - window - span_first
+            offsets = depth
+            bits = bits & (depth[:, None, :] >= depth[:, :, None] - window)
+        else:
+            first = first_key - span_first  # only the leading keys of the first page
+            offsets = np.zeros_like(depth)
+        mask = TreeMask(layout.extend_lens, span.kv_lens, first, offsets, tail, bits)
+        paged = PagedPart(span.first_token, span.end_token, ps, False, -1, mask)
+    return GroupPlan(
+        group=group,
+        path=KernelPath.PAGED,
+        paged=paged,
+        ragged=None,
         key_start=layout.decoder_start,
         num_keys=layout.seq_lens,
     )

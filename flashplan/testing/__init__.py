@@ -37,6 +37,8 @@ _HOMES = {
     "kv_caches": "valid",
     "layouts": "valid",
     "page_tables": "valid",
+    "draft_trees": "valid",
+    "verify_layouts": "valid",
     "INVALID_KINDS": "invalid",
     "InvalidCase": "invalid",
     "invalid_layout_kwargs": "invalid",

@@ -21,6 +21,7 @@ import torch
 from hypothesis import strategies as st
 
 from flashplan.layout import AttentionGroup, BatchLayout, HeadConfig, PageTable
+from flashplan.layout.drafts import DraftTree
 
 __all__ = [
     "DTYPES",
@@ -29,11 +30,13 @@ __all__ = [
     "PAGE_SIZES",
     "attention_groups",
     "decode_layouts",
+    "draft_trees",
     "extend_layouts",
     "head_configs",
     "kv_caches",
     "layouts",
     "page_tables",
+    "verify_layouts",
 ]
 
 #: Page sizes drawn by default: the token table (1), sizes that divide nothing (2, 3),
@@ -408,3 +411,79 @@ def kv_caches(
     shape = (num_pages, 2, page_size, heads.num_kv_heads, heads.head_dim)
     cache = torch.randn(shape, generator=gen, dtype=torch.float32) * scale
     return cache.to(dtype=dtype or heads.kv_dtype, device=device)
+
+
+# --------------------------------------------------------------------------- speculative
+@st.composite
+def draft_trees(
+    draw: st.DrawFn,
+    batch_size: int,
+    *,
+    max_tokens: int = 9,
+    num_tokens: int | None = None,
+) -> DraftTree:
+    """Draw a :class:`~flashplan.layout.drafts.DraftTree` for ``batch_size`` requests: a
+    random tree per request (each parent drawn among the earlier tokens), a chain, or
+    EAGLE's shape (``topk`` branches of ``steps`` tokens under the root).
+
+    Args:
+        batch_size: requests.
+        max_tokens: most draft tokens per request (``N``), when ``num_tokens`` is not set.
+        num_tokens: fix ``N`` (EAGLE shapes are drawn only when it fits).
+    """
+    kind = draw(st.sampled_from(("random", "random", "chain", "eagle")))
+    if kind == "eagle":
+        topk = draw(st.integers(1, 3))
+        steps = draw(st.integers(1, 3))
+        if num_tokens is None or 1 + topk * steps == num_tokens:
+            return DraftTree.eagle(batch_size, topk, steps)
+    n = num_tokens if num_tokens is not None else draw(st.integers(1, max_tokens))
+    if kind == "chain":
+        return DraftTree.chain(batch_size, n)
+    rows = []
+    for _ in range(batch_size):
+        rows.append([-1] + [draw(st.integers(0, j - 1)) for j in range(1, n)])
+    return DraftTree.from_parents(np.array(rows, dtype=np.int32).reshape(batch_size, n))
+
+
+@st.composite
+def verify_layouts(
+    draw: st.DrawFn,
+    *,
+    min_batch: int = 0,
+    max_batch: int = 6,
+    max_len: int = 64,
+    long_len: int = 200,
+    max_tokens: int = 9,
+    page_size: int | None = None,
+    page_sizes: Sequence[int] = PAGE_SIZES,
+    groups: Iterable[AttentionGroup] | None = None,
+    encoder: bool | None = None,
+    max_groups: int = 3,
+) -> BatchLayout:
+    """Draw a target-verify :class:`~flashplan.BatchLayout` (``BatchLayout.verify``):
+    prefixes (0 included) and a draft tree per request; groups are causal self groups
+    (any window) and, with an encoder, cross groups."""
+    ps = _page_size(draw, page_size, page_sizes)
+    if groups is None:
+        has_encoder = draw(st.booleans()) if encoder is None else encoder
+        kinds = ("full", "sliding", "cross") if has_encoder else ("full", "sliding")
+        gs = tuple(
+            draw(
+                st.lists(
+                    attention_groups(kinds=kinds), min_size=1, max_size=max_groups, unique=True
+                )
+            )
+        )
+    else:
+        gs = tuple(groups)
+        has_encoder = any(g.cross_attention for g in gs) or bool(encoder)
+    bs = draw(st.integers(min_batch, max_batch))
+    prefix = draw(st.lists(_length(0, max_len, long_len), min_size=bs, max_size=bs))
+    tree = draw(draft_trees(bs, max_tokens=max_tokens))
+    enc = (
+        draw(st.lists(_length(0, max_len, long_len), min_size=bs, max_size=bs))
+        if has_encoder
+        else None
+    )
+    return BatchLayout.verify(prefix, tree, page_size=ps, groups=gs, encoder_lens=enc)

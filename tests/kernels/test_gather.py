@@ -248,12 +248,12 @@ def threshold_cases(draw: st.DrawFn) -> tuple[torch.Tensor, ...]:
 def test_threshold_mask_kernel_matches_torch_twin(case: tuple[torch.Tensor, ...]) -> None:
     if triton_mode() != "interpret":
         pytest.skip("needs Triton's interpreter (CPU)")
-    from flashplan.kernels import build_threshold_mask, build_threshold_mask_torch
+    from flashplan.kernels import build_custom_mask, build_custom_mask_torch
 
     first, qo, kv, offsets, size = case
     want = torch.full((int(size),), 0xA5, dtype=torch.uint8)
     got = want.clone()
-    build_threshold_mask_torch(first, qo, kv, offsets, want)
+    build_custom_mask_torch(first, qo, kv, offsets, want)
     n_bytes = (qo.long() * kv.long() + 7) // 8
-    build_threshold_mask(first, qo, kv, offsets, got, int(n_bytes.max()) if qo.numel() else 0)
+    build_custom_mask(first, qo, kv, offsets, got, int(n_bytes.max()) if qo.numel() else 0)
     assert torch.equal(got, want)

@@ -35,7 +35,7 @@ from flashplan.executor.flashinfer.policy import (
 )
 from flashplan.executor.gathers import pages_region
 from flashplan.layout.group import AttentionGroup
-from flashplan.planning.masks import ThresholdMask
+from flashplan.planning.masks import CustomMask, TreeMask
 from flashplan.planning.spec import KernelPath, PlanKey, PlanSpec
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "Translation",
     "WrapperKey",
     "WrapperKind",
+    "bytes_as_int32",
     "call_inputs",
     "call_skeleton",
     "flashinfer_mask_offsets",
@@ -148,16 +149,19 @@ class GroupCalls:
 
 @attrs.frozen(eq=False)
 class MaskRecipe:
-    """How big the device-built threshold mask of one group is (the values live in
+    """How big the device-built custom mask of one group is (the values live in
     :attr:`CallInputs.host` under ``g<index>.mask.*``).
 
     Attributes:
         max_bytes: largest per-request packed size (bytes; sizes the kernel's grid).
         total_bytes: size of the buffer flashinfer reads (bytes).
+        num_tokens: ``N`` of a tree mask (its ``row_offsets``, ``tail_start`` and
+            ``tail_bits`` arrays are staged too), 0 for a threshold mask.
     """
 
     max_bytes: int
     total_bytes: int
+    num_tokens: int = 0
 
 
 @attrs.frozen(eq=False)
@@ -314,7 +318,7 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
         host[f"g{index}.page_indptr"] = page_indptr
         host[f"g{index}.last_page_len"] = part.last_page_len
         if gc.masked:
-            assert isinstance(part.mask, ThresholdMask)
+            assert part.mask is not None
             masks[index] = _mask_recipe(index, part.mask, host)
     return CallInputs(host=host, spans=spans, masks=masks)
 
@@ -333,7 +337,15 @@ def flashinfer_mask_offsets(
     return np.concatenate([[0], np.cumsum(bits)])
 
 
-def _mask_recipe(index: int, mask: ThresholdMask, host: dict[str, IntArray]) -> MaskRecipe:
+def bytes_as_int32(values: npt.NDArray[np.uint8]) -> IntArray:
+    """uint8 bytes reinterpreted as int32 words (zero-padded to a multiple of 4), so that
+    they travel in the int32 staging buffer; the device views them back as uint8."""
+    padded = np.zeros((values.shape[0] + 3) // 4 * 4, dtype=np.uint8)
+    padded[: values.shape[0]] = values
+    return seal_inplace(padded.view(np.int32))
+
+
+def _mask_recipe(index: int, mask: CustomMask, host: dict[str, IntArray]) -> MaskRecipe:
     offsets = flashinfer_mask_offsets(mask.qo_lens, mask.kv_lens)
     if offsets[-1] > np.iinfo(np.int32).max:
         raise UnsupportedError(
@@ -346,9 +358,17 @@ def _mask_recipe(index: int, mask: ThresholdMask, host: dict[str, IntArray]) -> 
     host[f"g{index}.mask.qo_lens"] = mask.qo_lens
     host[f"g{index}.mask.kv_lens"] = mask.kv_lens
     host[f"g{index}.mask.byte_offsets"] = seal_inplace(offsets[:-1])
+    num_tokens = 0
+    if isinstance(mask, TreeMask):
+        num_tokens = int(mask.row_offsets.shape[1])
+        host[f"g{index}.mask.row_offsets"] = seal_inplace(mask.row_offsets.reshape(-1))
+        host[f"g{index}.mask.tail_start"] = seal_inplace(mask.tail_start)
+        bits = np.ascontiguousarray(mask.tail_bits, dtype=np.uint8).reshape(-1)
+        host[f"g{index}.mask.tail_bits"] = bytes_as_int32(bits)
     return MaskRecipe(
         max_bytes=int(n_bytes.max()) if n_bytes.size else 0,
         total_bytes=max(int(offsets[-1]), 1),
+        num_tokens=num_tokens,
     )
 
 

@@ -26,10 +26,12 @@ except in the opt-in ``check_pages`` mode.
 
 from __future__ import annotations
 
+import copy
 import math
 from functools import partial
 from typing import Any, Literal, overload
 
+import attrs
 import numpy as np
 import torch
 
@@ -49,10 +51,10 @@ from flashplan.executor.flashinfer.calls import (
 from flashplan.executor.flashinfer.compat import check_version
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import JOB_COLUMNS, DevicePlan, device_plan
-from flashplan.executor.gathers import Region, gather_jobs
+from flashplan.executor.gathers import Region, concat_jobs, gather_jobs
+from flashplan.kernels.custom_mask import build_custom_mask
 from flashplan.kernels.gather import NO_BAD_JOB, gather_slots, new_status
 from flashplan.kernels.merge_state import merge_state_triton
-from flashplan.kernels.threshold_mask import build_threshold_mask
 from flashplan.kernels.write_kv import write_kv
 from flashplan.layout.convert import as_bool, as_int
 from flashplan.layout.group import AttentionGroup
@@ -253,33 +255,111 @@ class FlashInferExecutor:
             self._check_gathered(dplan, spec, table, page, offset)
         masks = self._build_masks(dplan, staged)
 
+        stream = torch.cuda.current_stream(self.device)
+        planned = self._plan_calls(calls, dplan, slot.host, page, masks, stream)
+        slot.mark_read(stream)
+        self._spec, self._plan, self._table = spec, dplan, table
+        self._planned = planned
+        self._gathered = (page, offset)
+
+    def _plan_calls(
+        self,
+        calls: tuple[GroupCalls, ...],
+        dplan: DevicePlan,
+        host: torch.Tensor,
+        page: torch.Tensor,
+        masks: dict[int, torch.Tensor],
+        stream: torch.cuda.Stream,
+        prefix: str = "",
+    ) -> dict[tuple[int, str], Any]:
+        """Call every wrapper's ``plan()``; placeholders resolve against the staged host
+        slot, the gather regions and the built masks (names under ``prefix``)."""
+
         def resolve(value: Any) -> Any:
             if isinstance(value, HostArray):
-                s = dplan.manifest[value.name]
-                return slot.host[s.offset : s.end]
+                s = dplan.manifest[prefix + value.name]
+                return host[s.offset : s.end]
             if isinstance(value, DeviceIndices):
-                r = dplan.jobs.region(value.region)
+                r = dplan.jobs.region(prefix + value.region)
                 return page[r.lo : r.hi]
             if isinstance(value, BuiltMask):
                 return masks[value.group_index]
             return value
 
-        stream = torch.cuda.current_stream(self.device)
         planned: dict[tuple[int, str], Any] = {}
         for gc in calls:
             for part, call in (("paged", gc.paged), ("ragged", gc.ragged)):
                 if call is None:
                     continue
                 key, index = call.wrapper, gc.group_index
-                held = self._pool.acquire(key, partial(self._make_wrapper, key, index))
+                held = self._pool.acquire((prefix, key), partial(self._make_wrapper, key, index))
                 kwargs = {name: resolve(value) for name, value in call.kwargs}
                 self._call_plan(held.wrapper, kwargs)
                 self._pool.mark_planned(held, stream)
                 planned[(index, part)] = held.wrapper
+        return planned
+
+    # -- multi-step draft decode ------------------------------------------------------
+    def apply_steps(
+        self, specs: tuple[PlanSpec, ...] | list[PlanSpec], table: PageTable
+    ) -> tuple[FlashInferExecutor, ...]:
+        """Apply every step of a multi-step draft decode at once; one executor per step.
+
+        All steps share one staging copy and one gather launch; each step's wrappers are
+        planned with its own indptrs. The returned executors run their step
+        (``views[s].run(group, q, k_new, v_new, kv_cache)``); they share this
+        executor's buffers, so apply again only through this executor.
+
+        Raises:
+            PlanMismatchError / PageTableError / UnsupportedError: as :meth:`apply`;
+                plans with custom masks are refused (draft decodes have none).
+        """
+        specs = tuple(specs)
+        if not specs:
+            raise PlanMismatchError("apply_steps() needs at least one step's plan")
+        parts = []
+        for spec in specs:
+            spec, table = check_apply_args(spec, table)
+            calls = self._skeleton(spec)
+            if any(gc.masked for gc in calls):
+                raise UnsupportedError("apply_steps() plans steps without custom masks")
+            inputs = call_inputs(spec, calls)
+            jobs = gather_jobs(
+                spec, table.rows, window_pool=self.page_map is not None, spans=inputs.spans
+            )
+            parts.append((spec, calls, inputs, jobs))
+        if table.pages.device != self.device:
+            raise PageTableError(
+                "pages",
+                "the page table must live on the executor's device",
+                table_device=str(table.pages.device),
+                device=str(self.device),
+            )
+        combined = concat_jobs([p[3] for p in parts], [f"s{k}/" for k in range(len(parts))])
+        host = {f"s{k}/{name}": a for k, p in enumerate(parts) for name, a in p[2].host.items()}
+        dplan = device_plan((), combined, host, {})
+        staged, slot = self._stage(dplan)
+        page, offset = self._gather(dplan, staged, table)
+        stream = torch.cuda.current_stream(self.device)
+        views = []
+        for k, (spec, calls, inputs, _) in enumerate(parts):
+            prefix = f"s{k}/"
+            planned = self._plan_calls(calls, dplan, slot.host, page, {}, stream, prefix)
+            step_jobs = attrs.evolve(
+                combined,
+                regions=tuple(
+                    attrs.evolve(r, name=r.name.removeprefix(prefix))
+                    for r in combined.regions
+                    if r.name.startswith(prefix)
+                ),
+            )
+            view = copy.copy(self)
+            view._spec, view._table, view._planned = spec, table, planned
+            view._plan = DevicePlan(calls, step_jobs, dplan.manifest, dplan.data, inputs.masks)
+            view._gathered = (page, offset)
+            views.append(view)
         slot.mark_read(stream)
-        self._spec, self._plan, self._table = spec, dplan, table
-        self._planned = planned
-        self._gathered = (page, offset)
+        return tuple(views)
 
     def _device_plan(
         self, spec: PlanSpec, calls: tuple[GroupCalls, ...], table: PageTable
@@ -329,16 +409,29 @@ class FlashInferExecutor:
                 s = dplan.manifest[f"g{index}.mask.{name}"]
                 return staged[s.offset : s.end]
 
-            build_threshold_mask(
+            tree = None
+            if recipe.num_tokens:
+                bs = self._spec_batch(dplan)
+                n = recipe.num_tokens
+                bits = view("tail_bits").view(torch.uint8)[: bs * n * n]
+                tree = (view("row_offsets"), view("tail_start"), bits)
+            build_custom_mask(
                 view("first_visible"),
                 view("qo_lens"),
                 view("kv_lens"),
                 view("byte_offsets"),
                 out,
                 recipe.max_bytes,
+                tree=tree,
+                num_tokens=recipe.num_tokens,
             )
             built[index] = out
         return built
+
+    @staticmethod
+    def _spec_batch(dplan: DevicePlan) -> int:
+        """Requests in the batch of ``dplan`` (its ``qo_lens`` arrays have one each)."""
+        return next(s.size for s in dplan.manifest.slices if s.name.endswith(".mask.qo_lens"))
 
     def _call_plan(self, wrapper: Any, kwargs: dict[str, Any]) -> None:
         try:

@@ -1,0 +1,226 @@
+"""Packed custom masks built on the device, in FlashInfer's layout.
+
+Two shapes (:mod:`flashplan.planning.masks`), one kernel:
+
+* a *threshold* mask — row ``j`` of request ``i`` sees columns
+  ``c >= clamp(first_visible[i] + j, 0, kv_len)`` (a sliding window seen through a
+  trimmed prefix);
+* a *tree* mask — row ``t`` sees prefix columns ``c < tail_start[i]`` with
+  ``c >= clamp(first_visible[i] + row_offsets[i, t], 0, kv_len)`` and draft column
+  ``tail_start[i] + a`` when ``tail_bits[i, t, a]`` (a speculative verify tree).
+
+Bits are packed little-endian (element ``e`` is bit ``e % 8`` of byte ``e // 8``),
+request ``i``'s bytes starting at byte ``byte_offsets[i]`` of ``out``. The host only
+describes the mask (an int or two per request, the N x N draft bits of a tree); the
+mask itself — possibly hundreds of MB for long windowed prefixes — is written at device
+bandwidth.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashplan.errors import FlashplanError
+from flashplan.kernels._triton import HAS_TRITON, device_guard, runs_on_triton, tl, triton
+
+__all__ = ["build_custom_mask", "build_custom_mask_torch"]
+
+_BLOCK = 1024
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _custom_mask_kernel(
+        first_visible_ptr,
+        qo_lens_ptr,
+        kv_lens_ptr,
+        byte_offsets_ptr,
+        out_ptr,
+        row_offsets_ptr,
+        tail_start_ptr,
+        tail_bits_ptr,
+        N,
+        TREE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # Grid (bs, byte blocks): one program writes BLOCK bytes of one request.
+        i = tl.program_id(0)
+        blk = tl.program_id(1)
+        q = tl.load(qo_lens_ptr + i).to(tl.int64)
+        kv = tl.load(kv_lens_ptr + i).to(tl.int64)
+        first = tl.load(first_visible_ptr + i).to(tl.int64)
+        base = tl.load(byte_offsets_ptr + i).to(tl.int64)
+        n_elem = q * kv
+        n_bytes = (n_elem + 7) // 8
+        b = blk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        valid = b < n_bytes
+        kv_safe = tl.maximum(kv, 1)
+        byte = (b * 0).to(tl.int32)
+        for bit in tl.static_range(8):  # no tl.sum: it is a jit helper, not a builtin
+            e = b * 8 + bit
+            inside = e < n_elem
+            row = e // kv_safe
+            col = e - row * kv_safe
+            if TREE:
+                tail = tl.load(tail_start_ptr + i).to(tl.int64)
+                shift = tl.load(row_offsets_ptr + i * N + row, mask=inside, other=0).to(tl.int64)
+                thr = tl.minimum(tl.maximum(first + shift, 0), kv)
+                in_prefix = (col >= thr) & (col < tail)
+                a = col - tail
+                in_tail = (a >= 0) & (a < N) & inside
+                draft = tl.load(tail_bits_ptr + (i * N + row) * N + a, mask=in_tail, other=0).to(
+                    tl.int32
+                )
+                seen = inside & (in_prefix | (draft != 0))
+            else:
+                thr = tl.minimum(tl.maximum(first + row, 0), kv)
+                seen = (col >= thr) & inside
+            byte = byte | (seen.to(tl.int32) << bit)
+        tl.store(out_ptr + base + b, byte.to(tl.uint8), mask=valid)
+
+
+def _check(
+    arrays: dict[str, torch.Tensor],
+    out: torch.Tensor,
+    tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> int:
+    bs = arrays["qo_lens"].shape[0]
+    for name, t in arrays.items():
+        if t.dtype not in (torch.int32, torch.int64) or t.dim() != 1 or t.shape[0] != bs:
+            raise FlashplanError(
+                f"{name}: expected an int32/int64 tensor [{bs}], got {t.dtype} {tuple(t.shape)}"
+            )
+        if t.device != out.device or not t.is_contiguous():
+            raise FlashplanError(f"{name}: must be contiguous and on {out.device}")
+    if out.dtype != torch.uint8 or out.dim() != 1:
+        raise FlashplanError(
+            f"out: expected a uint8 1-D tensor, got {out.dtype} {tuple(out.shape)}"
+        )
+    if tree is not None:
+        row_offsets, tail_start, tail_bits = tree
+        for name, t, dtypes in (
+            ("row_offsets", row_offsets, (torch.int32, torch.int64)),
+            ("tail_start", tail_start, (torch.int32, torch.int64)),
+            ("tail_bits", tail_bits, (torch.uint8, torch.bool)),
+        ):
+            if t.dtype not in dtypes or t.dim() != 1 or t.device != out.device:
+                raise FlashplanError(f"{name}: expected a 1-D {dtypes} tensor on {out.device}")
+        if tail_start.shape[0] != bs:
+            raise FlashplanError(f"tail_start: expected [{bs}], got {tuple(tail_start.shape)}")
+    return bs
+
+
+def build_custom_mask(
+    first_visible: torch.Tensor,
+    qo_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    byte_offsets: torch.Tensor,
+    out: torch.Tensor,
+    max_bytes: int,
+    *,
+    tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    num_tokens: int = 0,
+) -> None:
+    """Write the packed custom mask of every request into ``out`` (Triton); no sync.
+
+    Args:
+        first_visible: int32/int64 ``[bs]`` (columns) the threshold base.
+        qo_lens, kv_lens: int32 ``[bs]`` (tokens) rows and columns per request.
+        byte_offsets: int32/int64 ``[bs]`` (bytes) where request i's bytes start in ``out``.
+        out: uint8 ``[>= max(byte_offsets + ceil(qo*kv/8))]`` on the same device.
+        max_bytes: host int, the largest ``ceil(qo_len * kv_len / 8)`` (sizes the grid).
+        tree: for a tree mask, ``(row_offsets [bs * N], tail_start [bs], tail_bits
+            [bs * N * N])`` (int32, int32, uint8 0/1), row-major per request.
+        num_tokens: ``N`` of a tree mask.
+
+    Bytes outside the requests' ranges are left untouched. On CPU tensors the kernel
+    runs under Triton's interpreter when enabled, else the torch twin runs.
+    """
+    arrays = {
+        "first_visible": first_visible,
+        "qo_lens": qo_lens,
+        "kv_lens": kv_lens,
+        "byte_offsets": byte_offsets,
+    }
+    bs = _check(arrays, out, tree)
+    if bs == 0 or max_bytes <= 0:
+        return
+    if not runs_on_triton(out.device, "build_custom_mask_torch"):
+        build_custom_mask_torch(
+            first_visible, qo_lens, kv_lens, byte_offsets, out, tree=tree, num_tokens=num_tokens
+        )
+        return
+    grid = (bs, triton.cdiv(max_bytes, _BLOCK))
+    dummy = out if tree is None else None
+    row_offsets, tail_start, tail_bits = tree if tree is not None else (dummy, dummy, dummy)
+    with device_guard(out.device):
+        _custom_mask_kernel[grid](
+            first_visible,
+            qo_lens,
+            kv_lens,
+            byte_offsets,
+            out,
+            row_offsets,
+            tail_start,
+            tail_bits,
+            num_tokens,
+            TREE=tree is not None,
+            BLOCK=_BLOCK,
+        )
+
+
+def build_custom_mask_torch(
+    first_visible: torch.Tensor,
+    qo_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    byte_offsets: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    num_tokens: int = 0,
+) -> None:
+    """Same contract as :func:`build_custom_mask`, in plain vectorized torch.
+
+    Reads the lengths (a host read on CPU tensors; on a device it would sync, so
+    use it on CPU only).
+    """
+    arrays = {
+        "first_visible": first_visible,
+        "qo_lens": qo_lens,
+        "kv_lens": kv_lens,
+        "byte_offsets": byte_offsets,
+    }
+    _check(arrays, out, tree)
+    q = qo_lens.long()
+    kv = kv_lens.long()
+    n_bytes = (q * kv + 7) // 8
+    total = int(n_bytes.sum())
+    if total == 0:
+        return
+    dev = out.device
+    req = torch.repeat_interleave(torch.arange(q.shape[0], device=dev), n_bytes, output_size=total)
+    starts = torch.cumsum(n_bytes, 0) - n_bytes
+    local = torch.arange(total, device=dev) - starts[req]
+    e = local[:, None] * 8 + torch.arange(8, device=dev)[None, :]
+    kv_r = kv[req][:, None]
+    row = e // kv_r.clamp_min(1)
+    col = e - row * kv_r
+    inside = e < (q * kv)[req][:, None]
+    first = first_visible.long()[req][:, None]
+    if tree is None:
+        thr = torch.minimum((first + row).clamp(min=0), kv_r)
+        seen = (col >= thr) & inside
+    else:
+        n = num_tokens
+        row_offsets, tail_start, tail_bits = tree
+        safe_row = torch.where(inside, row, 0)
+        shift = row_offsets.long()[req[:, None] * n + safe_row]
+        thr = torch.minimum((first + shift).clamp(min=0), kv_r)
+        tail = tail_start.long()[req][:, None]
+        a = col - tail
+        in_tail = (a >= 0) & (a < n) & inside
+        index = torch.where(in_tail, (req[:, None] * n + safe_row) * n + a, 0)
+        draft = tail_bits.long()[index] != 0 if tail_bits.numel() else torch.zeros_like(in_tail)
+        seen = inside & (((col >= thr) & (col < tail)) | (in_tail & draft))
+    byte = (seen.to(torch.int32) << torch.arange(8, device=dev, dtype=torch.int32)).sum(1)
+    out[byte_offsets.long()[req] + local] = byte.to(torch.uint8)

@@ -1,0 +1,197 @@
+"""`DraftTree`: the speculative draft tokens of a target-verify step, as a tree per request.
+
+Each request brings ``N`` draft tokens (the same ``N`` for the batch) after its prefix.
+Token 0 is the root (the token that follows the prefix, parent ``-1``); every other
+token ``j`` has a parent ``parents[j] < j``. Query ``j`` sees the prefix, its ancestors
+and itself; its position (for RoPE and for sliding windows) is ``prefix + depth(j)``.
+A chain (``parents[j] = j - 1``) is a causal extend.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from flashplan.arrays import array_key, copy_readonly, readonly_when_unpickled, seal_inplace
+from flashplan.errors import LayoutError
+from flashplan.layout.convert import as_int
+
+__all__ = ["DraftTree"]
+
+
+def _parents(field: str, value: object) -> npt.NDArray[np.int32]:
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise LayoutError(field, "must be host data (a device tensor would need a sync)")
+        value = value.detach().numpy()
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError):
+        raise LayoutError(field, "must be an integer array [bs, N]") from None
+    if arr.ndim != 2 or arr.dtype.kind not in "iu":
+        raise LayoutError(
+            field, "must be an integer array [bs, N]", shape=arr.shape, dtype=str(arr.dtype)
+        )
+    return copy_readonly(arr)
+
+
+@readonly_when_unpickled
+@attrs.frozen
+class DraftTree:
+    """Per request, ``N`` draft tokens forming a tree (see module docstring).
+
+    >>> t = DraftTree.from_parents([[-1, 0, 0, 1]])  # root, two children, a grandchild
+    >>> t.depth.tolist(), t.is_chain
+    ([[0, 1, 1, 2]], False)
+    >>> t.ancestors[0].astype(int).tolist()          # row j: ancestors of j and j itself
+    [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+
+    Attributes:
+        parents: int32 ``[bs, N]``: each token's parent index, ``-1`` for token 0.
+    """
+
+    parents: npt.NDArray[np.int32] = attrs.field(
+        converter=lambda v: _parents("parents", v), eq=array_key
+    )
+
+    def __attrs_post_init__(self) -> None:
+        bs, n = self.parents.shape
+        if n == 0:
+            raise LayoutError("parents", "a draft needs at least one token (N >= 1)", shape=(bs, n))
+        root = self.parents[:, 0] != -1
+        j = np.arange(n)[None, :]
+        bad = (self.parents[:, 1:] < 0) | (self.parents[:, 1:] >= j[:, 1:])
+        if root.any() or bad.any():
+            first_root = int(np.flatnonzero(root)[0]) if root.any() else bs
+            rows, cols = np.nonzero(bad)
+            first_bad = int(rows[0]) if rows.size else bs
+            if first_root <= first_bad:
+                raise LayoutError(
+                    "parents",
+                    "token 0 is the root: its parent must be -1",
+                    request=first_root,
+                    token=0,
+                    parent=int(self.parents[first_root, 0]),
+                )
+            token = int(cols[0]) + 1
+            raise LayoutError(
+                "parents",
+                "a draft token's parent must be an earlier token (0 <= parent < token); "
+                "only token 0 is a root",
+                request=first_bad,
+                token=token,
+                parent=int(self.parents[first_bad, token]),
+            )
+
+    # -- constructors ---------------------------------------------------------------
+    @classmethod
+    def from_parents(cls, parents: object) -> DraftTree:
+        """The tree of ``parents`` (int ``[bs, N]``, ``-1`` at token 0)."""
+        return cls(parents)
+
+    @classmethod
+    def chain(cls, batch_size: int, num_tokens: int) -> DraftTree:
+        """``batch_size`` chains of ``num_tokens`` tokens (``parents[j] = j - 1``)."""
+        bs = as_int("batch_size", batch_size, minimum=0)
+        n = as_int("num_tokens", num_tokens, minimum=1)
+        return cls(np.broadcast_to(np.arange(-1, n - 1, dtype=np.int32), (bs, n)))
+
+    @classmethod
+    def eagle(cls, batch_size: int, topk: int, steps: int) -> DraftTree:
+        """EAGLE's shape: the root, then ``topk`` branches of ``steps`` tokens each.
+
+        ``N = 1 + topk * steps``; branch ``b`` is tokens ``1 + b * steps`` ..
+        ``(b + 1) * steps``, a chain hanging from the root — what ``steps`` rounds of
+        a ``topk``-branch multi-step draft decode produce.
+        """
+        bs = as_int("batch_size", batch_size, minimum=0)
+        k = as_int("topk", topk, minimum=1)
+        s = as_int("steps", steps, minimum=1)
+        j = np.arange(1, 1 + k * s)
+        parent = np.where((j - 1) % s == 0, 0, j - 1)
+        row = np.concatenate([[-1], parent]).astype(np.int32)
+        return cls(np.broadcast_to(row, (bs, row.shape[0])))
+
+    @classmethod
+    def from_mask(cls, mask: object) -> DraftTree:
+        """The tree whose ancestor-or-self matrix is ``mask`` (bool ``[bs, N, N]``: row
+        ``j`` is true at ``j`` and its ancestors).
+
+        Raises:
+            LayoutError: the mask is not a tree's (naming the request and the token).
+        """
+        if isinstance(mask, torch.Tensor):
+            if mask.device.type != "cpu":
+                raise LayoutError("mask", "must be host data (a device tensor would need a sync)")
+            mask = mask.detach().numpy()
+        m = np.asarray(mask)
+        if m.ndim != 3 or m.shape[1] != m.shape[2] or m.dtype != np.bool_:
+            raise LayoutError("mask", "must be a bool array [bs, N, N]", shape=m.shape)
+        n = m.shape[1]
+        if n == 0:
+            raise LayoutError("mask", "a draft needs at least one token (N >= 1)")
+        j = np.arange(n)
+        # The parent of j is its latest earlier ancestor.
+        earlier = m & (j[None, None, :] < j[None, :, None])
+        has = earlier.any(axis=2)
+        last = n - 1 - np.argmax(earlier[:, :, ::-1], axis=2)
+        parents = np.where(has, last, -1).astype(np.int32)
+        first = parents[:, 0]
+        orphans = (parents[:, 1:] == -1) | (first != -1)[:, None]
+        if orphans.any():
+            i, t = (int(x[0]) for x in np.nonzero(orphans))
+            raise LayoutError(
+                "mask", "every draft token but token 0 needs an ancestor", request=i, token=t + 1
+            )
+        tree = cls(parents)
+        wrong = tree.ancestors != m
+        if wrong.any():
+            i, t, k = (int(x[0]) for x in np.nonzero(wrong))
+            raise LayoutError(
+                "mask",
+                "contradicts its tree: a row must be the token, its parent and all the "
+                "parent's ancestors",
+                request=i,
+                token=t,
+                key=k,
+            )
+        return tree
+
+    # -- derived --------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        """Requests."""
+        return int(self.parents.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Draft tokens per request (``N``)."""
+        return int(self.parents.shape[1])
+
+    @cached_property
+    def ancestors(self) -> npt.NDArray[np.bool_]:
+        """bool ``[bs, N, N]``: ``[i, j, k]`` when token ``k`` is ``j`` or an ancestor of
+        ``j`` (vectorized over the batch: one pass per token, parents come first)."""
+        bs, n = self.parents.shape
+        anc = np.zeros((bs, n, n), dtype=bool)
+        rows = np.arange(bs)
+        for j in range(n):  # N is small (<= a few hundred); each step is batch-wide
+            anc[:, j, j] = True
+            if j:
+                anc[:, j] |= anc[rows, self.parents[:, j]]
+        return seal_inplace(anc, bool)
+
+    @cached_property
+    def depth(self) -> npt.NDArray[np.int32]:
+        """int32 ``[bs, N]``: each token's depth (the root's is 0)."""
+        return seal_inplace(self.ancestors.sum(axis=2) - 1)
+
+    @cached_property
+    def is_chain(self) -> bool:
+        """Whether every request's draft is a chain (a causal extend)."""
+        n = self.num_tokens
+        return bool((self.parents == np.arange(-1, n - 1)[None, :]).all())
