@@ -1,7 +1,32 @@
 #!/usr/bin/env python3
-"""Where does the host time of ``FlashInferExecutor.apply`` go? (cProfile, GPU machine)
+"""Where does the host time of ``FlashInferExecutor.apply`` go? (GPU machine)
 
-python3 benchmarks/profile_apply.py [--batch 256] [--page-size 16]
+    python3 benchmarks/profile_apply.py [--batch 256] [--page-size 16] [--n 200]
+                                        [--no-graph] [--no-cprofile]
+
+For a decode batch (kv 4096, 32/8 heads x 128, bf16) it times, on an idle GPU, every
+stage of ``apply`` (``GraphExecutor.apply`` too: the CUDA-graph replay planning) with
+manual timers wrapped around the executor's own steps:
+
+  check_fits         (graph) whether the plan fits the bucket
+  check_apply_args   argument and page-table checks
+  skeleton           the cached call skeleton (a dict lookup once warm)
+  device_plan        the pure host work: call_inputs + gather_jobs (+ bucket_jobs and
+                     padded_inputs for a graph) + device_plan (the staging buffer)
+  stage              pinned ring slot + numpy copy into it + the one host-to-device copy
+  gather             the one gather_slots (Triton) launch, incl. its argument checks
+  masks              threshold-mask builds (none for decode)
+  pool.acquire       picking an idle FlashInfer wrapper
+  plan()             FlashInfer's own plan() calls (via ``_call_plan``)
+  mark events        events recorded after the plan copies and the staging slot
+  other              the rest of apply (placeholder resolution, bookkeeping)
+
+Each apply gets a fresh plan (as in a step loop: the plan's derived arrays are cached
+properties, computed by their first reader). Medians per apply over ``--n`` applies;
+then a cProfile of the same loop (sorted by own time).
+
+The stage names follow ``flashplan/executor/flashinfer/executor.py``; a stage whose
+method no longer exists is reported as missing rather than failing.
 """
 
 from __future__ import annotations
@@ -10,9 +35,14 @@ import argparse
 import cProfile
 import os
 import pstats
+import statistics
 import sys
 import time
 import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,36 +50,243 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
-    import flashinfer  # noqa: F401
+    import flashinfer
 
 import flashplan as fp
+import flashplan.executor.flashinfer.executor as executor_mod
+import flashplan.executor.flashinfer.graphs as graphs_mod
 from flashplan.executor.flashinfer import FlashInferExecutor
+from flashplan.executor.flashinfer.bucket import GraphBucket
+from flashplan.executor.flashinfer.buffers import PinnedSlot
+from flashplan.executor.flashinfer.graphs import GraphExecutor
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--batch", type=int, default=256)
-parser.add_argument("--page-size", type=int, default=16)
-args = parser.parse_args()
+HEADS = fp.HeadConfig(num_qo_heads=32, num_kv_heads=8, head_dim=128)
 
-heads = fp.HeadConfig(num_qo_heads=32, num_kv_heads=8, head_dim=128)
-lens = np.full(args.batch, 4096)
-layout = fp.BatchLayout.decode(lens, page_size=args.page_size)
-spec = fp.plan(layout, heads)
-table = fp.PageTable.sequential(spec.pages_needed, device="cuda")
-ex = FlashInferExecutor()
-for _ in range(20):
-    ex.apply(spec, table)
-torch.cuda.synchronize()
-n = 200
-t0 = time.perf_counter()
-for _ in range(n):
-    ex.apply(spec, table)
-print(f"apply: {(time.perf_counter() - t0) / n * 1e6:.1f} us/iter (no sync between)")
-prof = cProfile.Profile()
-prof.enable()
-for _ in range(n):
-    ex.apply(spec, table)
-prof.disable()
-torch.cuda.synchronize()
-stats = pstats.Stats(prof)
-stats.sort_stats("tottime").print_stats(25)
-stats.sort_stats("cumulative").print_stats(30)
+# (label, depth) in report order; depth 1 = part of the stage above
+STAGES = [
+    ("check_fits", 0),
+    ("check_apply_args", 0),
+    ("skeleton", 0),
+    ("device_plan", 0),
+    ("call_inputs", 1),
+    ("gather_jobs", 1),
+    ("bucket_jobs", 1),
+    ("padded_inputs", 1),
+    ("staging layout (device_plan())", 1),
+    ("stage", 0),
+    ("ring.acquire", 1),
+    ("gather", 0),
+    ("gather_slots launch", 1),
+    ("masks", 0),
+    ("pool.acquire", 0),
+    ("plan()", 0),
+    ("mark events", 0),
+]
+
+
+class StageTimer:
+    """Wraps callables so that each call's wall time is added to a per-apply counter."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = defaultdict(float)
+        self.per_apply: list[dict[str, float]] = []
+        self.missing: list[str] = []
+        self.last_call: dict[str, tuple[Any, tuple[Any, ...], dict[str, Any]]] = {}
+        self._restore: list[tuple[Any, str, Any, bool]] = []
+
+    def wrap(self, owner: Any, name: str, label: str) -> None:
+        if not hasattr(owner, name):
+            self.missing.append(f"{label} ({getattr(owner, '__name__', owner)}.{name})")
+            return
+        original = getattr(owner, name)
+        own = name in vars(owner) if hasattr(owner, "__dict__") else True
+        current, last = self.current, self.last_call
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            last[label] = (original, args, kwargs)
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                current[label] += time.perf_counter() - t0
+
+        setattr(owner, name, timed)  # on a class, a plain function stays a method
+        self._restore.append((owner, name, original, own))
+
+    def restore(self) -> None:
+        for owner, name, original, own in reversed(self._restore):
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+        self._restore.clear()
+
+    @contextmanager
+    def apply(self) -> Iterator[None]:
+        self.current.clear()
+        t0 = time.perf_counter()
+        yield
+        total = time.perf_counter() - t0
+        row = dict(self.current)
+        row["total"] = total
+        self.per_apply.append(row)
+
+
+def instrument(timer: StageTimer, ex: FlashInferExecutor, graph: bool) -> None:
+    mod = graphs_mod if graph else executor_mod
+    if graph:
+        timer.wrap(graphs_mod, "check_fits", "check_fits")
+    timer.wrap(executor_mod, "check_apply_args", "check_apply_args")
+    timer.wrap(ex, "_skeleton", "skeleton")
+    timer.wrap(ex, "_device_plan", "device_plan")
+    timer.wrap(mod, "call_inputs", "call_inputs")
+    timer.wrap(mod, "gather_jobs", "gather_jobs")
+    if graph:
+        timer.wrap(mod, "bucket_jobs", "bucket_jobs")
+        timer.wrap(mod, "padded_inputs", "padded_inputs")
+    timer.wrap(mod, "device_plan", "staging layout (device_plan())")
+    timer.wrap(ex, "_stage", "stage")
+    timer.wrap(ex._ring, "acquire", "ring.acquire")
+    timer.wrap(ex, "_gather", "gather")
+    timer.wrap(executor_mod, "gather_slots", "gather_slots launch")
+    timer.wrap(ex, "_build_masks", "masks")
+    pool = getattr(ex, "_pool", None)
+    if pool is not None:
+        timer.wrap(pool, "acquire", "pool.acquire")
+        timer.wrap(pool, "mark_planned", "mark events")
+    timer.wrap(ex, "_call_plan", "plan()")
+    timer.wrap(PinnedSlot, "mark_read", "mark events")
+
+
+def report(title: str, timer: StageTimer) -> None:
+    rows = timer.per_apply
+    print(f"\n== {title}: host time per apply, µs (median / mean over {len(rows)}) ==")
+
+    def stat(label: str) -> tuple[float, float]:
+        vals = [r.get(label, 0.0) * 1e6 for r in rows]
+        return statistics.median(vals), statistics.fmean(vals)
+
+    total_med, total_mean = stat("total")
+    top = 0.0
+    for label, depth in STAGES:
+        if not any(label in r for r in rows):
+            continue
+        med, mean = stat(label)
+        if depth == 0:
+            top += mean
+        pct = 100 * mean / total_mean
+        print(f"  {'  ' * depth}{label:<{34 - 2 * depth}} {med:8.1f} {mean:8.1f}  {pct:5.1f}%")
+    other = total_mean - top
+    pct = 100 * other / total_mean
+    print(f"  {'other (resolve, bookkeeping)':<34} {'':8} {other:8.1f}  {pct:5.1f}%")
+    print(f"  {'total apply':<34} {total_med:8.1f} {total_mean:8.1f}  100.0%")
+    if timer.missing:
+        print(f"  (not found, not timed: {', '.join(timer.missing)})")
+
+
+def idle_us(fn: Callable[[], object], n: int = 100) -> float:
+    """Median time of ``fn`` alone on an idle GPU (synchronized before each call)."""
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+BARE_PLAN_ARGS = (
+    "indptr", "indices", "last_page_len", "num_qo_heads", "num_kv_heads", "head_dim",
+    "page_size", "q_data_type", "kv_data_type", "non_blocking",
+)  # fmt: skip
+
+
+def isolated(timer: StageTimer) -> None:
+    """The last plan() call and gather launch of an apply, replayed alone: their own
+    cost, without the rest of apply around them."""
+    print("  -- the same calls replayed alone (median µs, idle GPU) --")
+    if "plan()" in timer.last_call:
+        call_plan, (wrapper, kwargs), _ = timer.last_call["plan()"]
+        t = idle_us(lambda: call_plan(wrapper, kwargs))
+        print(f"  {'plan() with the kwargs of apply':<34} {t:8.1f}")
+        if all(k in kwargs for k in BARE_PLAN_ARGS):  # a decode call
+            bare = {k: kwargs[k] for k in BARE_PLAN_ARGS}
+            extra = sorted(set(kwargs) - set(bare))
+            t = idle_us(lambda: wrapper.plan(**bare))
+            print(f"  {'plan() without ' + ', '.join(extra):<34} {t:8.1f}")
+    if "gather_slots launch" in timer.last_call:
+        fn, args, kwargs = timer.last_call["gather_slots launch"]
+        print(f"  {'gather_slots launch':<34} {idle_us(lambda: fn(*args, **kwargs)):8.1f}")
+
+
+def run(title: str, ex: FlashInferExecutor, make: Callable[[], fp.PlanSpec], table: fp.PageTable,
+        n: int, cprofile: bool) -> None:  # fmt: skip
+    for _ in range(20):
+        ex.apply(make(), table)
+    torch.cuda.synchronize()
+    specs = [make() for _ in range(n)]
+    t0 = time.perf_counter()
+    for spec in specs:
+        ex.apply(spec, table)
+    back_to_back = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    timer = StageTimer()
+    instrument(timer, ex, graph=isinstance(ex, GraphExecutor))
+    try:
+        for spec in [make() for _ in range(n)]:
+            torch.cuda.synchronize()
+            with timer.apply():
+                ex.apply(spec, table)
+    finally:
+        timer.restore()
+        torch.cuda.synchronize()
+    report(title, timer)
+    isolated(timer)
+    print(f"  (uninstrumented, {n} applies back to back, no sync: {back_to_back:.1f} µs each)")
+    if cprofile:
+        specs = [make() for _ in range(n)]
+        prof = cProfile.Profile()
+        prof.enable()
+        for spec in specs:
+            ex.apply(spec, table)
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"\n-- cProfile of {n} applies ({title}), by own time --")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--kv", type=int, default=4096)
+    parser.add_argument("--n", type=int, default=200, help="applies per measurement")
+    parser.add_argument("--no-graph", action="store_true", help="skip GraphExecutor.apply")
+    parser.add_argument("--no-cprofile", action="store_true")
+    args = parser.parse_args()
+    ps = args.page_size
+    lens = np.full(args.batch, args.kv)
+
+    def make() -> fp.PlanSpec:
+        return fp.plan(fp.BatchLayout.decode(lens, page_size=ps), HEADS)
+
+    spec = make()
+    table = fp.PageTable.shuffled(spec.pages_needed, seed=0, device="cuda")
+    print(
+        f"decode batch {args.batch}, kv {args.kv}, page {ps}, heads 32/8 x 128, "
+        f"{torch.cuda.get_device_name()}, flashinfer {flashinfer.__version__}"
+    )
+    run("FlashInferExecutor.apply", FlashInferExecutor(), make, table, args.n,
+        not args.no_cprofile)  # fmt: skip
+    if not args.no_graph:
+        max_pages = -(-args.kv // ps)
+        gx = GraphExecutor(FlashInferExecutor(), GraphBucket.decode(args.batch, max_pages))
+        run("GraphExecutor.apply (replay planning)", gx, make, table, args.n,
+            not args.no_cprofile)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

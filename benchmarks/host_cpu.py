@@ -1,0 +1,367 @@
+#!/usr/bin/env python3
+"""Host-only planning cost on the CPU box (no GPU, no FlashInfer needed).
+
+Median wall time (``time.perf_counter``) of the pure host steps of one decode step,
+kv 4096, page 16, 32 query / 8 KV heads x 128::
+
+    python3 benchmarks/host_cpu.py                       # batch 1, 64, 256, 1024
+    python3 benchmarks/host_cpu.py --batch 256 --profile # + cProfile of plan()
+    python3 benchmarks/host_cpu.py --json OUT/host_cpu.json
+
+Rows:
+  layout        ``BatchLayout.decode(seq_lens, page_size=16)`` (seq_lens: an int64 array)
+  plan          ``flashplan.plan(layout, heads)`` (target for 256 requests: <= 30 us)
+  skeleton      ``call_skeleton`` (what the executor caches per static key: cold cost)
+  call_inputs   ``call_inputs(spec, calls)`` on a fresh plan
+  gather_jobs   ``gather_jobs(spec, rows, spans=...)`` on a fresh plan
+  device_plan   ``device_plan(calls, jobs, host, masks)`` (the staging buffer)
+  translate     ``translate(spec, policy, sm90=True)`` = skeleton + call_inputs
+  apply (pure)  what the eager ``FlashInferExecutor.apply`` computes on the host before
+                touching the GPU: cached skeleton + call_inputs + gather_jobs + device_plan
+  replay (pure) the same for a CUDA-graph bucket of the batch's size
+                (+ ``bucket_jobs`` + ``padded_inputs``)
+  step (pure)   layout + plan + apply (pure): the host work of an eager step before any
+                copy, launch or FlashInfer ``plan()``
+
+Every derived array of a plan is a ``cached_property``, so the stages are timed on
+*fresh* plans in pipeline order (as a step loop meets them): each stage pays for the
+properties it is the first to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import flashplan as fp
+from flashplan.executor.flashinfer.bucket import GraphBucket, bucket_jobs, padded_inputs
+from flashplan.executor.flashinfer.calls import call_inputs, call_skeleton, translate
+from flashplan.executor.flashinfer.policy import ExecutorPolicy
+from flashplan.executor.flashinfer.staging import device_plan
+from flashplan.executor.gathers import gather_jobs
+
+HEADS = fp.HeadConfig(num_qo_heads=32, num_kv_heads=8, head_dim=128)
+PAGE = 16
+KV = 4096
+PLAN_TARGET_US = 30.0
+POLICY = ExecutorPolicy()
+
+
+def median_us(fn: Callable[[], object], reps: int) -> float:
+    """Median of ``reps`` timed calls after a warm-up (GC off while timing)."""
+    for _ in range(max(reps // 10, 10)):
+        fn()
+    times = []
+    gc.disable()
+    try:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
+    return statistics.median(times) * 1e6
+
+
+def staged_us(
+    make: Callable[[], fp.PlanSpec], stages: list[tuple[str, Callable[..., object]]], reps: int
+) -> dict[str, float]:
+    """Median time of each stage of a pipeline run on fresh plans (pipeline order).
+
+    ``stages`` are ``(name, fn)``; ``fn(spec, state)`` may read and write ``state``.
+    """
+    fresh = [make() for _ in range(reps + 10)]
+    times: dict[str, list[float]] = {name: [] for name, _ in stages}
+    gc.disable()
+    try:
+        for k, spec in enumerate(fresh):
+            state: dict[str, object] = {}
+            for name, fn in stages:
+                t0 = time.perf_counter()
+                fn(spec, state)
+                dt = time.perf_counter() - t0
+                if k >= 10:
+                    times[name].append(dt)
+    finally:
+        gc.enable()
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
+
+
+def measure(bs: int, reps: int) -> dict[str, float]:
+    lens = np.full(bs, KV, dtype=np.int64)
+    rows = np.arange(bs, dtype=np.int32)
+    layout = fp.BatchLayout.decode(lens, page_size=PAGE)
+    spec0 = fp.plan(layout, HEADS)
+    calls = call_skeleton(spec0, POLICY, sm90=True)
+    bucket = GraphBucket.decode(batch_size=bs, max_pages=KV // PAGE)
+    graph_calls = call_skeleton(spec0, POLICY, sm90=True, batch_size=bs)
+    blayout = bucket.layout(spec0.key, window_pool=False)
+
+    def make() -> fp.PlanSpec:
+        return fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), HEADS)
+
+    out: dict[str, float] = {"batch": bs}
+    out["layout_us"] = median_us(lambda: fp.BatchLayout.decode(lens, page_size=PAGE), reps)
+    out["plan_us"] = median_us(lambda: fp.plan(layout, HEADS), reps)
+    out["skeleton_cold_us"] = median_us(lambda: call_skeleton(spec0, POLICY, sm90=True), reps)
+    out["translate_us"] = staged_us(
+        make, [("t", lambda s, st: translate(s, POLICY, sm90=True))], reps
+    )["t"]
+
+    def s_inputs(spec: fp.PlanSpec, st: dict) -> None:
+        st["inputs"] = call_inputs(spec, calls)
+
+    def s_jobs(spec: fp.PlanSpec, st: dict) -> None:
+        st["jobs"] = gather_jobs(spec, rows, window_pool=False, spans=st["inputs"].spans)
+
+    def s_device(spec: fp.PlanSpec, st: dict) -> None:
+        inp = st["inputs"]
+        device_plan(calls, st["jobs"], inp.host, inp.masks)
+
+    eager = staged_us(
+        make, [("call_inputs", s_inputs), ("gather_jobs", s_jobs), ("device_plan", s_device)], reps
+    )
+    out.update({f"{k}_us": v for k, v in eager.items()})
+    out["apply_pure_us"] = sum(eager.values())
+
+    def g_inputs(spec: fp.PlanSpec, st: dict) -> None:
+        st["inputs"] = call_inputs(spec, graph_calls)
+
+    def g_bucket(spec: fp.PlanSpec, st: dict) -> None:
+        st["fixed"] = bucket_jobs(st["jobs"], blayout, spec.batch_size, bucket)
+        st["host"] = padded_inputs(st["inputs"].host, spec.batch_size, bucket)
+
+    def g_device(spec: fp.PlanSpec, st: dict) -> None:
+        device_plan(graph_calls, st["fixed"], st["host"], st["inputs"].masks)
+
+    replay = staged_us(
+        make,
+        [("in", g_inputs), ("jobs", s_jobs), ("bucket", g_bucket), ("device", g_device)],
+        reps,
+    )
+    out["bucket_pad_us"] = replay["bucket"]
+    out["replay_pure_us"] = sum(replay.values())
+
+    def step() -> None:
+        spec = fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), HEADS)
+        inp = call_inputs(spec, calls)
+        jobs = gather_jobs(spec, rows, window_pool=False, spans=inp.spans)
+        device_plan(calls, jobs, inp.host, inp.masks)
+
+    out["step_pure_us"] = median_us(step, reps)
+    return out
+
+
+def profile_plan(bs: int, n: int = 5000) -> str:
+    lens = np.full(bs, KV, dtype=np.int64)
+    layout = fp.BatchLayout.decode(lens, page_size=PAGE)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fp.plan(layout, HEADS)
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(25)
+    return buf.getvalue()
+
+
+def best_us(fn: Callable[[], object], number: int = 300, repeat: int = 9) -> float:
+    """Best-of-``repeat`` mean of ``number`` calls (steadier than a median on a busy box)."""
+    fn()
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        out.append((time.perf_counter() - t0) / number)
+    return min(out) * 1e6
+
+
+def breakdown(bs: int) -> list[tuple[str, float]]:
+    """plan() statement by statement (for a decode batch without encoder or window),
+    each re-run alone with flashplan's own helpers, plus a prototype decode fast path
+    that returns an equal PlanSpec. Private helpers: this mirrors
+    ``flashplan/planning/planner.py`` as of writing and says so when it no longer can."""
+    from flashplan.arrays import indptr
+    from flashplan.planning import planner as P
+    from flashplan.planning.spec import GroupPlan, KernelPath, PagedPart, PlanKey, PlanSpec
+
+    lens = np.full(bs, KV, dtype=np.int64)
+    layout = fp.BatchLayout.decode(lens, page_size=PAGE)
+    group = layout.groups[0]
+    qo = layout.extend_lens
+    qi = indptr(qo, "extend_lens")
+    seq = layout.seq_lens.astype(np.int64)
+    base = layout.decoder_start.astype(np.int64)
+    first, end = base + np.zeros_like(seq), base + seq
+    part = PagedPart(first, end, PAGE, True, -1)
+    gp = P._plan_group(layout, group, P.ExtendPath.AUTO, qo, qi)
+    resolved = (group.resolved(HEADS.head_dim),)
+    key = PlanKey(mode=layout.mode, groups=resolved, paths=(gp.path,), page_size=PAGE,
+                  heads=HEADS)  # fmt: skip
+    pos = P._positions(layout.prefix_lens, qo, qi)
+
+    def spec_record() -> PlanSpec:
+        return PlanSpec(
+            key=key, qo_indptr=qi, prefix_lens=layout.prefix_lens,
+            decoder_start=layout.decoder_start, positions=pos, encoder_indptr=None,
+            pages_needed=layout.pages_needed, group_plans=(gp,),
+        )  # fmt: skip
+
+    rows = [
+        ("plan() total", best_us(lambda: fp.plan(layout, HEADS))),
+        ("  indptr(extend_lens)  -> qo_indptr", best_us(lambda: indptr(qo, "extend_lens"))),
+        (
+            "  planned_groups (AttentionGroup.resolved)",
+            best_us(lambda: P.planned_groups(layout.groups, HEADS.head_dim)),
+        ),
+        ("  _plan_group", best_us(lambda: P._plan_group(layout, group, P.ExtendPath.AUTO, qo, qi))),
+        (
+            "    3 astype(int64) + zeros_like + 2 adds",
+            best_us(
+                lambda: (
+                    layout.seq_lens.astype(np.int64),
+                    layout.prefix_lens.astype(np.int64),
+                    layout.decoder_start.astype(np.int64) + np.zeros_like(seq),
+                    base + seq,
+                )
+            ),
+        ),
+        (
+            "    PagedPart(...) (int64 bounds -> int32 copies + checks)",
+            best_us(lambda: PagedPart(first, end, PAGE, True, -1)),
+        ),
+        (
+            "    GroupPlan(...)",
+            best_us(
+                lambda: GroupPlan(
+                    group=group,
+                    path=KernelPath.DECODE,
+                    paged=part,
+                    ragged=None,
+                    key_start=layout.decoder_start,
+                    num_keys=layout.seq_lens,
+                )
+            ),
+        ),
+        ("  _positions", best_us(lambda: P._positions(layout.prefix_lens, qo, qi))),
+        (
+            "  PlanKey(...)",
+            best_us(
+                lambda: PlanKey(
+                    mode=layout.mode, groups=resolved, paths=(gp.path,), page_size=PAGE, heads=HEADS
+                )
+            ),
+        ),
+        ("  PlanSpec(...)", best_us(spec_record)),
+    ]
+    cache: dict[object, object] = {}
+
+    def fast_decode_plan(lay: fp.BatchLayout) -> PlanSpec:
+        """Prototype: decode without encoder/window; static parts cached per key; the
+        layout's own sealed int32 arrays reused (qo_indptr = arange, positions = prefix,
+        bounds = decoder_start / seq_lens)."""
+        k = (lay.groups, HEADS, lay.page_size, lay.batch_size)
+        hit = cache.get(k)
+        if hit is None:
+            given, res = P.planned_groups(lay.groups, HEADS.head_dim)
+            arange = np.arange(lay.batch_size + 1, dtype=np.int32)
+            arange.flags.writeable = False
+            pk = PlanKey(mode=lay.mode, groups=res, paths=(KernelPath.DECODE,) * len(res),
+                         page_size=lay.page_size, heads=HEADS)  # fmt: skip
+            hit = cache[k] = (given, arange, pk)
+        given, arange, pk = hit  # type: ignore[misc]
+        start, ends = lay.decoder_start, lay.seq_lens
+        gps = tuple(
+            GroupPlan(
+                group=g,
+                path=KernelPath.DECODE,
+                paged=PagedPart(start, ends, lay.page_size, True, -1),
+                ragged=None,
+                key_start=start,
+                num_keys=ends,
+            )
+            for g in given
+        )
+        return PlanSpec(key=pk, qo_indptr=arange, prefix_lens=lay.prefix_lens,
+                        decoder_start=start, positions=lay.prefix_lens, encoder_indptr=None,
+                        pages_needed=lay.pages_needed, group_plans=gps)  # fmt: skip
+
+    same = fast_decode_plan(layout) == fp.plan(layout, HEADS)
+    rows.append((f"prototype decode plan (equal PlanSpec: {same})",
+                 best_us(lambda: fast_decode_plan(layout))))  # fmt: skip
+    return rows
+
+
+ROWS = [
+    ("layout", "layout_us"),
+    ("plan", "plan_us"),
+    ("skeleton (cold; cached per key)", "skeleton_cold_us"),
+    ("translate (skeleton + inputs)", "translate_us"),
+    ("call_inputs", "call_inputs_us"),
+    ("gather_jobs", "gather_jobs_us"),
+    ("device_plan", "device_plan_us"),
+    ("apply (pure) = inputs + jobs + device_plan", "apply_pure_us"),
+    ("bucket_jobs + padded_inputs", "bucket_pad_us"),
+    ("replay (pure) = apply (pure) + bucket", "replay_pure_us"),
+    ("step (pure) = layout + plan + apply (pure)", "step_pure_us"),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", default="1,64,256,1024", help="comma-separated batch sizes")
+    parser.add_argument("--reps", type=int, default=2000, help="timed calls per row")
+    parser.add_argument("--profile", action="store_true", help="cProfile plan() at 256")
+    parser.add_argument("--json", default=None, help="write the figures to this file")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="plan() line by line at 256 + a prototype"
+    )
+    args = parser.parse_args()
+    sizes = [int(b) for b in args.batch.split(",")]
+    results = [measure(bs, args.reps) for bs in sizes]
+    print(
+        f"flashplan host planning, decode kv {KV}, page {PAGE}, heads 32/8 x 128, "
+        f"median of {args.reps} (us); python {sys.version.split()[0]}, numpy {np.__version__}"
+    )
+    print(f"| step | {' | '.join(f'B{bs}' for bs in sizes)} |")
+    print(f"|---|{'---|' * len(sizes)}")
+    for label, key in ROWS:
+        print(f"| {label} | {' | '.join(f'{r[key]:.1f}' for r in results)} |")
+    for r in results:
+        if r["batch"] == 256:
+            met = r["plan_us"] <= PLAN_TARGET_US
+            print(
+                f"\nplan() for 256 requests: {r['plan_us']:.1f} us, target <= "
+                f"{PLAN_TARGET_US:.0f} us: {'MET' if met else 'MISSED'}"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.breakdown:
+        print("\nplan() for 256 requests, statement by statement (best-of-9 mean, us):")
+        try:
+            for label, us in breakdown(256):
+                print(f"  {label:<62} {us:7.1f}")
+        except (AttributeError, ImportError, TypeError) as exc:  # planner internals moved
+            print(f"  (breakdown unavailable with this flashplan: {exc!r})")
+    if args.profile:
+        print(profile_plan(256))
+
+
+if __name__ == "__main__":
+    main()
