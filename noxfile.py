@@ -21,8 +21,17 @@ nox.options.reuse_existing_virtualenvs = True
 
 PYTHON = "3.11"
 TORCH_CPU = "torch==2.13.0"
-RUFF = "ruff==0.17.6"  # keep in sync with .ci/run
-LINT_PATHS = ["flashplan", "tests", "benchmarks", "noxfile.py"]
+def _dev_pin(name: str) -> str:
+    """The pinned requirement of ``name`` in pyproject.toml's ``dev`` extra (one place)."""
+    import tomllib
+
+    with open("pyproject.toml", "rb") as f:
+        dev = tomllib.load(f)["project"]["optional-dependencies"]["dev"]
+    return next(r for r in dev if r.split("=")[0] == name)
+
+
+RUFF = _dev_pin("ruff")
+LINT_PATHS = ["flashplan", "tests", "benchmarks", "examples", "docs", "noxfile.py"]
 
 
 def _install_project(session: nox.Session, extras: str) -> None:

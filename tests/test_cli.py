@@ -1,6 +1,6 @@
 """The command line: ``python -m flashplan demo`` / ``explain`` and the text renderings.
 
-Expected lines are derived by hand from the semantics (DESIGN §2), not copied from the
+Expected lines are derived by hand from the semantics (docs/semantics.md), not copied from the
 tool's output: e.g. a decode query at position 4 with ``window_left = 2`` sees keys 2..4.
 """
 

@@ -2,7 +2,7 @@
 
 The central property: a plan's kernel calls, replayed on the host
 (:func:`flashplan.materialize`), show every query exactly the keys that the oracle
-(:func:`flashplan.oracle.visibility`, stated from DESIGN §2 without looking at any plan)
+(:func:`flashplan.oracle.visibility`, stated from docs/semantics.md without looking at any plan)
 says it may see. The others pin the page arithmetic (indptrs, page counts, last-page
 lengths, window trims, mask sizes) that FlashInfer's host planner consumes and that
 visibility alone cannot see (a segment may read extra keys that a mask then hides).
@@ -86,7 +86,7 @@ def _enc(layout: BatchLayout, i: int) -> int:
 
 
 def _design_range(layout: BatchLayout, gp: GroupPlan, i: int) -> tuple[int, int]:
-    """The key range ``[first, end)`` (group key space) DESIGN §2 says the paged call covers."""
+    """The key range ``[first, end)`` (group key space) docs/semantics.md says the paged call covers."""
     g = gp.group
     seq, pre = int(layout.seq_lens[i]), int(layout.prefix_lens[i])
     new = seq - pre
@@ -273,7 +273,7 @@ def test_page_math(layout: BatchLayout, path: str) -> None:
 
 @given(layouts(), st.sampled_from(PATHS))
 def test_segments_follow_design_formulas(layout: BatchLayout, path: str) -> None:
-    """Each paged call covers exactly DESIGN §2's range, starting at its first key's page."""
+    """Each paged call covers exactly the range docs/semantics.md gives, starting at its first key's page."""
     spec = flashplan.plan(layout, HEADS, extend_path=path)
     ps = layout.page_size
     for gp in spec.group_plans:

@@ -3,7 +3,7 @@
 A gather job reads ``count`` consecutive entries of one page-table row — page-table
 columns (``div = 1``: the page ids of a kernel call's page span) or row tokens
 (``div = page_size``: the page id and in-page offset each new token's K/V is written
-to). :func:`flashplan.kernels.segment_slots` runs every job of a batch in one launch;
+to). :func:`flashplan.kernels.gather_slots` runs every job of a batch in one launch;
 both executors use the same job table, so they read and write the same slots.
 
 The outputs of the jobs are laid end to end; :class:`GatherJobs` names the *region*
@@ -81,7 +81,7 @@ class GatherJobs:
         return any(r.name == name for r in self.regions)
 
     def columns(self) -> tuple[IntArray, ...]:
-        """The six job arrays in :func:`~flashplan.kernels.segment_slots` order."""
+        """The six job arrays in :func:`~flashplan.kernels.gather_slots` order."""
         return (self.rows, self.first, self.counts, self.dst, self.div, self.use_map)
 
 

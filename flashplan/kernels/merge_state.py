@@ -1,9 +1,9 @@
-"""Merging two partial attention states (e.g. a ragged and a paged segment of the keys).
+"""Merging two partial attention states (e.g. the keys of a ragged and of a paged call).
 
-A partial state of query token ``n`` and head ``h`` over a segment of keys is its output
-``v[n, h, :]`` (the softmax-weighted mean of the segment's values) and its log-sum-exp
+A partial state of query token ``n`` and head ``h`` over a set of keys is its output
+``v[n, h, :]`` (the softmax-weighted mean of those keys' values) and its log-sum-exp
 ``s[n, h]`` of the scaled logits, in **base 2** (FlashInfer's convention:
-``s = log2(sum_k 2^(logit_k * log2(e)))``). Two states of disjoint key segments merge to
+``s = log2(sum_k 2^(logit_k * log2(e)))``). Two states over disjoint sets of keys merge to
 the state over their union::
 
     s = log2(2^s_a + 2^s_b)
@@ -11,7 +11,7 @@ the state over their union::
 
 computed in float32 (float64 for float64 values, torch twin only) with the maximum
 factored out (no overflow for any finite lse). An
-empty segment has ``s = -inf`` and contributes weight 0 (its ``v`` is not even read, so
+empty set has ``s = -inf`` and contributes weight 0 (its ``v`` is not even read, so
 garbage there is harmless); when both are empty the result is ``v = 0``, ``s = -inf``.
 NaN is never hidden: a NaN log-sum-exp on either side makes the result NaN, and a
 non-empty side's ``v`` is always read, so NaN there reaches the output.
@@ -155,12 +155,12 @@ def merge_state_triton(
     calls :func:`merge_state_torch`.
 
     Args:
-        v_a: ``[tokens, heads, head_dim]`` bf16 / fp16 / fp32 output over key segment A;
+        v_a: ``[tokens, heads, head_dim]`` bf16 / fp16 / fp32 output over key set A;
             any strides.
-        s_a: float32 ``[tokens, heads]`` base-2 log-sum-exp of segment A; -inf = empty.
-        v_b: like ``v_a`` (same shape, any of the three dtypes), segment B. (float64
+        s_a: float32 ``[tokens, heads]`` base-2 log-sum-exp of key set A; -inf = empty.
+        v_b: like ``v_a`` (same shape, any of the three dtypes), key set B. (float64
             values are refused: use :func:`merge_state_torch`.)
-        s_b: like ``s_a``, segment B.
+        s_b: like ``s_a``, key set B.
 
     Returns:
         ``(v, s)``: ``v`` contiguous ``[tokens, heads, head_dim]`` in ``v_a``'s dtype
@@ -217,10 +217,10 @@ def merge_state_torch(
 
     Args:
         v_a: ``[tokens, heads, head_dim]`` bf16 / fp16 / fp32 / fp64 output over key
-            segment A.
-        s_a: float32 ``[tokens, heads]`` base-2 log-sum-exp of segment A; -inf = empty.
-        v_b: like ``v_a`` (same shape, any of the four dtypes), segment B.
-        s_b: like ``s_a``, segment B.
+            key set A.
+        s_a: float32 ``[tokens, heads]`` base-2 log-sum-exp of key set A; -inf = empty.
+        v_b: like ``v_a`` (same shape, any of the four dtypes), key set B.
+        s_b: like ``s_a``, key set B.
 
     Returns:
         ``(v, s)``: ``v`` contiguous ``[tokens, heads, head_dim]`` in ``v_a``'s dtype,

@@ -374,7 +374,7 @@ class PlanSpec:
 
     @cached_property
     def max_q_len(self) -> int:
-        """Longest query segment (tokens)."""
+        """Most new tokens of one request (tokens)."""
         return int(self.qo_lens.max()) if self.qo_lens.size else 0
 
     @cached_property
