@@ -53,7 +53,8 @@ GARBAGE = 8.0
 
 
 def tolerance_for(dtype: torch.dtype) -> float:
-    """Largest accepted relative error vs the float64 oracle (bf16: 1e-2, fp16 and fp32: 2e-3, the quality bars of docs/benchmarks.md)."""
+    """Largest accepted relative error vs the float64 oracle: 1e-2 for bf16, 2e-3 for
+    fp16 and fp32 (the quality bars of docs/benchmarks.md)."""
     return 1e-2 if dtype == torch.bfloat16 else 2e-3
 
 

@@ -134,23 +134,36 @@ def gather_jobs(
     ):
         parts.append(("encoder", np.zeros(bs, np.int32), np.diff(spec.encoder_indptr), ps, 0))
 
+    # One int32 table, filled part by part (few numpy calls: this runs every step).
     n = len(parts)
-    counts = np.concatenate([p[2] for p in parts]).astype(np.int64) if n else np.zeros(0)
-    firsts = np.concatenate([p[1] for p in parts]) if n else np.zeros(0)
-    ends = np.cumsum(counts)
-    dst = ends - counts
-    sizes = counts.reshape(n, bs).sum(axis=1) if n else np.zeros(0, np.int64)
-    edges = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-    regions = tuple(Region(p[0], int(edges[k]), int(edges[k + 1])) for k, p in enumerate(parts))
+    size = n * bs
+    table = np.empty((6, size), dtype=np.int32)
+    rows_col, first_col, counts_col, dst_col, div_col, map_col = table
+    regions = []
+    at = 0
+    for k, (name, first, counts, div, use_map) in enumerate(parts):
+        span = slice(k * bs, (k + 1) * bs)
+        rows_col[span] = r32
+        first_col[span] = first
+        counts_col[span] = counts
+        div_col[span] = div
+        map_col[span] = use_map
+        ends = np.cumsum(counts, dtype=np.int64)
+        dst_col[span] = ends - counts + at
+        size_k = int(ends[-1]) if bs else 0
+        regions.append(Region(name, at, at + size_k))
+        at += size_k
+    for col in (rows_col, first_col, counts_col, dst_col, div_col, map_col):
+        col.flags.writeable = False
     return GatherJobs(
-        rows=seal_inplace(np.tile(r32, n)),
-        first=seal_inplace(firsts),
-        counts=seal_inplace(counts),
-        dst=seal_inplace(dst),
-        div=seal_inplace(np.repeat(np.array([p[3] for p in parts], dtype=np.int32), bs)),
-        use_map=seal_inplace(np.repeat(np.array([p[4] for p in parts], dtype=np.int32), bs)),
-        regions=regions,
-        total=int(edges[-1]),
+        rows=rows_col,
+        first=first_col,
+        counts=counts_col,
+        dst=dst_col,
+        div=div_col,
+        use_map=map_col,
+        regions=tuple(regions),
+        total=at,
     )
 
 

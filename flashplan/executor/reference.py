@@ -98,7 +98,8 @@ class _Applied:
 
 
 def _padded_rows(indptr: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(index [bs, width], valid [bs, width])`` of the rows of each indptr span, host int64/bool."""
+    """``(index [bs, width], valid [bs, width])``: the rows of each indptr span, padded
+    (host int64 / bool)."""
     lens = np.diff(indptr.astype(np.int64))
     j = np.arange(width, dtype=np.int64)[None, :]
     valid = j < lens[:, None]

@@ -51,13 +51,21 @@ def as_groups(field: str, value: object) -> tuple[AttentionGroup, ...]:
     """One group or an iterable of groups, as a tuple of distinct groups."""
     if isinstance(value, AttentionGroup):
         return (value,)
-    bad = LayoutError(field, "must be an AttentionGroup or an iterable of them", value=value)
-    if isinstance(value, (str, bytes, torch.Tensor, np.ndarray)) or not isinstance(value, Iterable):
-        raise bad
-    try:
-        groups = tuple(value)
-    except TypeError:
-        raise bad from None
+    if isinstance(value, tuple) and all(type(g) is AttentionGroup for g in value):
+        groups = value  # the common case: a tuple of groups (no copy, no scan below)
+    else:
+        if isinstance(value, (str, bytes, torch.Tensor, np.ndarray)) or not isinstance(
+            value, Iterable
+        ):
+            raise LayoutError(
+                field, "must be an AttentionGroup or an iterable of them", value=value
+            )
+        try:
+            groups = tuple(value)
+        except TypeError:
+            raise LayoutError(
+                field, "must be an AttentionGroup or an iterable of them", value=value
+            ) from None
     if not groups:
         raise LayoutError(field, "at least one AttentionGroup is needed")
     for i, g in enumerate(groups):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from flashplan.arrays import INT32_MAX, IntArray, indptr, seal_inplace
@@ -25,11 +27,14 @@ from flashplan.planning.spec import (
 __all__ = ["plan", "plan_steps", "planned_groups"]
 
 
+@functools.lru_cache(maxsize=1024)
 def planned_groups(
     groups: tuple[AttentionGroup, ...], head_dim: int
 ) -> tuple[tuple[AttentionGroup, ...], tuple[AttentionGroup, ...]]:
     """``(as given, resolved)``: the layout's groups with duplicates of one computation
-    dropped (first one kept), and the same groups with an explicit ``sm_scale``."""
+    dropped (first one kept), and the same groups with an explicit ``sm_scale``.
+
+    Memoized: a pure function of hashable, frozen inputs, called every step."""
     given: list[AttentionGroup] = []
     resolved: list[AttentionGroup] = []
     for group in groups:
@@ -78,7 +83,10 @@ def plan(
         )
 
     qo_lens = layout.extend_lens
-    qo_indptr = indptr(qo_lens, "extend_lens")
+    if layout.mode is Mode.DECODE:  # one token each: no sum, no overflow check
+        qo_indptr = seal_inplace(np.arange(layout.batch_size + 1, dtype=np.int32))
+    else:
+        qo_indptr = indptr(qo_lens, "extend_lens")
     given, resolved = planned_groups(layout.groups, heads.head_dim)
     group_plans = tuple(_plan_group(layout, g, choice, qo_lens, qo_indptr) for g in given)
     return PlanSpec(
@@ -94,6 +102,8 @@ def plan(
         decoder_start=layout.decoder_start,
         positions=_verify_positions(layout)
         if layout.draft is not None
+        else layout.prefix_lens  # one new token each, at the position after its prefix
+        if layout.mode is Mode.DECODE
         else _positions(layout.prefix_lens, qo_lens, qo_indptr),
         encoder_indptr=None
         if layout.encoder_new_lens is None
@@ -128,6 +138,11 @@ def _verify_positions(layout: BatchLayout) -> IntArray:
     return seal_inplace((layout.prefix_lens.astype(np.int64)[:, None] + depth).reshape(-1))
 
 
+def _row_tokens(values: np.ndarray) -> IntArray:
+    """Row tokens computed in int64 from a validated layout, sealed as int32."""
+    return seal_inplace(values)
+
+
 def _window(group: AttentionGroup) -> int:
     """The group's window, capped at int32: a longer window than any row is full."""
     return min(group.window_left, INT32_MAX)
@@ -144,28 +159,29 @@ def _plan_group(
         return _plan_cross(layout, group)
     seq = layout.seq_lens.astype(np.int64)
     prefix = layout.prefix_lens.astype(np.int64)
-    base = layout.decoder_start.astype(np.int64)
+    base = layout.decoder_start
     window = _window(group)
     ps = layout.page_size
     paged: PagedPart | None
     ragged: RaggedPart | None = None
     if layout.mode is Mode.VERIFY:
         return _plan_verify(layout, group)
+    end = _row_tokens(base + seq)  # validated to fit int32 when the layout was built
     if layout.mode is Mode.DECODE:
         path = KernelPath.DECODE
-        first_key = np.maximum(seq - (window + 1), 0) if window >= 0 else np.zeros_like(seq)
-        paged = PagedPart(base + first_key, base + seq, ps, True, window)
+        first = _row_tokens(base + np.maximum(seq - (window + 1), 0)) if window >= 0 else base
+        paged = PagedPart(first, end, ps, True, window)
     elif choice is ExtendPath.PAGED:
         path = KernelPath.PAGED
-        first_key = np.maximum(prefix - window, 0) if window >= 0 else np.zeros_like(seq)
-        paged = PagedPart(base + first_key, base + seq, ps, group.causal, window)
+        first = _row_tokens(base + np.maximum(prefix - window, 0)) if window >= 0 else base
+        paged = PagedPart(first, end, ps, group.causal, window)
     else:
         ragged = RaggedPart(qo_indptr, group.causal, window)
         if not np.any(prefix):
             path, paged = KernelPath.RAGGED, None
         else:
             path = KernelPath.RAGGED_PAGED
-            paged = _prefix_part(base, prefix, qo_lens, window, ps)
+            paged = _prefix_part(base.astype(np.int64), prefix, qo_lens, window, ps)
     return GroupPlan(
         group=group,
         path=path,

@@ -290,13 +290,8 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
     Raises:
         UnsupportedError: a custom mask too large for flashinfer's int32 offsets.
     """
-    uses_qo = any(
-        value == HostArray("qo_indptr")
-        for gc in calls
-        for call in (gc.paged, gc.ragged)
-        if call is not None
-        for _, value in call.kwargs
-    )
+    # Every prefill call (paged or ragged) takes qo_indptr; decode calls do not.
+    uses_qo = any(gc.ragged is not None or gc.path is not KernelPath.DECODE for gc in calls)
     host: dict[str, IntArray] = {"qo_indptr": spec.qo_indptr} if uses_qo else {}
     spans: dict[int, tuple[IntArray, IntArray]] = {}
     masks: dict[int, MaskRecipe] = {}
