@@ -86,7 +86,8 @@ def _enc(layout: BatchLayout, i: int) -> int:
 
 
 def _design_range(layout: BatchLayout, gp: GroupPlan, i: int) -> tuple[int, int]:
-    """The key range ``[first, end)`` (group key space) docs/semantics.md says the paged call covers."""
+    """The key range ``[first, end)`` (group key space) that docs/semantics.md says the
+    paged call covers."""
     g = gp.group
     seq, pre = int(layout.seq_lens[i]), int(layout.prefix_lens[i])
     new = seq - pre
@@ -273,7 +274,8 @@ def test_page_math(layout: BatchLayout, path: str) -> None:
 
 @given(layouts(), st.sampled_from(PATHS))
 def test_segments_follow_design_formulas(layout: BatchLayout, path: str) -> None:
-    """Each paged call covers exactly the range docs/semantics.md gives, starting at its first key's page."""
+    """Each paged call covers exactly the range docs/semantics.md gives, starting at its
+    first key's page."""
     spec = flashplan.plan(layout, HEADS, extend_path=path)
     ps = layout.page_size
     for gp in spec.group_plans:

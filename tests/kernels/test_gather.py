@@ -257,3 +257,37 @@ def test_threshold_mask_kernel_matches_torch_twin(case: tuple[torch.Tensor, ...]
     n_bytes = (qo.long() * kv.long() + 7) // 8
     build_custom_mask(first, qo, kv, offsets, got, int(n_bytes.max()) if qo.numel() else 0)
     assert torch.equal(got, want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    bs=st.integers(0, 4),
+    n=st.integers(1, 5),
+    prefix=st.integers(0, 20),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_tree_mask_kernel_matches_torch_twin(bs: int, n: int, prefix: int, seed: int) -> None:
+    if triton_mode() != "interpret":
+        pytest.skip("needs Triton's interpreter (CPU)")
+    from flashplan.kernels import build_custom_mask, build_custom_mask_torch
+
+    rng = np.random.default_rng(seed)
+    kv = rng.integers(n, n + prefix + 1, bs)
+    tail = kv - n
+    first = rng.integers(-5, 10, bs)
+    offsets = rng.integers(0, 4, (bs, n))
+    bits = rng.random((bs, n, n)) < 0.5
+    n_bytes = (n * kv + 7) // 8
+    starts = np.concatenate([[0], np.cumsum(n_bytes)])[:-1].astype(np.int32)
+    size = int(n_bytes.sum()) + 3
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+
+    tree = (t(offsets.reshape(-1)), t(tail), torch.from_numpy(bits.reshape(-1).astype(np.uint8)))
+    args = (t(first), t(np.full(bs, n)), t(kv), t(starts))
+    want = torch.full((size,), 0xA5, dtype=torch.uint8)
+    got = want.clone()
+    build_custom_mask_torch(*args, want, tree=tree, num_tokens=n)
+    build_custom_mask(*args, got, int(n_bytes.max()) if bs else 0, tree=tree, num_tokens=n)
+    assert torch.equal(got, want)
