@@ -21,6 +21,8 @@ nox.options.reuse_existing_virtualenvs = True
 
 PYTHON = "3.11"
 TORCH_CPU = "torch==2.13.0"
+
+
 def _dev_pin(name: str) -> str:
     """The pinned requirement of ``name`` in pyproject.toml's ``dev`` extra (one place)."""
     import tomllib

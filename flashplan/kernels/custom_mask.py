@@ -76,9 +76,9 @@ if HAS_TRITON:
                 in_prefix = (col >= thr) & (col < tail)
                 a = col - tail
                 in_tail = (a >= 0) & (a < N) & inside
-                draft = tl.load(
-                    tail_bits_ptr + (i * N + row) * N + a, mask=in_tail, other=0
-                ).to(tl.int32)
+                draft = tl.load(tail_bits_ptr + (i * N + row) * N + a, mask=in_tail, other=0).to(
+                    tl.int32
+                )
                 seen = inside & (in_prefix | (draft != 0))
             else:
                 thr = tl.minimum(tl.maximum(first + row, 0), kv)
