@@ -9,6 +9,12 @@ of ``docs/semantics.md``: new token ``j`` of request ``i`` sits at decoder posit
 ``P + j``; a causal self group shows keys ``k <= P + j``, a window ``W >= 0`` also
 requires ``k >= P + j - W``; a bidirectional group shows every key ``k < L``; a cross
 group shows every encoder key.
+
+Multi-item scoring (a layout with ``item_delimiters``; self groups are causal without
+window there): with the request's first delimiter at new token ``f``, the *prefix* is
+keys ``k < P + f``; a new token before ``f`` is causal as usual; a delimiter sees the
+prefix only; an item token at ``P + j`` whose item's delimiter is at ``P + d`` sees the
+prefix and keys ``P + d < k <= P + j``. A request without delimiters is plain causal.
 """
 
 from __future__ import annotations
@@ -54,8 +60,14 @@ def visibility(layout: BatchLayout, group: AttentionGroup) -> list[npt.NDArray[n
         return _verify_visibility(layout, group)
     out = []
     keys_per_req = key_space_len(layout, group)
-    for prefix, new, n_keys in zip(
-        layout.prefix_lens.tolist(), layout.extend_lens.tolist(), keys_per_req.tolist(), strict=True
+    items = None if group.cross_attention else layout.item_delimiters
+    for i, (prefix, new, n_keys) in enumerate(
+        zip(
+            layout.prefix_lens.tolist(),
+            layout.extend_lens.tolist(),
+            keys_per_req.tolist(),
+            strict=True,
+        )
     ):
         pos = prefix + np.arange(new)[:, None]
         key = np.arange(n_keys)[None, :]
@@ -65,8 +77,28 @@ def visibility(layout: BatchLayout, group: AttentionGroup) -> list[npt.NDArray[n
                 seen &= key <= pos
             if group.window_left >= 0:
                 seen &= key >= pos - group.window_left
+        if items is not None and items.counts[i]:
+            seen &= _item_rule(prefix, new, items.request(i).tolist(), n_keys)
         out.append(seen)
     return out
+
+
+def _item_rule(prefix: int, new: int, delimiters: list[int], n_keys: int) -> np.ndarray:
+    """bool ``[new, n_keys]``: the multi-item restriction of one request, token by token."""
+    allowed = np.ones((new, n_keys), dtype=bool)
+    shared = prefix + delimiters[0]  # cached prefix + new tokens before the first delimiter
+    item_start = None  # position of the current item's first token
+    marks = set(delimiters)
+    for j in range(delimiters[0], new):
+        p = prefix + j
+        allowed[j] = False
+        allowed[j, :shared] = True  # everyone after the prefix sees the whole prefix
+        if j in marks:
+            item_start = p + 1  # a delimiter sees only the prefix; its item starts after it
+        else:
+            assert item_start is not None
+            allowed[j, item_start : p + 1] = True  # earlier tokens of its item, and itself
+    return allowed
 
 
 def dense_attention(

@@ -99,7 +99,8 @@ def test_demo_in_process_reports_error_below_tolerance() -> None:
     assert 0.0 <= worst <= tolerance_for(torch.float32)
     assert "ReferenceExecutor" in text
     # Every group of every batch reports its error and correct KV writes.
-    assert text.count("kv writes ok") == 2 + 3 + 3
+    assert text.count("kv writes ok") == 2 + 3 + 3 + 2
+    assert "multi-item mask" in text and "prefix_len_ptr" in text
     assert "WRONG" not in text
     assert "path ragged+paged" in text and "path decode" in text
     assert text.rstrip().endswith("OK")
@@ -195,6 +196,38 @@ def test_explain_bidirectional(capsys: pytest.CaptureFixture[str]) -> None:
         assert _picture_row(block, pos) == "####   4: 0..3"
 
 
+def test_explain_multi_item(capsys: pytest.CaptureFixture[str]) -> None:
+    """The reference file's example beside a plain request with a cached prefix."""
+    text = _explain(
+        capsys, "--seq-lens", "14,5", "--prefix-lens", "0,2", "--delimiters", "7,9,11,13;"
+    )
+    assert "item_delimiters [[7, 9, 11, 13], []]" in text
+    block = _group_block(text, "self causal")
+    assert any("multi-item mask" in line for line in block)
+    table = next(k for k, line in enumerate(block) if line.strip().startswith("req  prefix_len"))
+    # prefix_len_ptr 7 (the question), max_item_len 1, positions of the answers after it
+    assert block[table + 1].split() == ["0", "7", "1", "0,1,0,1,0,1,0", "0", "0..6,6,7,6,7,6,7,6"]
+    # the plain request: prefix_len_ptr = seq_len, so FlashInfer leaves it causal
+    assert block[table + 2].split()[:3] == ["1", "5", "0"]
+    rows = {
+        int(line.split()[0]): line
+        for line in block
+        if line.strip()[:2].strip().isdigit() and ("#" in line or "." in line)
+    }
+    # a delimiter sees the question only; "London" (position 8) the question and itself
+    assert "<d> @6" in rows[7] and rows[7].rstrip().endswith("7: 0..6")
+    assert "i1 @7" in rows[8] and "#######.#....." in rows[8]
+    assert "check: the plan's kernel calls show exactly these keys" in text
+
+
+def test_delimiter_lists() -> None:
+    from flashplan.cli.explain import delimiter_lists
+
+    assert delimiter_lists("7,9,11,13") == [[7, 9, 11, 13]]
+    assert delimiter_lists("7,9,11,13;") == [[7, 9, 11, 13], []]
+    assert delimiter_lists("3, 6, 8; -; 2,4") == [[3, 6, 8], [], [2, 4]]
+
+
 def test_explain_truncates_wide_pictures(capsys: pytest.CaptureFixture[str]) -> None:
     text = _explain(capsys, "--decode", "--seq-lens", "300", "--window", "2")
     row = _picture_row(_group_block(text, "self causal window=2"), 299)
@@ -224,6 +257,13 @@ def test_explain_png(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str])
         (["--seq-lens", "5", "--cross"], "encoder_lens: a cross-attention group needs"),
         (["--seq-lens", "5", "--decode", "--prefix-lens", "4"], "prefix_lens: cannot be given"),
         (["--seq-lens", "5,x"], "expected comma-separated integers"),
+        (["--seq-lens", "5", "--delimiters", "1;"], "item_delimiters: batch size differs"),
+        (["--seq-lens", "5", "--delimiters", "3,1"], "item_delimiters[0]: must be sorted"),
+        (["--seq-lens", "5", "--delimiters", "5"], "item_delimiters[0]: must be below"),
+        (["--seq-lens", "5", "--delimiters", "1", "--path", "ragged"], "extend_path:"),
+        (["--seq-lens", "5", "--delimiters", "1", "--window", "3"], "groups: a multi-item"),
+        (["--seq-lens", "5", "--delimiters", "1", "--decode"], "item_delimiters: cannot be"),
+        (["--seq-lens", "5", "--delimiters", "1,a"], "per-request delimiter lists"),
     ],
 )
 def test_bad_input_exits_2_with_message(

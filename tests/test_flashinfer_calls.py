@@ -33,12 +33,14 @@ from hypothesis import strategies as st
 import flashplan as fp
 from flashplan import BatchLayout, GroupPlan, HeadConfig, KernelPath, PlanSpec
 from flashplan.executor.flashinfer.calls import (
+    BatchInt,
     BuiltMask,
     CallInputs,
     DeviceIndices,
     GroupCalls,
     HostArray,
     PlanCall,
+    StagedArray,
     WrapperKind,
     call_skeleton,
     skeleton_key,
@@ -59,6 +61,7 @@ from flashplan.testing import (
     decode_layouts,
     extend_layouts,
     head_configs,
+    multi_item_layouts,
     verify_layouts,
 )
 
@@ -126,12 +129,33 @@ def _expected_backend(
     return "fa3" if fa3 else "fa2"
 
 
+_VIEWS = {"uint32": np.uint32, "uint16": np.uint16}
+_ITEM_KWARGS = (
+    "prefix_len_ptr",
+    "token_pos_in_items_ptr",
+    "token_pos_in_items_len",
+    "max_item_len_ptr",
+)
+
+
+def _staged_view(words: np.ndarray, placeholder: StagedArray, inputs: CallInputs) -> np.ndarray:
+    """What the executor hands to plan() for a StagedArray: the staged int32 words seen
+    as the placeholder's dtype (the device does ``.view(torch.uint16)`` on the same
+    little-endian bytes), cut to the array's elements."""
+    assert words.dtype == np.int32
+    return words.view(_VIEWS[placeholder.dtype])[: inputs.elements[placeholder.name]]
+
+
 def _resolved(call: PlanCall, inputs: CallInputs) -> dict[str, Any]:
     """The call's keyword arguments with host placeholders replaced by their arrays."""
     out = {}
     for name, value in call.kwargs:
         if isinstance(value, HostArray):
             value = inputs.host[value.name]
+        elif isinstance(value, StagedArray):
+            value = _staged_view(inputs.host[value.name], value, inputs)
+        elif isinstance(value, BatchInt):
+            value = inputs.ints[value.name]
         out[name] = value
     return out
 
@@ -174,7 +198,7 @@ def _check_common(spec: PlanSpec, gp: GroupPlan, kw: dict[str, Any], window: int
     assert "custom_mask" not in kw  # only the packed form is ever passed
     assert "fixed_split_size" not in kw  # graph-unsafe; deterministic mode disables splits
     for name, value in kw.items():
-        if isinstance(value, np.ndarray):
+        if isinstance(value, np.ndarray) and name not in _ITEM_KWARGS:
             # The executor stages every host array through one int32 pinned buffer.
             assert value.dtype == np.int32, (name, value.dtype)
 
@@ -368,8 +392,9 @@ def check_translation(
                 assert call.wrapper.kind is WrapperKind.PAGED_PREFILL
                 assert call.wrapper.use_tensor_cores is False
                 assert "use_tensor_cores" not in call.wrapper.constructor_kwargs()
+                # FA2 for masked and multi-item calls (FlashInfer's FA2 rule, tested)
                 assert call.wrapper.backend == _expected_backend(
-                    heads, policy, masked=masked, sm90=sm90
+                    heads, policy, masked=masked or gp.items is not None, sm90=sm90
                 )
                 assert kw["head_dim_qk"] == heads.head_dim
                 np.testing.assert_array_equal(kw["qo_indptr"], spec.qo_indptr)
@@ -385,6 +410,7 @@ def check_translation(
             if masked:
                 assert call.wrapper.backend == "fa2"
                 _check_mask_layout(spec, index, gp, kw, inputs)
+            _check_items(spec, gp, call, kw)
             assert kw.get("disable_split_kv", False) is policy.deterministic
 
         if gc.ragged is not None:
@@ -414,7 +440,7 @@ def check_translation(
         for call in (gc.paged, gc.ragged)
         if call is not None
         for _, v in call.kwargs
-        if isinstance(v, HostArray)
+        if isinstance(v, (HostArray, StagedArray))
     }
     extra = {n for n in inputs.host if ".mask." in n}
     assert set(inputs.host) == named | extra
@@ -422,12 +448,57 @@ def check_translation(
     return calls
 
 
+def _check_items(spec: PlanSpec, gp: GroupPlan, call: PlanCall, kw: dict[str, Any]) -> None:
+    """Multi-item calls carry FlashInfer's four arguments in its exact dtypes (it checks
+    none), equal to the plan's tensors; other calls carry none of them."""
+    items = gp.items
+    present = [name for name in _ITEM_KWARGS if name in kw]
+    if items is None:
+        assert not present, present
+        return
+    assert spec.key.multi_item and not gp.group.cross_attention
+    assert present == list(_ITEM_KWARGS)
+    assert call.wrapper.kind is WrapperKind.PAGED_PREFILL
+    assert call.wrapper.backend == "fa2"  # FA2 whatever the policy
+    assert "packed_custom_mask" not in kw
+    raw = dict(call.kwargs)
+    assert raw["prefix_len_ptr"].dtype == "uint32"
+    assert raw["token_pos_in_items_ptr"].dtype == raw["max_item_len_ptr"].dtype == "uint16"
+    assert isinstance(raw["token_pos_in_items_len"], BatchInt)
+    for name, want in (
+        ("prefix_len_ptr", items.prefix_len_ptr),
+        ("token_pos_in_items_ptr", items.token_pos_in_items),
+        ("max_item_len_ptr", items.max_item_len),
+    ):
+        got = kw[name]
+        assert got.dtype == want.dtype, (name, got.dtype)
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    assert kw["prefix_len_ptr"].shape == (spec.batch_size,)
+    assert kw["max_item_len_ptr"].shape == (spec.batch_size,)
+    assert kw["token_pos_in_items_len"] == items.token_pos_in_items_len
+    assert isinstance(kw["token_pos_in_items_len"], int)
+    assert kw["token_pos_in_items_ptr"].shape == (spec.batch_size * items.token_pos_in_items_len,)
+    # The kernel's row of request i starts at i * token_pos_in_items_len (prefill.cuh).
+    for i in range(spec.batch_size):
+        stride = items.token_pos_in_items_len
+        row = kw["token_pos_in_items_ptr"][i * stride : (i + 1) * stride]
+        np.testing.assert_array_equal(row, items.rows[i])
+    assert kw["causal"] is True  # multi-item mode is causal anyway; plan() sizes work by it
+
+
 def _check_staging(spec: PlanSpec, translation: Any) -> None:
     """The staging manifest names every array, and the data holds exactly them."""
     rows = np.arange(spec.batch_size, dtype=np.int32)[::-1].copy()
     inputs = translation.inputs
     jobs = gather_jobs(spec, rows, spans=inputs.spans)
-    dplan = device_plan(translation.calls, jobs, inputs.host, inputs.masks)
+    dplan = device_plan(
+        translation.calls,
+        jobs,
+        inputs.host,
+        inputs.masks,
+        ints=inputs.ints,
+        elements=inputs.elements,
+    )
     arrays = dict(zip(JOB_COLUMNS, jobs.columns(), strict=True)) | dict(inputs.host)
     assert [s.name for s in dplan.manifest.slices] == list(arrays)
     end = 0
@@ -440,6 +511,21 @@ def _check_staging(spec: PlanSpec, translation: Any) -> None:
     for index, (_, num) in inputs.spans.items():
         r = jobs.region(pages_region(index))
         assert r.size == int(num.sum())
+    # The multi-item tensors come back, bit for bit, from typed views of the staged data.
+    for gc in translation.calls:
+        items = spec.group_plans[gc.group_index].items
+        for name, value in gc.paged.kwargs if gc.paged is not None else ():
+            if isinstance(value, StagedArray):
+                s = dplan.manifest[value.name]
+                got = _staged_view(dplan.data[s.offset : s.end], value, inputs)
+                want = {
+                    "prefix_len_ptr": items.prefix_len_ptr,
+                    "token_pos_in_items_ptr": items.token_pos_in_items,
+                    "max_item_len_ptr": items.max_item_len,
+                }[name]
+                assert got.dtype == want.dtype
+                np.testing.assert_array_equal(got, want)
+                assert dplan.elements[value.name] == want.shape[0]
 
 
 # --------------------------------------------------------------------------- strategies
@@ -458,13 +544,17 @@ policies = st.builds(
 @st.composite
 def any_layouts(draw: st.DrawFn) -> BatchLayout:
     mode = draw(
-        st.sampled_from(("decode", "extend", "extend_prefix", "extend_no_prefix", "verify"))
+        st.sampled_from(
+            ("decode", "extend", "extend_prefix", "extend_no_prefix", "verify", "multi_item")
+        )
     )
     kw: dict[str, Any] = {"page_sizes": PAGE_SIZES, "max_len": 40, "long_len": 120}
     if mode == "decode":
         return draw(decode_layouts(**kw))
     if mode == "verify":
         return draw(verify_layouts(page_sizes=PAGE_SIZES))
+    if mode == "multi_item":
+        return draw(multi_item_layouts(page_sizes=PAGE_SIZES))
     prefix = {"extend": None, "extend_prefix": True, "extend_no_prefix": False}[mode]
     return draw(extend_layouts(prefix=prefix, **kw))
 
@@ -507,6 +597,8 @@ def test_translate_binds_and_matches_plan(
         with pytest.raises(fp.LayoutError):
             fp.plan(layout, heads, extend_path=extend_path)
         return
+    if layout.is_multi_item and extend_path == "ragged":
+        extend_path = "paged"  # refused for multi-item batches (tests/test_multi_item.py)
     spec = fp.plan(layout, heads, extend_path=extend_path)
     check_translation(spec, policy, sm90=sm90)
 
@@ -697,3 +789,83 @@ def test_deterministic_policy() -> None:
     policy = ExecutorPolicy(deterministic=True)
     for bs in (1, 2, 64):
         assert decode_uses_tensor_cores(heads, policy, bs)
+
+
+# --------------------------------------------------------------------------- multi-item
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("policy", [ExecutorPolicy(), ExecutorPolicy(prefill_backend="fa3")])
+def test_multi_item_call(page_size: int, policy: ExecutorPolicy) -> None:
+    """The reference file's batch beside a plain request (first, which the reference
+    file would drop from prefix_len_ptr) and a cross group: the multi-item arguments
+    bind to FlashInfer's paged plan(), in its dtypes, on FA2 even when FA3 is forced."""
+    layout = BatchLayout.extend(
+        [5, 9, 12, 14],
+        [2, 0, 0, 3],
+        page_size=page_size,
+        groups=(fp.AttentionGroup.full(logits_soft_cap=30.0), fp.AttentionGroup.cross()),
+        encoder_lens=[3, 0, 17, 1],
+        item_delimiters=[None, [3, 6, 8], [2, 4, 8, 11], [0, 1, 2, 3, 4]],
+    )
+    heads = HeadConfig(8, 2, 128, q_dtype=torch.bfloat16)
+    spec = fp.plan(layout, heads)
+    calls = check_translation(spec, policy, sm90=True)
+    gc_self, gc_cross = calls
+    assert gc_self.paged is not None and gc_cross.paged is not None
+    kw = gc_self.paged.as_dict()
+    assert isinstance(kw["prefix_len_ptr"], StagedArray)
+    assert not any(name in gc_cross.paged.as_dict() for name in _ITEM_KWARGS)
+    inputs = translate(spec, policy, sm90=True).inputs
+    resolved = _resolved(gc_self.paged, inputs)
+    assert resolved["prefix_len_ptr"].tolist() == [5, 3, 2, 3]  # the plain request: seq_len
+    assert resolved["max_item_len_ptr"].tolist() == [0, 2, 3, 6]
+    assert resolved["token_pos_in_items_len"] == 11
+    # 4 * 11 uint16 = 22 int32 words; 4 uint16 = 2 words; 4 uint32 = 4 words
+    words = {
+        name: inputs.host[v.name].shape[0] for name, v in kw.items() if isinstance(v, StagedArray)
+    }
+    assert words == {"prefix_len_ptr": 4, "token_pos_in_items_ptr": 22, "max_item_len_ptr": 2}
+
+
+def test_multi_item_skeleton_key() -> None:
+    """Whether a batch is multi-item is part of the skeleton key; its lengths are not."""
+    heads = HeadConfig(8, 2, 128)
+    policy = ExecutorPolicy()
+    a = fp.plan(BatchLayout.extend([14, 5], item_delimiters=[[7, 9], None]), heads)
+    b = fp.plan(BatchLayout.extend([30, 9], [0, 4], item_delimiters=[None, [1, 2]]), heads)
+    plain = fp.plan(BatchLayout.extend([14, 5], [1, 0]), heads)
+    assert skeleton_key(a, policy) == skeleton_key(b, policy) != skeleton_key(plain, policy)
+    assert call_skeleton(a, policy, sm90=False) == call_skeleton(b, policy, sm90=False)
+
+
+def test_int32_words_round_trip() -> None:
+    from flashplan.executor.flashinfer.calls import int32_words
+
+    for values in (
+        np.array([0, 1, 65535, 7, 9], np.uint16),
+        np.array([0, 1, 2, 3], np.uint16),
+        np.array([], np.uint16),
+        np.array([0, 2**32 - 1, 5], np.uint32),
+    ):
+        values.flags.writeable = False
+        words = int32_words(values)
+        assert words.dtype == np.int32 and not words.flags.writeable
+        assert words.nbytes >= values.nbytes and words.nbytes - values.nbytes < 4
+        back = words.view(values.dtype)[: values.shape[0]]
+        np.testing.assert_array_equal(back, values)
+        # the same bytes through torch, as the executor views the device copy
+        staged = torch.zeros(words.shape[0] + 3, dtype=torch.int32)  # a buffer, as on the device
+        staged[1 : 1 + words.shape[0]] = torch.from_numpy(words.copy())
+        t = staged[1 : 1 + words.shape[0]].view(
+            torch.uint16 if values.dtype == np.uint16 else torch.uint32
+        )
+        assert t[: values.shape[0]].tolist() == values.tolist()
+
+
+def test_graph_buckets_refuse_multi_item() -> None:
+    from flashplan.errors import BucketError
+    from flashplan.executor.flashinfer.bucket import GraphBucket, check_fits
+
+    spec = fp.plan(BatchLayout.extend([4, 4], item_delimiters=[[1], None]), HeadConfig(8, 2, 128))
+    with pytest.raises(BucketError) as err:
+        check_fits(spec, GraphBucket.extend(2, 4, 4))
+    assert err.value.field == "item_delimiters"

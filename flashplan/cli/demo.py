@@ -9,7 +9,11 @@ GQA with 8 query heads and 2 KV heads of size 64:
   single-token requests — with a full, a sliding-window and a cross-attention group
   (some requests without encoder tokens), planned with the default path;
 * the same extend batch planned on the ragged path (ragged + paged with a merge, and a
-  custom mask for the windowed prefix).
+  custom mask for the windowed prefix);
+* a multi-item scoring batch (a question followed by delimiter-separated answers,
+  items of one and of several tokens, a cached prefix, and a request without
+  delimiters in the middle of the batch) with a full-attention group (soft cap) and a
+  cross-attention group, on FlashInfer's multi-item mask.
 
 For each batch it prints the plan (:func:`flashplan.cli.render.describe_plan`), writes
 the cached prefix into a paged KV cache with shuffled page ids, runs every group on the
@@ -74,10 +78,23 @@ def demo_batches(page_size: int = PAGE_SIZE) -> list[tuple[str, BatchLayout, str
         page_size=page_size,
         groups=(full, sliding, cross),
     )
+    # Multi-item scoring. req 0: a 7-token question, then <d> a <d> b <d> c <d> (the
+    # reference file's example); req 1: a plain request (no delimiter) with a cached
+    # prefix of 20; req 2: 40 cached tokens, a 5-token prompt, items of 3, 0 (two
+    # adjacent delimiters) and 8 tokens; req 3: no prompt, the first new token a delimiter.
+    scoring = BatchLayout.extend(
+        [14, 29, 59, 9],
+        [0, 20, 40, 0],
+        encoder_lens=[5, 0, 18, 3],
+        page_size=page_size,
+        groups=(AttentionGroup.full(logits_soft_cap=30.0), cross),
+        item_delimiters=[[7, 9, 11, 13], None, [5, 9, 10], [0, 4]],
+    )
     return [
         ("decode: full + sliding window", decode, "auto"),
         ("extend: full + sliding window + cross, default path", extend, "auto"),
         ("extend: full + sliding window + cross, ragged path", extend, "ragged"),
+        ("multi-item scoring: full (soft cap) + cross, paged path", scoring, "auto"),
     ]
 
 

@@ -3,6 +3,7 @@
 Example::
 
     python -m flashplan explain --seq-lens 7,40 --prefix-lens 0,33 --window 4
+    python -m flashplan explain --seq-lens 14,5 --delimiters "7,9,11,13;"   # multi-item
 
 prints the plan (:func:`flashplan.cli.render.describe_plan`) and, per group, a picture of
 the visibility rules (:func:`flashplan.oracle.visibility`: rows are queries with their
@@ -46,9 +47,11 @@ __all__ = [
     "check_plan",
     "command",
     "configure",
+    "delimiter_lists",
     "draw_png",
     "explain",
     "int_list",
+    "item_tags",
 ]
 
 #: Heads used by ``explain`` (they do not change the plan's arrays).
@@ -70,6 +73,30 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers such as 7,40; got {text!r}"
         ) from None
+
+
+def delimiter_lists(text: str) -> list[list[int]]:
+    """Parse ``--delimiters``: one entry per request, separated by ``;``; each entry the
+    request's delimiter positions (among its new tokens), separated by ``,``; an empty
+    entry (or ``-``) for a request without delimiters.
+
+    ``"7,9,11,13"`` is one request; ``"7,9,11,13;"`` two, the second without; ``"3,6,8;
+    2,4,8,11"`` two requests with delimiters.
+    """
+    out: list[list[int]] = []
+    for entry in text.split(";"):
+        entry = entry.strip()
+        if entry in ("", "-"):
+            out.append([])
+            continue
+        try:
+            out.append(int_list(entry))
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"expected per-request delimiter lists such as '7,9,11,13;' (';' between "
+                f"requests, ',' between positions, empty for none); got {text!r}"
+            ) from None
+    return out
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -129,6 +156,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "sees every key of its request)",
     )
     parser.add_argument(
+        "--delimiters",
+        type=delimiter_lists,
+        default=None,
+        metavar="D,D,..;D,..",
+        help="multi-item scoring: per request (';' between requests) the delimiter "
+        "positions among its new tokens (',' between them; empty for a request without); "
+        "e.g. '7,9,11,13;' for two requests, the second plain",
+    )
+    parser.add_argument(
         "--path",
         choices=("auto", "paged", "ragged"),
         default="auto",
@@ -185,6 +221,10 @@ def build_layout(args: argparse.Namespace) -> BatchLayout:
             raise LayoutError(
                 "prefix_lens", "cannot be given with --decode (a decode step has prefix = seq - 1)"
             )
+        if getattr(args, "delimiters", None) is not None:
+            raise LayoutError(
+                "item_delimiters", "cannot be given with --decode (multi-item scoring is an extend)"
+            )
         return BatchLayout.decode(
             args.seq_lens, page_size=args.page_size, groups=groups, encoder_lens=args.encoder_lens
         )
@@ -194,7 +234,41 @@ def build_layout(args: argparse.Namespace) -> BatchLayout:
         page_size=args.page_size,
         groups=groups,
         encoder_lens=args.encoder_lens,
+        item_delimiters=getattr(args, "delimiters", None),
     )
+
+
+def item_tags(spec: PlanSpec, layout: BatchLayout) -> list[list[str] | None] | None:
+    """Per request, a label per query of a multi-item batch: ``<d>`` for a delimiter,
+    ``iK`` for a token of item K (the item after delimiter K), nothing for the prefix;
+    each followed by ``@`` and its RoPE position where it differs from the query's own
+    position. ``None`` for an ordinary batch, and for a request without delimiters."""
+    items = layout.item_delimiters
+    if items is None:
+        return None
+    out: list[list[str] | None] = []
+    qo = spec.qo_indptr.tolist()
+    for i in range(layout.batch_size):
+        d = items.request(i).tolist()
+        if not d:
+            out.append(None)
+            continue
+        pre = int(layout.prefix_lens[i])
+        rope = spec.positions[qo[i] : qo[i + 1]].tolist()
+        marks = set(d)
+        tags = []
+        item = 0
+        for j in range(int(layout.extend_lens[i])):
+            if j in marks:
+                item += 1
+                tag = "<d>"
+            else:
+                tag = f"i{item}" if item else ""
+            if rope[j] != pre + j:
+                tag += f" @{rope[j]}"
+            tags.append(tag)
+        out.append(tags)
+    return out
 
 
 def check_plan(spec: PlanSpec, layout: BatchLayout, group: AttentionGroup) -> str | None:
@@ -228,17 +302,41 @@ def explain(
             ""
             if layout.encoder_lens is None
             else f", encoder_lens {format_ints(layout.encoder_lens)}"
+        )
+        + (
+            ""
+            if layout.item_delimiters is None
+            else f", item_delimiters {layout.item_delimiters.to_lists()}"
         ),
         describe_header(spec),
     ]
+    starts = spec.prefix_lens
+    tags = item_tags(spec, layout)
     qo = spec.qo_indptr.tolist()
-    positions = [spec.positions[qo[i] : qo[i + 1]] for i in range(spec.batch_size)]
+    # A verify tree's rows are labelled by position (prefix + depth), not by slot.
+    positions = (
+        [spec.positions[qo[i] : qo[i + 1]] for i in range(spec.batch_size)]
+        if layout.draft is not None
+        else None
+    )
     for index, gp in enumerate(spec.group_plans):
         group = gp.group
         key_name = "encoder keys" if group.cross_attention else "keys"
+        group_tags = None if group.cross_attention else tags
         pictures = ascii_visibility(
-            visibility(layout, group), positions=positions, key_name=key_name, max_cols=max_cols
+            visibility(layout, group),
+            q_start=starts,
+            positions=positions,
+            key_name=key_name,
+            max_cols=max_cols,
+            row_tags=group_tags,
         )
+        legend = ""
+        if group_tags is not None:
+            legend = (
+                "\n  rows: <d> a delimiter, iK a token of item K, untagged the prefix; "
+                "@p its RoPE position where it is not its own"
+            )
         problem = check_plan(spec, layout, group)
         if problem is None:
             verdict = "check: the plan's kernel calls show exactly these keys"
@@ -247,7 +345,9 @@ def explain(
             verdict = f"MISMATCH: {problem}"
         blocks.append(
             describe_group(spec, gp, index=index)
-            + "\n\n  visibility ('#' visible, '.' hidden; rows: queries by position):\n"
+            + "\n\n  visibility ('#' visible, '.' hidden; rows: queries by position):"
+            + legend
+            + "\n"
             + _indent(pictures, "  ")
             + f"\n  {verdict}"
         )

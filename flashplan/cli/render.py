@@ -126,6 +126,8 @@ def describe_group(spec: PlanSpec, gp: GroupPlan, *, index: int | None = None) -
     if gp.paged is not None:
         p = gp.paged
         mask = "custom mask" if p.mask is not None else "no custom mask"
+        if p.items is not None:
+            mask = "multi-item mask"
         parts.append(
             f"paged call: {'causal' if p.causal else 'non-causal'}, {mask}, "
             f"{p.total_pages} page{'' if p.total_pages == 1 else 's'}, max_kv_len {p.max_kv_len}"
@@ -174,7 +176,68 @@ def describe_group(spec: PlanSpec, gp: GroupPlan, *, index: int | None = None) -
         row += [str(int(first_key[i])) if sees_keys else "-", "yes" if has_mask else "no"]
         rows.append(row)
     lines += ["  " + line for line in _table(headers, rows)]
+    if gp.items is not None:
+        lines += _describe_items(spec, gp)
     return "\n".join(lines)
+
+
+def _compact(
+    values: Sequence[int] | npt.NDArray[np.integer], limit: int = 48, *, runs: bool = True
+) -> str:
+    """``"0..6,6,7,6"``: the values comma-separated, runs of three or more consecutive
+    values as ``a..b`` (unless ``runs`` is false), cut at about ``limit`` characters."""
+    vals = [int(v) for v in values]
+    parts: list[str] = []
+    k = 0
+    while k < len(vals):
+        end = k
+        while runs and end + 1 < len(vals) and vals[end + 1] == vals[end] + 1:
+            end += 1
+        if end - k >= 2:
+            parts.append(f"{vals[k]}..{vals[end]}")
+            k = end + 1
+        else:
+            parts.append(str(vals[k]))
+            k += 1
+    text = ""
+    for n, part in enumerate(parts):
+        piece = part if n == 0 else "," + part
+        if len(text) + len(piece) > limit:
+            return text + ",…"
+        text += piece
+    return text or "-"
+
+
+def _describe_items(spec: PlanSpec, gp: GroupPlan) -> list[str]:
+    """The multi-item lines of a group: FlashInfer's four arguments and the RoPE
+    positions, per request."""
+    items = gp.items
+    assert items is not None and gp.paged is not None
+    stride = items.token_pos_in_items_len
+    lines = [
+        "  multi-item scoring: the paged call runs FlashInfer's multi-item mask (causal, no "
+        "window); a query",
+        "  at or after prefix_len_ptr reads its in-item position from its request's row of "
+        "token_pos_in_items",
+        f"  (0 = delimiter); rows padded to token_pos_in_items_len {stride}; 'rope' = "
+        "PlanSpec.positions",
+    ]
+    headers = ["req", "prefix_len_ptr", "max_item_len", "token_pos_in_items", "pad", "rope"]
+    kv = gp.paged.kv_lens.astype(np.int64)
+    qo_ptr = spec.qo_indptr
+    rows = []
+    for i in range(spec.batch_size):
+        p = int(items.prefix_len_ptr[i])
+        own = max(int(kv[i]) - p, 0)
+        row_text = _compact(items.rows[i][:own], runs=False) if own else "- (plain causal)"
+        rope = spec.positions[int(qo_ptr[i]) : int(qo_ptr[i + 1])]
+        rows.append(
+            [str(i), str(p), str(int(items.max_item_len[i])), row_text, str(stride - own),
+             _compact(rope)]
+        )  # fmt: skip
+    left = {"token_pos_in_items", "rope"}
+    lines += ["  " + line for line in _table(headers, rows, left=left)]
+    return lines
 
 
 def describe_plan(spec: PlanSpec) -> str:
@@ -198,18 +261,19 @@ def format_ints(a: Sequence[int] | npt.NDArray[np.integer]) -> str:
     return "[" + ", ".join(str(int(v)) for v in a) + "]"
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    """Right-aligned columns, two spaces apart (text columns left-aligned)."""
+def _table(headers: list[str], rows: list[list[str]], *, left: set[str] | None = None) -> list[str]:
+    """Right-aligned columns, two spaces apart (text columns, or those named in
+    ``left``, left-aligned)."""
     widths = [max([len(h)] + [len(r[c]) for r in rows]) for c, h in enumerate(headers)]
-    left = {
+    left_cols = {
         c
         for c, h in enumerate(headers)
-        if h in ("queries", "positions") or "keys" in h or "rows" in h
+        if h in ("queries", "positions") or "keys" in h or "rows" in h or h in (left or ())
     }
 
     def fmt(cells: list[str]) -> str:
         out = [
-            cell.ljust(w) if c in left else cell.rjust(w)
+            cell.ljust(w) if c in left_cols else cell.rjust(w)
             for c, (cell, w) in enumerate(zip(cells, widths, strict=True))
         ]
         return "  ".join(out).rstrip()
@@ -297,6 +361,7 @@ def _picture(
     max_cols: int,
     max_rows: int,
     indent: str,
+    tags: Sequence[str] | None = None,
 ) -> list[str]:
     e, n = mask.shape
     half = max(max_rows // 2, 1)
@@ -309,14 +374,16 @@ def _picture(
     cols = _columns(n, max_cols, int(seen_cols[0]) if seen_cols.size else n)
     keyed = np.array([k for k in cols if k is not None], dtype=np.int64)
     pos_w = max(3, len(str(int(labels.max()) if labels.size else 0)))
-    pad = indent + " " * (pos_w + 2)
+    tag_w = max((len(t) for t in tags), default=0) if tags is not None else 0
+    label_w = pos_w + (tag_w + 1 if tag_w else 0)
+    pad = indent + " " * (label_w + 2)
     lines = []
     if n:
         label_line, tick_line = _ruler(cols)
         lines += [pad + label_line, pad + tick_line]
     for j in shown:
         if j is None:
-            lines.append(f"{indent}{'~':>{pos_w}}  ({e - 2 * half} rows not shown)")
+            lines.append(f"{indent}{'~':>{label_w}}  ({e - 2 * half} rows not shown)")
             continue
         row = mask[j]
         cells = np.full(len(cols), " ", dtype="<U1")
@@ -331,7 +398,11 @@ def _picture(
             note = f"{vis.size}: {vis[0]}..{vis[-1]}"
         else:
             note = f"{vis.size}: {vis[0]}..{vis[-1]} (with gaps)"
-        lines.append(f"{indent}{int(labels[j]):>{pos_w}}  {''.join(cells)}   {note}")
+        label = f"{int(labels[j]):>{pos_w}}"
+        if tag_w:
+            assert tags is not None
+            label += " " + tags[j].ljust(tag_w)
+        lines.append(f"{indent}{label}  {''.join(cells)}   {note}")
     return lines
 
 
@@ -344,6 +415,7 @@ def ascii_visibility(
     max_cols: int = 80,
     max_rows: int = 32,
     indent: str = "  ",
+    row_tags: Sequence[Sequence[str] | None] | None = None,
 ) -> str:
     """Draw per-request visibility masks as text.
 
@@ -365,6 +437,8 @@ def ascii_visibility(
         max_cols: widest picture drawn in full (>= 8).
         max_rows: most query rows drawn in full (>= 2).
         indent: prefix of every line.
+        row_tags: per request, a short label per query drawn after its position (or
+            ``None`` for none), e.g. the token kinds of a multi-item request.
     """
     max_cols = max(int(max_cols), 8)
     max_rows = max(int(max_rows), 2)
@@ -395,5 +469,6 @@ def ascii_visibility(
         if n == 0:
             lines.append(f"{indent}(no {key_name}: every query sees nothing, output 0, LSE -inf)")
             continue
-        lines += _picture(m, labels, max_cols=max_cols, max_rows=max_rows, indent=indent)
+        tags = None if row_tags is None else row_tags[i]
+        lines += _picture(m, labels, max_cols=max_cols, max_rows=max_rows, indent=indent, tags=tags)
     return "\n".join(lines)

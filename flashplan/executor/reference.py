@@ -2,8 +2,9 @@
 
 It follows the kernel paths of the plan — a paged call over the request's own pages,
 a ragged call over the new tokens, and a base-2 log-sum-exp merge of the two — with
-the kernels' own masking rules (:mod:`flashplan.kernel_rules`), so it is a faithful
-oracle for the FlashInfer executor and a fallback where there is no GPU.
+the kernels' own masking rules (:mod:`flashplan.kernel_rules`, FlashInfer's multi-item
+scoring mask included), so it is a faithful oracle for the FlashInfer executor and a
+fallback where there is no GPU.
 
 Like the kernels, it reads only the keys of each request's own span: a batch is
 padded to its longest span with zeros, never with other cache entries, so NaN or
@@ -258,8 +259,9 @@ class ReferenceExecutor:
         keys = _Slots(region_page[entry], c % ps, req, region_offset[entry] < 0, what)
         max_kv = part.max_kv_len
         visible = kernel_visibility(
-            qo_lens, part.kv_lens, max_q, max_kv, causal=part.causal, window_left=part.window_left
-        )
+            qo_lens, part.kv_lens, max_q, max_kv, causal=part.causal,
+            window_left=part.window_left, items=part.items,
+        )  # fmt: skip
         if part.mask is not None:
             for i in np.flatnonzero((qo_lens > 0) & (part.kv_lens > 0)).tolist():
                 q, kv = int(qo_lens[i]), int(part.kv_lens[i])

@@ -5,6 +5,7 @@ from flashplan.layout.draft_decode import DraftDecode
 from flashplan.layout.drafts import DraftTree
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
+from flashplan.layout.items import ItemDelimiters
 from flashplan.layout.page_table import PageTable
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "DraftDecode",
     "DraftTree",
     "HeadConfig",
+    "ItemDelimiters",
     "Mode",
     "PageTable",
 ]

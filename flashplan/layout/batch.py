@@ -24,6 +24,8 @@ from flashplan.errors import LayoutError
 from flashplan.layout.convert import ArrayLike, as_flags, as_int, as_lengths
 from flashplan.layout.drafts import DraftTree
 from flashplan.layout.group import AttentionGroup
+from flashplan.layout.items import FIELD as ITEMS
+from flashplan.layout.items import ItemDelimiters, as_item_delimiters
 
 __all__ = ["DEFAULT_GROUPS", "BatchLayout", "Mode", "as_groups"]
 
@@ -42,6 +44,10 @@ class Mode(enum.Enum):
     EXTEND = "extend"
     VERIFY = "verify"
 
+
+#: Largest ``token_pos_in_items_len`` (and so in-item position) flashplan plans:
+#: FlashInfer's multi-item positions are uint16.
+MAX_ITEM_ROW = 65535
 
 #: The groups a layout is planned for by default: one causal full-attention group.
 DEFAULT_GROUPS: tuple[AttentionGroup, ...] = (AttentionGroup(),)
@@ -131,6 +137,14 @@ class BatchLayout:
             ``run`` writes the encoder K/V of the other requests only: its ``k_new`` /
             ``v_new`` hold just their rows (``PlanSpec.encoder_indptr``). A request
             that joins a running encoder-decoder batch is the one uncached request.
+        item_delimiters: multi-item scoring (:class:`~flashplan.layout.items.ItemDelimiters`):
+            per request, the positions of the delimiter tokens among its new tokens,
+            or ``None`` for an ordinary batch. Given, the batch is a *multi-item batch*:
+            a request's prefix is its cached prefix plus its new tokens before the first
+            delimiter; an item token sees the prefix and the earlier tokens of its own
+            item, a delimiter sees only the prefix; a request without delimiters is
+            plain causal. Extend only; causal groups without window (and cross groups,
+            which ignore items). See ``docs/semantics.md``.
     """
 
     mode: Mode = attrs.field(converter=lambda v: _mode("mode", v))
@@ -149,6 +163,9 @@ class BatchLayout:
         default=None, converter=lambda v: _optional_flags("encoder_cached", v), eq=array_key
     )
     draft: DraftTree | None = attrs.field(default=None)
+    item_delimiters: ItemDelimiters | None = attrs.field(
+        default=None, converter=lambda v: as_item_delimiters(ITEMS, v)
+    )
 
     def __attrs_post_init__(self) -> None:
         bs = self.seq_lens.shape[0]
@@ -225,8 +242,68 @@ class BatchLayout:
                     seq_lens_size=bs,
                     encoder_cached_size=self.encoder_cached.shape[0],
                 )
+        if self.item_delimiters is not None:
+            self._check_items(self.item_delimiters)
         # Derived values, in wide integers, must fit the int32 arrays kernels get.
         _ = self.decoder_start, self.pages_needed
+
+    def _check_items(self, items: ItemDelimiters) -> None:
+        """Delimiters against the batch: mode, size, range, FlashInfer's limits, groups."""
+        bs = self.batch_size
+        if self.mode is not Mode.EXTEND:
+            raise LayoutError(
+                ITEMS, "multi-item scoring is an extend step; a decode layout takes no delimiters"
+            )
+        if items.batch_size != bs:
+            raise LayoutError(
+                ITEMS,
+                "batch size differs from seq_lens",
+                seq_lens_size=bs,
+                item_delimiters_size=items.batch_size,
+            )
+        has = items.has_items
+        ext = self.extend_lens
+        over = has & (items.last >= ext)
+        if over.any():
+            i = _first(over)
+            mine = items.request(i)
+            raise LayoutError(
+                ITEMS,
+                "must be below the request's number of new tokens (extend_len)",
+                request=i,
+                position=int(mine[np.searchsorted(mine, ext[i])]),
+                extend_len=int(ext[i]),
+            )
+        row = np.where(has, ext.astype(np.int64) - items.first, 0)
+        long = row > MAX_ITEM_ROW
+        if long.any():
+            i = _first(long)
+            raise LayoutError(
+                ITEMS,
+                f"at most {MAX_ITEM_ROW} new tokens may follow the first delimiter, itself "
+                "included: FlashInfer's multi-item positions (token_pos_in_items) are uint16",
+                request=i,
+                token_pos_in_items_len=int(row[i]),
+                first_delimiter=int(items.first[i]),
+                extend_len=int(ext[i]),
+            )
+        for g in self.groups:
+            if g.cross_attention:
+                continue  # cross groups attend to the encoder and ignore items
+            if g.has_window:
+                raise LayoutError(
+                    "groups",
+                    "a multi-item batch cannot be planned for a sliding-window group: "
+                    "FlashInfer's multi-item mode runs with the window off (the reference "
+                    "file turns it off); plan windowed layers without item_delimiters",
+                    window_left=g.window_left,
+                )
+            if not g.causal:
+                raise LayoutError(
+                    "groups",
+                    "multi-item scoring is causal: a bidirectional group cannot hold items",
+                    group=g.describe(),
+                )
 
     # -- named constructors -------------------------------------------------------------
     @classmethod
@@ -254,14 +331,31 @@ class BatchLayout:
         groups: Iterable[AttentionGroup] | AttentionGroup = DEFAULT_GROUPS,
         encoder_lens: ArrayLike | None = None,
         encoder_cached: object = None,
+        item_delimiters: object = None,
     ) -> BatchLayout:
         """An extend (prefill) step: request i adds ``seq_lens[i] - prefix_lens[i]`` tokens.
 
-        ``prefix_lens`` defaults to zeros (no cached prefix).
+        ``prefix_lens`` defaults to zeros (no cached prefix). ``item_delimiters`` makes it
+        a multi-item scoring batch: one entry per request, the delimiter positions among
+        its new tokens (a sequence of ints, or ``None`` for a plain causal request), or an
+        :class:`~flashplan.layout.items.ItemDelimiters`.
+
+        >>> lay = BatchLayout.extend([14, 5], item_delimiters=[[7, 9, 11, 13], None])
+        >>> lay.is_multi_item, lay.item_delimiters.counts.tolist()
+        (True, [4, 0])
         """
         seq = as_lengths("seq_lens", seq_lens)
         prefix = seal_inplace(np.zeros_like(seq)) if prefix_lens is None else prefix_lens
-        return cls(Mode.EXTEND, seq, prefix, encoder_lens, page_size, groups, encoder_cached)
+        return cls(
+            Mode.EXTEND,
+            seq,
+            prefix,
+            encoder_lens,
+            page_size,
+            groups,
+            encoder_cached,
+            item_delimiters=item_delimiters,
+        )
 
     @classmethod
     def from_extend_lens(
@@ -405,6 +499,12 @@ class BatchLayout:
     def extend_lens(self) -> IntArray:
         """New tokens per request, int32 ``[bs]`` (tokens)."""
         return seal_inplace(self.seq_lens - self.prefix_lens)
+
+    @property
+    def is_multi_item(self) -> bool:
+        """Whether this is a multi-item scoring batch (``item_delimiters`` given, even if
+        no request has a delimiter: the plan's key says so, not the batch's contents)."""
+        return self.item_delimiters is not None
 
     @property
     def total_new_tokens(self) -> int:

@@ -1,5 +1,6 @@
 """Pure planning: `BatchLayout` -> `PlanSpec` (host data only)."""
 
+from flashplan.planning.items import MultiItemTensors, plan_items
 from flashplan.planning.masks import CustomMask, ThresholdMask
 from flashplan.planning.materialize import PlanIntegrityError, materialize
 from flashplan.planning.planner import plan, plan_steps, planned_groups
@@ -19,6 +20,7 @@ __all__ = [
     "ExtendPath",
     "GroupPlan",
     "KernelPath",
+    "MultiItemTensors",
     "PagedPart",
     "PlanIntegrityError",
     "PlanKey",
@@ -28,6 +30,7 @@ __all__ = [
     "default_extend_path",
     "materialize",
     "plan",
+    "plan_items",
     "plan_steps",
     "planned_groups",
 ]

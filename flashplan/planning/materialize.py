@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from flashplan.kernel_rules import kernel_visibility
+from flashplan.kernel_rules import MultiItemArgs, kernel_visibility
 from flashplan.layout.group import AttentionGroup
 from flashplan.planning.spec import PlanSpec
 
@@ -30,16 +30,22 @@ def _one_call(
     causal: bool,
     window_left: int,
     mask: npt.NDArray[np.bool_] | None = None,
+    items: MultiItemArgs | None = None,
 ) -> npt.NDArray[np.bool_]:
-    """``[qo_len, kv_len]`` visibility of one request's kernel call (custom mask applied)."""
-    seen = kernel_visibility(
-        np.array([qo_len]),
-        np.array([kv_len]),
-        qo_len,
-        kv_len,
-        causal=causal,
-        window_left=window_left,
-    )[0]
+    """``[qo_len, kv_len]`` visibility of one request's kernel call (custom mask or
+    multi-item rule applied)."""
+    try:
+        seen = kernel_visibility(
+            np.array([qo_len]),
+            np.array([kv_len]),
+            qo_len,
+            kv_len,
+            causal=causal,
+            window_left=window_left,
+            items=items,
+        )[0]
+    except ValueError as exc:
+        raise PlanIntegrityError(str(exc)) from None
     return seen if mask is None else seen & mask
 
 
@@ -66,8 +72,9 @@ def materialize(spec: PlanSpec, group: AttentionGroup) -> list[npt.NDArray[np.bo
             p = gp.paged
             mask = None if p.mask is None else p.mask.dense(i)
             seen = _one_call(
-                e, int(p.kv_lens[i]), causal=p.causal, window_left=p.window_left, mask=mask
-            )
+                e, int(p.kv_lens[i]), causal=p.causal, window_left=p.window_left, mask=mask,
+                items=None if p.items is None else p.items.request(i),
+            )  # fmt: skip
             parts.append((int(p.start_page[i]) * ps - int(gp.key_start[i]), seen))
         if gp.ragged is not None:
             r = gp.ragged

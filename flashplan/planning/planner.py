@@ -12,6 +12,7 @@ from flashplan.layout.batch import BatchLayout, Mode
 from flashplan.layout.draft_decode import DraftDecode
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
+from flashplan.planning.items import MultiItemTensors, plan_items
 from flashplan.planning.masks import ThresholdMask, TreeMask
 from flashplan.planning.policy import default_extend_path
 from flashplan.planning.spec import (
@@ -64,17 +65,26 @@ def plan(
             prefix + new tokens), ``"ragged"`` (ragged prefill over the new tokens,
             plus a paged prefill over the prefix merged in when any request has
             one) or ``"auto"`` (:func:`~flashplan.planning.policy.default_extend_path`).
-            Ignored for decode batches and cross-attention groups.
+            Ignored for decode batches and cross-attention groups. A multi-item
+            batch runs on FlashInfer's paged prefill only (its ragged kernel ignores
+            the multi-item tensors): ``"auto"`` is paged and ``"ragged"`` is refused.
 
     Raises:
-        LayoutError: ``layout`` or ``heads`` is not the right record, or
-            ``extend_path`` is not one of the three names.
+        LayoutError: ``layout`` or ``heads`` is not the right record, ``extend_path``
+            is not one of the three names, or ``"ragged"`` for a multi-item batch.
     """
     if not isinstance(layout, BatchLayout):
         raise LayoutError("layout", "must be a BatchLayout", value=type(layout).__name__)
     if not isinstance(heads, HeadConfig):
         raise LayoutError("heads", "must be a HeadConfig", value=type(heads).__name__)
     choice = ExtendPath.parse(extend_path)
+    if layout.is_multi_item and choice is ExtendPath.RAGGED:
+        raise LayoutError(
+            "extend_path",
+            "a multi-item batch runs on FlashInfer's paged prefill only (the ragged kernel "
+            "silently ignores the multi-item tensors): plan it with 'paged' or 'auto'",
+            extend_path=extend_path,
+        )
     if layout.mode is Mode.EXTEND and choice is ExtendPath.AUTO:
         choice = default_extend_path(layout, heads)
     if layout.mode is Mode.VERIFY and choice is ExtendPath.RAGGED:
@@ -87,8 +97,17 @@ def plan(
         qo_indptr = seal_inplace(np.arange(layout.batch_size + 1, dtype=np.int32))
     else:
         qo_indptr = indptr(qo_lens, "extend_lens")
+    items: MultiItemTensors | None = None
+    if layout.draft is not None:
+        positions = _verify_positions(layout)
+    elif layout.is_multi_item:
+        items, positions = plan_items(layout)
+    elif layout.mode is Mode.DECODE:
+        positions = layout.prefix_lens  # one new token each, at the position after its prefix
+    else:
+        positions = _positions(layout.prefix_lens, qo_lens, qo_indptr)
     given, resolved = planned_groups(layout.groups, heads.head_dim)
-    group_plans = tuple(_plan_group(layout, g, choice, qo_lens, qo_indptr) for g in given)
+    group_plans = tuple(_plan_group(layout, g, choice, qo_lens, qo_indptr, items) for g in given)
     return PlanSpec(
         key=PlanKey(
             mode=layout.mode,
@@ -96,15 +115,12 @@ def plan(
             paths=tuple(gp.path for gp in group_plans),
             page_size=layout.page_size,
             heads=heads,
+            multi_item=layout.is_multi_item,
         ),
         qo_indptr=qo_indptr,
         prefix_lens=layout.prefix_lens,
         decoder_start=layout.decoder_start,
-        positions=_verify_positions(layout)
-        if layout.draft is not None
-        else layout.prefix_lens  # one new token each, at the position after its prefix
-        if layout.mode is Mode.DECODE
-        else _positions(layout.prefix_lens, qo_lens, qo_indptr),
+        positions=positions,
         encoder_indptr=None
         if layout.encoder_new_lens is None
         else indptr(layout.encoder_new_lens, "encoder_lens"),
@@ -154,7 +170,12 @@ def _plan_group(
     choice: ExtendPath,
     qo_lens: IntArray,
     qo_indptr: IntArray,
+    items: MultiItemTensors | None = None,
 ) -> GroupPlan:
+    """One group's plan; ``items`` (a multi-item batch: layouts refuse windowed and
+    bidirectional groups there) go to every self group's paged call, in its key
+    coordinates, which are decoder positions (no window: the call reads from the
+    decoder's first page, which starts on a page boundary)."""
     if group.cross_attention:
         return _plan_cross(layout, group)
     seq = layout.seq_lens.astype(np.int64)
@@ -174,7 +195,7 @@ def _plan_group(
     elif choice is ExtendPath.PAGED:
         path = KernelPath.PAGED
         first = _row_tokens(base + np.maximum(prefix - window, 0)) if window >= 0 else base
-        paged = PagedPart(first, end, ps, group.causal, window)
+        paged = PagedPart(first, end, ps, group.causal, window, items=items)
     else:
         ragged = RaggedPart(qo_indptr, group.causal, window)
         if not np.any(prefix):

@@ -19,6 +19,8 @@ __all__ = ["default_extend_path"]
 def default_extend_path(layout: BatchLayout, heads: HeadConfig) -> ExtendPath:
     """Choose ragged vs paged for an extend batch's self-attention groups.
 
+    * A multi-item batch: ``PAGED`` — FlashInfer's multi-item mode exists only in its
+      paged prefill kernel.
     * No request has a cached prefix: ``RAGGED`` — attention over the new tokens
       alone, no page gather, one kernel.
     * Otherwise: ``PAGED`` — one paged prefill over prefix + new tokens, which
@@ -27,6 +29,8 @@ def default_extend_path(layout: BatchLayout, heads: HeadConfig) -> ExtendPath:
       custom mask for windowed groups.
     """
     del heads  # the choice does not depend on head shapes (measured: see benchmarks)
+    if layout.is_multi_item:
+        return ExtendPath.PAGED
     if not np.any(layout.prefix_lens):
         return ExtendPath.RAGGED
     return ExtendPath.PAGED

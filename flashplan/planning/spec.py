@@ -28,6 +28,7 @@ from flashplan.layout.batch import Mode
 from flashplan.layout.convert import as_bool, as_int
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
+from flashplan.planning.items import MultiItemTensors
 from flashplan.planning.masks import CustomMask
 
 __all__ = [
@@ -85,6 +86,9 @@ class PlanKey:
     the key never depends on the batch's lengths beyond the kernel path chosen.
     ``groups`` are the groups as planned: resolved to an explicit ``sm_scale``
     (:meth:`AttentionGroup.resolved`), so equal computations give equal keys.
+    ``multi_item`` says whether the batch is a multi-item scoring batch (its self
+    groups' paged calls run FlashInfer's multi-item mask mode): whether the layout has
+    ``item_delimiters``, never whether this batch's requests happen to hold one.
     """
 
     mode: Mode
@@ -92,6 +96,7 @@ class PlanKey:
     paths: tuple[KernelPath, ...]
     page_size: int
     heads: HeadConfig
+    multi_item: bool = False
 
 
 def _int_array(field: str, value: object) -> IntArray:
@@ -142,6 +147,10 @@ class PagedPart:
         mask: the custom mask (:data:`~flashplan.planning.masks.CustomMask`) or
             ``None``: per request a ``qo_len x kv_len`` boolean matrix over the keys
             the call reads.
+        items: FlashInfer's multi-item tensors
+            (:class:`~flashplan.planning.items.MultiItemTensors`, in the call's key
+            coordinates) or ``None``. Given, the call runs FlashInfer's multi-item mask
+            (:mod:`flashplan.kernel_rules`); it excludes a custom mask.
     """
 
     first_token: IntArray = attrs.field(
@@ -152,6 +161,10 @@ class PagedPart:
     causal: bool = attrs.field(converter=lambda v: as_bool("causal", v))
     window_left: int = attrs.field(converter=lambda v: as_int("window_left", v, minimum=-1))
     mask: CustomMask | None = attrs.field(default=None)
+    items: MultiItemTensors | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(attrs.validators.instance_of(MultiItemTensors)),
+    )
 
     def __attrs_post_init__(self) -> None:
         _same_length("paged", self.first_token, self.end_token)
@@ -160,6 +173,31 @@ class PagedPart:
             raise LayoutError("first_token", "must be >= 0", request=i)
         if self.mask is not None and not np.array_equal(self.mask.kv_lens, self.kv_lens):
             raise LayoutError("mask", "the mask's columns must be the keys the call reads")
+        if self.items is not None:
+            self._check_items(self.items)
+
+    def _check_items(self, items: MultiItemTensors) -> None:
+        if self.mask is not None:
+            raise LayoutError(
+                "items", "a call carries a custom mask or multi-item tensors, not both"
+            )
+        if items.batch_size != self.first_token.shape[0]:
+            raise LayoutError(
+                "items", "must have one entry per request",
+                batch_size=self.first_token.shape[0], items_batch_size=items.batch_size,
+            )  # fmt: skip
+        # Queries at or after prefix_len read their row: it must reach the last key.
+        after = self.kv_lens.astype(np.int64) - items.prefix_len_ptr
+        short = after > items.token_pos_in_items_len
+        if short.any():
+            i = int(np.flatnonzero(short)[0])
+            raise LayoutError(
+                "items",
+                "a token_pos_in_items row must cover every key from prefix_len_ptr on",
+                request=i,
+                needed=int(after[i]),
+                token_pos_in_items_len=items.token_pos_in_items_len,
+            )
 
     @cached_property
     def _nonempty(self) -> npt.NDArray[np.bool_]:
@@ -278,6 +316,11 @@ class GroupPlan:
         """Whether the paged call carries a custom mask."""
         return self.paged is not None and self.paged.mask is not None
 
+    @property
+    def items(self) -> MultiItemTensors | None:
+        """The paged call's multi-item tensors, or ``None``."""
+        return None if self.paged is None else self.paged.items
+
     @cached_property
     def first_key(self) -> npt.NDArray[np.int64]:
         """int64 ``[bs]`` (keys of the group's key space): the first key the plan shows
@@ -320,7 +363,10 @@ class PlanSpec:
             rows) are ``q[qo_indptr[i]:qo_indptr[i+1]]``.
         prefix_lens: int32 ``[bs]`` (tokens) decoder tokens cached before the step.
         decoder_start: int32 ``[bs]`` (row tokens) where decoder position 0 lives.
-        positions: int32 ``[total_q]``: each new token's decoder position (for RoPE).
+        positions: int32 ``[total_q]``: each new token's decoder position (for RoPE):
+            ``P + j`` for new token ``j``, except in a multi-item batch from a request's
+            first delimiter on (``prefix_len + pos_in_item - 1``:
+            :mod:`flashplan.planning.items`).
         encoder_indptr: int32 ``[bs + 1]`` (tokens) into the encoder K/V rows a cross
             group's ``run`` writes (requests whose encoder is cached have none), or
             ``None`` without encoder.

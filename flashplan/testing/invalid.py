@@ -3,6 +3,7 @@ refuse, each with the error field and request the refusal must name."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -10,8 +11,9 @@ from typing import Any
 import attrs
 from hypothesis import strategies as st
 
+from flashplan.layout.batch import MAX_ITEM_ROW
 from flashplan.testing.constructors import construct
-from flashplan.testing.valid import attention_groups
+from flashplan.testing.valid import attention_groups, item_requests
 
 __all__ = ["INVALID_KINDS", "InvalidCase", "invalid_layout_kwargs"]
 
@@ -244,6 +246,90 @@ def _cross_causal() -> st.SearchStrategy[InvalidCase]:
     )
 
 
+@st.composite
+def _item_batch(draw: st.DrawFn) -> tuple[list[int], list[int], list[list[Any] | None]]:
+    """A valid multi-item batch (1..5 requests, some without delimiters)."""
+    bs = draw(st.integers(1, 5))
+    seq: list[int] = []
+    pre: list[int] = []
+    delims: list[list[Any] | None] = []
+    for _ in range(bs):
+        s, p, d = draw(item_requests(max_prefix=8, max_items=4, max_item_len=4))
+        plain = draw(st.integers(0, 3)) == 0
+        seq.append(s)
+        pre.append(p)
+        delims.append(None if plain else d)
+    return seq, pre, delims
+
+
+_ITEM_FAULTS = ("unsorted", "repeated", "negative", "beyond_extend", "not_int", "uint16_row")
+
+
+@st.composite
+def _bad_delimiters(draw: st.DrawFn, fault: str) -> InvalidCase:
+    """Delimiters broken in one way in some requests; the first of them must be named."""
+    seq, pre, delims = draw(_item_batch())
+    if fault == "unsorted":  # needs two distinct delimiters to put out of order
+        usable = [i for i, d in enumerate(delims) if d is not None and len(d) >= 2]
+        if not usable:
+            seq.append(12)
+            pre.append(0)
+            delims.append([3, 7])
+            usable = [len(seq) - 1]
+        bad = sorted(draw(st.lists(st.sampled_from(usable), min_size=1, unique=True)))
+    else:
+        bad = _offenders(draw, len(seq))
+    for i in bad:
+        d: list[Any] = list(delims[i] or [])
+        ext = seq[i] - pre[i]
+        if fault == "unsorted":
+            d = d[::-1]
+        elif fault == "repeated":
+            if not d:
+                seq[i] += 2
+                d = [seq[i] - pre[i] - 1]
+            k = draw(st.integers(0, len(d) - 1))
+            d.insert(k, d[k])
+        elif fault == "negative":
+            d.insert(0, -draw(st.integers(1, 100)))
+        elif fault == "beyond_extend":
+            d.append(ext + draw(st.integers(0, 50)))
+        elif fault == "not_int":
+            d.append(draw(st.sampled_from((2.5, "3", True, None, 1e-3))))
+        else:  # uint16_row: from the first delimiter on, one token too many (or more)
+            first = d[0] if d else 0
+            d = d or [0]
+            seq[i] = pre[i] + first + MAX_ITEM_ROW + draw(st.sampled_from((1, 2, 1000)))
+        delims[i] = d
+    kwargs = {"seq_lens": seq, "prefix_lens": pre, "item_delimiters": delims}
+    return InvalidCase("BatchLayout.extend", kwargs, "item_delimiters", bad[0], f"items_{fault}")
+
+
+@st.composite
+def _items_batch_mismatch(draw: st.DrawFn) -> InvalidCase:
+    seq, pre, delims = draw(_item_batch())
+    size = draw(st.integers(0, len(seq) + 3).filter(lambda n: n != len(seq)))
+    delims = (delims * (size // max(len(delims), 1) + 1))[:size]
+    return InvalidCase(
+        "BatchLayout.extend",
+        {"seq_lens": seq, "prefix_lens": pre, "item_delimiters": delims},
+        "item_delimiters",
+        None,
+        "items_batch_mismatch",
+    )
+
+
+@st.composite
+def _items_bad_group(draw: st.DrawFn) -> InvalidCase:
+    """A sliding-window or bidirectional group in a multi-item batch."""
+    seq, pre, delims = draw(_item_batch())
+    bad = draw(attention_groups(kinds=("sliding", "bidirectional")))
+    others = draw(st.lists(attention_groups(kinds=("full",)), max_size=2, unique=True))
+    groups = tuple(draw(st.permutations([*others, bad])))
+    kwargs = {"seq_lens": seq, "prefix_lens": pre, "item_delimiters": delims, "groups": groups}
+    return InvalidCase("BatchLayout.extend", kwargs, "groups", None, "items_bad_group")
+
+
 _INVALID_KINDS: Mapping[str, Callable[[], st.SearchStrategy[InvalidCase]]] = {
     "negative_length": lambda: _bad_values("negative_length"),
     "int32_overflow": lambda: _bad_values("int32_overflow"),
@@ -258,6 +344,9 @@ _INVALID_KINDS: Mapping[str, Callable[[], st.SearchStrategy[InvalidCase]]] = {
     "bad_window": _bad_window,
     "bad_heads": _bad_heads,
     "cross_causal": _cross_causal,
+    **{f"items_{f}": functools.partial(_bad_delimiters, f) for f in _ITEM_FAULTS},
+    "items_batch_mismatch": _items_batch_mismatch,
+    "items_bad_group": _items_bad_group,
 }
 
 #: Kinds of invalid input :func:`invalid_layout_kwargs` can draw.
@@ -285,7 +374,12 @@ def invalid_layout_kwargs(*, kinds: Sequence[str] | None = None) -> st.SearchStr
     * no group, or a repeated group,
     * ``window_left < -1`` or not an int, a window on a non-causal (or cross) group,
     * a causal cross group,
-    * head counts that do not divide, non-positive head sizes.
+    * head counts that do not divide, non-positive head sizes,
+    * multi-item delimiters (``item_delimiters``) that are unsorted, repeated,
+      negative, not below the request's new-token count, not integers, or leave more
+      than 65535 tokens from the first delimiter on (FlashInfer's uint16 positions);
+      one entry per request missing or extra; a sliding-window or bidirectional group
+      in a multi-item batch.
 
     Args:
         kinds: restrict to some of :data:`INVALID_KINDS`.

@@ -8,7 +8,10 @@ oracles stay cheap; every bound is a keyword argument.
 The edge cases that break attention planners are drawn on purpose: page sizes that do
 not divide the lengths (1, 2, 3, 16), windows of 0 keys back, windows shorter and
 longer than the sequences, requests with no new token, with one new token, with no
-token at all, encoders of length 0, several groups per layout.
+token at all, encoders of length 0, several groups per layout. Multi-item scoring
+batches (:func:`multi_item_layouts`) mix requests with and without delimiters and draw
+items of length 1, empty items (two adjacent delimiters), a delimiter as the last token,
+a delimiter as the first new token, and cached prefixes.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ __all__ = [
     "draft_trees",
     "extend_layouts",
     "head_configs",
+    "item_requests",
     "kv_caches",
     "layouts",
+    "multi_item_layouts",
     "page_tables",
     "verify_layouts",
 ]
@@ -316,6 +321,127 @@ def layouts(
         max_groups=max_groups,
     )
     return st.one_of(decode_layouts(**kw), extend_layouts(**kw))
+
+
+# --------------------------------------------------------------------------- multi-item
+@st.composite
+def item_requests(
+    draw: st.DrawFn,
+    *,
+    with_prefix: bool = True,
+    max_prefix: int = 24,
+    max_prompt: int = 12,
+    max_items: int = 5,
+    max_item_len: int = 6,
+) -> tuple[int, int, list[int]]:
+    """Draw one multi-item scoring request: ``(seq_len, prefix_len, delimiters)``.
+
+    The new tokens are a prompt (0 tokens: the first new token is a delimiter), then
+    for each item a delimiter and the item's tokens (0 tokens: two adjacent
+    delimiters; 1 token: the usual single-token candidate), and, one draw in two, a
+    closing delimiter (the last token is a delimiter, as in the reference file's
+    examples). At least one delimiter; ``prefix_len`` cached tokens come before
+    (``with_prefix``).
+    """
+    prefix = draw(st.integers(0, max_prefix)) if with_prefix else 0
+    prompt = draw(st.integers(0, max_prompt))
+    lengths = draw(
+        st.lists(
+            st.one_of(st.just(1), st.integers(0, max_item_len)), min_size=1, max_size=max_items
+        )
+    )
+    delimiters = []
+    at = prompt
+    for n in lengths:
+        delimiters.append(at)
+        at += 1 + n
+    if draw(st.booleans()):
+        delimiters.append(at)  # closing delimiter: the last token
+        at += 1
+    return prefix + at, prefix, delimiters
+
+
+@st.composite
+def multi_item_layouts(
+    draw: st.DrawFn,
+    *,
+    min_batch: int = 0,
+    max_batch: int = 6,
+    plain: bool = True,
+    prefix: bool | None = None,
+    page_size: int | None = None,
+    page_sizes: Sequence[int] = PAGE_SIZES,
+    groups: Iterable[AttentionGroup] | None = None,
+    encoder: bool | None = None,
+    max_prompt: int = 12,
+    max_items: int = 5,
+    max_item_len: int = 6,
+    max_len: int = 40,
+) -> BatchLayout:
+    """Draw a multi-item scoring :class:`~flashplan.BatchLayout` (an extend with
+    ``item_delimiters``).
+
+    Each request is drawn by :func:`item_requests`, or, one in four when ``plain``, is
+    a plain request without delimiters (any extend request, empty ones included), so
+    batches mix the two in any order.
+
+    Args:
+        min_batch, max_batch: bounds on the number of requests (0 = empty batch).
+        plain: allow requests without delimiters.
+        prefix: ``False``: no cached prefix; ``True``: prefixes drawn; ``None``: either.
+        page_size: fix the page size; otherwise drawn from ``page_sizes``.
+        groups: fix the groups (causal full-attention or cross groups: multi-item
+            batches refuse the others); otherwise one or two causal full-attention
+            groups (soft caps and scales drawn), and a cross group one draw in three
+            when the layout has an encoder.
+        encoder: force ``encoder_lens`` on/off; ``None`` draws it (on for cross groups).
+        max_prompt, max_items, max_item_len: bounds of :func:`item_requests`.
+        max_len: bound on the plain requests' lengths.
+    """
+    ps = _page_size(draw, page_size, page_sizes)
+    with_prefix = draw(st.booleans()) if prefix is None else prefix
+    if groups is not None:
+        gs = tuple(groups)
+        has_encoder = any(g.cross_attention for g in gs) or (
+            draw(st.booleans()) if encoder is None else encoder
+        )
+    else:
+        has_encoder = draw(st.booleans()) if encoder is None else encoder
+        gs = tuple(
+            draw(st.lists(attention_groups(kinds=("full",)), min_size=1, max_size=2, unique=True))
+        )
+        if has_encoder and draw(st.integers(0, 2)) == 0:
+            gs = (*gs, AttentionGroup.cross())
+    bs = draw(st.integers(min_batch, max_batch))
+    seq: list[int] = []
+    pre: list[int] = []
+    delims: list[list[int] | None] = []
+    for _ in range(bs):
+        if plain and draw(st.integers(0, 3)) == 0:
+            s, p = draw(_extend_request(with_prefix, max_len, max_len))
+            seq.append(s)
+            pre.append(p)
+            delims.append(None)
+            continue
+        s, p, d = draw(
+            item_requests(
+                with_prefix=with_prefix,
+                max_prompt=max_prompt,
+                max_items=max_items,
+                max_item_len=max_item_len,
+            )
+        )
+        seq.append(s)
+        pre.append(p)
+        delims.append(d)
+    enc = (
+        draw(st.lists(_length(0, max_len, max_len), min_size=bs, max_size=bs))
+        if has_encoder
+        else None
+    )
+    return BatchLayout.extend(
+        seq, pre, page_size=ps, groups=gs, encoder_lens=enc, item_delimiters=delims
+    )
 
 
 # --------------------------------------------------------------------------- tables / caches

@@ -141,10 +141,15 @@ class GraphBucket:
 def check_fits(spec: PlanSpec, bucket: GraphBucket) -> None:
     """Raise :class:`~flashplan.BucketError` unless ``spec`` fits ``bucket``.
 
-    A fitting plan has the bucket's mode, at most ``batch_size`` requests, exactly
-    ``tokens_per_request`` new tokens each, no encoder K/V to write, and no paged call
-    reading more than ``max_pages`` pages for a request.
+    A fitting plan is not a multi-item batch, has the bucket's mode, at most
+    ``batch_size`` requests, exactly ``tokens_per_request`` new tokens each, no encoder
+    K/V to write, and no paged call reading more than ``max_pages`` pages for a request.
     """
+    if spec.key.multi_item:
+        raise BucketError(
+            "item_delimiters",
+            "CUDA-graph buckets do not run multi-item batches (run them eagerly)",
+        )
     if spec.key.mode is not bucket.mode:
         raise BucketError(
             "mode", "the plan's mode differs from the bucket's",

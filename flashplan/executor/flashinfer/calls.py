@@ -8,8 +8,10 @@ flashinfer's signatures on a CPU-only machine):
   computes it once per key. It says which wrapper each call goes to and every
   ``plan()`` argument, with array arguments left as named placeholders:
   :class:`HostArray` (a host array of the batch, handed to ``plan()`` as a pinned CPU
-  tensor), :class:`DeviceIndices` (page ids gathered on the device) and
-  :class:`BuiltMask` (a custom mask built on the device).
+  tensor), :class:`StagedArray` (a host array a kernel reads, handed to ``plan()`` as a
+  typed view of the device staging buffer: the multi-item tensors),
+  :class:`BatchInt` (an integer of the batch), :class:`DeviceIndices` (page ids
+  gathered on the device) and :class:`BuiltMask` (a custom mask built on the device).
 * :func:`call_inputs` computes the batch's arrays behind those names.
 
 :func:`translate` does both.
@@ -39,6 +41,7 @@ from flashplan.planning.masks import CustomMask, TreeMask
 from flashplan.planning.spec import KernelPath, PlanKey, PlanSpec
 
 __all__ = [
+    "BatchInt",
     "BuiltMask",
     "CallInputs",
     "DeviceIndices",
@@ -46,6 +49,7 @@ __all__ = [
     "HostArray",
     "MaskRecipe",
     "PlanCall",
+    "StagedArray",
     "Translation",
     "WrapperKey",
     "WrapperKind",
@@ -53,6 +57,7 @@ __all__ = [
     "call_inputs",
     "call_skeleton",
     "flashinfer_mask_offsets",
+    "int32_words",
     "skeleton_key",
     "translate",
 ]
@@ -91,6 +96,27 @@ class WrapperKey:
 class HostArray:
     """Placeholder: the batch's host array called ``name`` (:attr:`CallInputs.host`),
     passed to ``plan()`` as a pinned CPU tensor."""
+
+    name: str
+
+
+@attrs.frozen
+class StagedArray:
+    """Placeholder: the batch's array called ``name`` (:attr:`CallInputs.host`, its bytes
+    packed into int32 words) that a *kernel* reads. It is staged with the other host
+    arrays and handed to ``plan()`` as a view, of dtype ``dtype``, of the device copy of
+    the staging buffer: FlashInfer keeps the tensor (it does not copy it) and reads it
+    at run time, and it checks no dtype, so the view has exactly the kernel's dtype.
+    The view holds :attr:`CallInputs.elements` ``[name]`` elements."""
+
+    name: str
+    dtype: str  # "uint32" or "uint16"
+
+
+@attrs.frozen
+class BatchInt:
+    """Placeholder: an integer of the batch (:attr:`CallInputs.ints`), such as
+    ``token_pos_in_items_len``."""
 
     name: str
 
@@ -170,15 +196,20 @@ class CallInputs:
 
     Attributes:
         host: int32 host arrays by name (``"qo_indptr"``, ``"g0.page_indptr"``,
-            ``"g0.last_page_len"``, ``"g1.mask.first_visible"`` …).
+            ``"g0.last_page_len"``, ``"g1.mask.first_visible"``, and the multi-item
+            tensors' words ``"g0.items.prefix_len"`` …).
         spans: per group with a paged call, the ``(start_page, num_pages)`` the
             device gathers (the plan's own span, but see :func:`call_inputs`).
         masks: per masked group, its :class:`MaskRecipe`.
+        ints: the integers behind :class:`BatchInt` placeholders.
+        elements: per :class:`StagedArray` name, its elements in its own dtype.
     """
 
     host: Mapping[str, IntArray]
     spans: Mapping[int, tuple[IntArray, IntArray]]
     masks: Mapping[int, MaskRecipe]
+    ints: Mapping[str, int] = attrs.field(factory=dict)
+    elements: Mapping[str, int] = attrs.field(factory=dict)
 
 
 @attrs.frozen(eq=False)
@@ -191,14 +222,16 @@ class Translation:
 
 def skeleton_key(
     spec: PlanSpec, policy: ExecutorPolicy, batch_size: int | None = None
-) -> tuple[PlanKey, bool, tuple[bool, ...]]:
+) -> tuple[PlanKey, bool, tuple[bool, ...], tuple[bool, ...]]:
     """What a skeleton depends on besides the policy: the plan's key, the decode kernel
     kind (a function of the batch size, or of ``batch_size`` when given: a CUDA-graph
-    bucket's) and which groups carry a custom mask."""
+    bucket's), which groups carry a custom mask and which carry multi-item tensors (in a
+    multi-item batch — ``key.multi_item`` — every self group's paged call)."""
     bs = spec.batch_size if batch_size is None else batch_size
     tensor_cores = decode_uses_tensor_cores(spec.heads, policy, bs)
     masked = tuple(gp.uses_custom_mask for gp in spec.group_plans)
-    return spec.key, tensor_cores, masked
+    items = tuple(gp.items is not None for gp in spec.group_plans)
+    return spec.key, tensor_cores, masked, items
 
 
 def call_skeleton(
@@ -211,10 +244,14 @@ def call_skeleton(
     overrides the batch size that picks the decode kernel (a CUDA-graph bucket's). The window and
     causal flag of each call are the plan's own (:attr:`PagedPart.window_left`, …).
 
+    A multi-item call passes FlashInfer's four multi-item arguments (the three arrays
+    as :class:`StagedArray`, ``token_pos_in_items_len`` as :class:`BatchInt`) and runs
+    on FA2, like a masked call.
+
     Raises:
         UnsupportedError: the policy forces a kernel the heads cannot run.
     """
-    key, tensor_cores, masked = skeleton_key(spec, policy, batch_size)
+    key, tensor_cores, masked, items = skeleton_key(spec, policy, batch_size)
     heads = key.heads
     out = []
     for index, (group, gp) in enumerate(zip(key.groups, spec.group_plans, strict=True)):
@@ -246,7 +283,9 @@ def call_skeleton(
                 ]
                 args += split_kwargs(policy)
             else:
-                backend = prefill_backend(heads, policy, custom_mask=masked[index], sm90=sm90)
+                backend = prefill_backend(
+                    heads, policy, custom_mask=masked[index], multi_item=items[index], sm90=sm90
+                )
                 wrapper = WrapperKey(WrapperKind.PAGED_PREFILL, group, backend, False)
                 args = [
                     ("qo_indptr", HostArray("qo_indptr")),
@@ -260,6 +299,13 @@ def call_skeleton(
                 ]
                 if masked[index]:
                     args.append(("packed_custom_mask", BuiltMask(index)))
+                if items[index]:
+                    args += [
+                        ("prefix_len_ptr", StagedArray(f"g{index}.items.prefix_len", "uint32")),
+                        ("token_pos_in_items_ptr", StagedArray(f"g{index}.items.tpos", "uint16")),
+                        ("token_pos_in_items_len", BatchInt(f"g{index}.items.tpos_len")),
+                        ("max_item_len_ptr", StagedArray(f"g{index}.items.max_len", "uint16")),
+                    ]
                 args += split_kwargs(policy)
             paged = PlanCall(wrapper, tuple(args + common))
         if gp.ragged is not None:
@@ -278,6 +324,14 @@ def call_skeleton(
     return tuple(out)
 
 
+#: The MultiItemTensors field behind each multi-item plan() argument.
+_ITEM_ARRAYS = {
+    "prefix_len_ptr": "prefix_len_ptr",
+    "token_pos_in_items_ptr": "token_pos_in_items",
+    "max_item_len_ptr": "max_item_len",
+}
+
+
 def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
     """The batch's arrays behind ``calls``' placeholders.
 
@@ -287,6 +341,10 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
     pages would give a negative size and shift every later request's mask. The kernel
     still sees ``kv_len = 0`` (FlashInfer clamps there).
 
+    The multi-item tensors of a call go into ``host`` as int32 words
+    (:func:`int32_words`), with their element counts in ``elements`` and
+    ``token_pos_in_items_len`` in ``ints``.
+
     Raises:
         UnsupportedError: a custom mask too large for flashinfer's int32 offsets.
     """
@@ -295,6 +353,8 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
     host: dict[str, IntArray] = {"qo_indptr": spec.qo_indptr} if uses_qo else {}
     spans: dict[int, tuple[IntArray, IntArray]] = {}
     masks: dict[int, MaskRecipe] = {}
+    ints: dict[str, int] = {}
+    elements: dict[str, int] = {}
     for gc in calls:
         gp = spec.group_plans[gc.group_index]
         part = gp.paged
@@ -315,7 +375,37 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
         if gc.masked:
             assert part.mask is not None
             masks[index] = _mask_recipe(index, part.mask, host)
-    return CallInputs(host=host, spans=spans, masks=masks)
+        staged = [
+            (name, value)
+            for name, value in (gc.paged.kwargs if gc.paged is not None else ())
+            if isinstance(value, (StagedArray, BatchInt))
+        ]
+        if staged:
+            items = part.items
+            assert items is not None, "a multi-item call needs the plan's multi-item tensors"
+            for name, value in staged:
+                if isinstance(value, BatchInt):
+                    ints[value.name] = items.token_pos_in_items_len
+                    continue
+                arr: npt.NDArray[np.unsignedinteger] = getattr(items, _ITEM_ARRAYS[name])
+                host[value.name] = int32_words(arr)
+                elements[value.name] = int(arr.shape[0])
+    return CallInputs(host=host, spans=spans, masks=masks, ints=ints, elements=elements)
+
+
+def int32_words(values: npt.NDArray[np.unsignedinteger]) -> IntArray:
+    """The bytes of a uint16 / uint32 array as read-only int32 words (a uint16 array of
+    odd length gets one zero element first), so that it rides in the int32 staging
+    buffer; a ``.view(dtype)`` of the staged words gives the values back (little-endian
+    on both sides)."""
+    raw = np.ascontiguousarray(values)
+    if raw.nbytes % 4:
+        raw = np.concatenate([raw, np.zeros((4 - raw.nbytes % 4) // raw.itemsize, raw.dtype)])
+    out = raw.view(np.int32)
+    if out.flags.writeable:  # our own padded copy, or a caller's writable array
+        out = out.copy() if np.shares_memory(out, values) else out
+        out.flags.writeable = False
+    return out
 
 
 def flashinfer_mask_offsets(

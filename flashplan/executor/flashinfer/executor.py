@@ -13,7 +13,9 @@ The thin stateful part of flashplan. ``apply(spec, table)`` reads as its steps:
    windowed group needs it;
 5. **masks**: threshold custom masks expanded on the device;
 6. **plan() calls** with pinned host indptrs (so FlashInfer never reads back from the
-   device) and the device page ids.
+   device), the device page ids and, in a multi-item batch, uint32 / uint16 views of
+   the staged multi-item tensors (FlashInfer keeps them for its kernels; they stay
+   valid until the next apply rewrites the staging buffer).
 
 ``run(group, q, k_new, v_new, kv_cache)`` writes the new K/V into the cache (one
 Triton launch that skips unusable slots) and runs the group's kernels (the ragged +
@@ -39,10 +41,12 @@ from flashplan.errors import LayoutError, PageTableError, PlanMismatchError, Uns
 from flashplan.executor.checks import RunArgs, check_apply_args, check_run_args
 from flashplan.executor.flashinfer.buffers import DeviceBuffer, PinnedRing, WrapperPool
 from flashplan.executor.flashinfer.calls import (
+    BatchInt,
     BuiltMask,
     DeviceIndices,
     GroupCalls,
     HostArray,
+    StagedArray,
     WrapperKey,
     call_inputs,
     call_skeleton,
@@ -62,6 +66,9 @@ from flashplan.layout.page_table import PageTable
 from flashplan.planning.spec import KernelPath, PlanSpec
 
 __all__ = ["DEFAULT_WORKSPACE_BYTES", "FlashInferExecutor"]
+
+#: torch dtypes of the staged views handed to plan() (the multi-item tensors).
+_VIEW_DTYPES = {"uint32": torch.uint32, "uint16": torch.uint16}
 
 #: Default size of the float workspace all wrappers share (bytes): FlashInfer's
 #: recommended 128 MiB doubled, for split-KV partial results of large batches.
@@ -256,7 +263,7 @@ class FlashInferExecutor:
         masks = self._build_masks(dplan, staged)
 
         stream = torch.cuda.current_stream(self.device)
-        planned = self._plan_calls(calls, dplan, slot.host, page, masks, stream)
+        planned = self._plan_calls(calls, dplan, slot.host, staged, page, masks, stream)
         slot.mark_read(stream)
         self._spec, self._plan, self._table = spec, dplan, table
         self._planned = planned
@@ -267,18 +274,28 @@ class FlashInferExecutor:
         calls: tuple[GroupCalls, ...],
         dplan: DevicePlan,
         host: torch.Tensor,
+        staged: torch.Tensor,
         page: torch.Tensor,
         masks: dict[int, torch.Tensor],
         stream: torch.cuda.Stream,
         prefix: str = "",
     ) -> dict[tuple[int, str], Any]:
         """Call every wrapper's ``plan()``; placeholders resolve against the staged host
-        slot, the gather regions and the built masks (names under ``prefix``)."""
+        slot and its device copy, the gather regions and the built masks (names under
+        ``prefix``)."""
 
         def resolve(value: Any) -> Any:
             if isinstance(value, HostArray):
                 s = dplan.manifest[prefix + value.name]
                 return host[s.offset : s.end]
+            if isinstance(value, StagedArray):
+                # A typed view of the persistent device staging buffer: FlashInfer keeps
+                # it for run(); it stays valid until the next apply rewrites the buffer.
+                s = dplan.manifest[prefix + value.name]
+                words = staged[s.offset : s.end]
+                return words.view(_VIEW_DTYPES[value.dtype])[: dplan.elements[prefix + value.name]]
+            if isinstance(value, BatchInt):
+                return dplan.ints[prefix + value.name]
             if isinstance(value, DeviceIndices):
                 r = dplan.jobs.region(prefix + value.region)
                 return page[r.lo : r.hi]
@@ -344,7 +361,7 @@ class FlashInferExecutor:
         views = []
         for k, (spec, calls, inputs, _) in enumerate(parts):
             prefix = f"s{k}/"
-            planned = self._plan_calls(calls, dplan, slot.host, page, {}, stream, prefix)
+            planned = self._plan_calls(calls, dplan, slot.host, staged, page, {}, stream, prefix)
             step_jobs = attrs.evolve(
                 combined,
                 regions=tuple(
@@ -368,7 +385,9 @@ class FlashInferExecutor:
         jobs = gather_jobs(
             spec, table.rows, window_pool=self.page_map is not None, spans=inputs.spans
         )
-        return device_plan(calls, jobs, inputs.host, inputs.masks)
+        return device_plan(
+            calls, jobs, inputs.host, inputs.masks, ints=inputs.ints, elements=inputs.elements
+        )
 
     def _gather_out(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The gather's output buffers (page ids, in-page offsets) of at least ``size``."""

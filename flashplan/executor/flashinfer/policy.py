@@ -45,7 +45,8 @@ class ExecutorPolicy:
         decode_tensor_cores: ``True``/``False`` forces the decode kernel kind;
             ``None`` lets :func:`decode_uses_tensor_cores` decide.
         prefill_backend: ``"fa2"``, ``"fa3"`` or ``"auto"`` (:func:`prefill_backend`
-            decides per call). Calls with a custom mask always use FA2.
+            decides per call). Calls with a custom mask or multi-item tensors always
+            use FA2.
         deterministic: batch-invariant results (what sglang's
             ``enable_deterministic_inference`` is for): one request's output is
             bit-identical whatever else is in the batch, wherever it sits, and
@@ -101,15 +102,23 @@ def decode_uses_tensor_cores(heads: HeadConfig, policy: ExecutorPolicy, batch_si
 
 
 def prefill_backend(
-    heads: HeadConfig, policy: ExecutorPolicy, *, custom_mask: bool, sm90: bool
+    heads: HeadConfig,
+    policy: ExecutorPolicy,
+    *,
+    custom_mask: bool,
+    sm90: bool,
+    multi_item: bool = False,
 ) -> str:
     """FlashInfer prefill backend for one call: ``"fa2"`` or ``"fa3"``.
 
     ``"auto"`` picks FA3 on Hopper (sm_90) for fp16/bf16 and head_dim 64/128/256
     without a custom mask (measured ~1.4x faster than FA2 for a 16 x (2048 + 512)
-    extend on an H200), FA2 otherwise.
+    extend on an H200), FA2 otherwise. Calls with a custom mask or multi-item tensors
+    always run on FA2, whatever the policy: FlashInfer 0.7.4's FA3 kernels carry the
+    multi-item rule too (``hopper/mainloop_mma.cuh``), but the reference file and
+    flashplan's GPU tests use FA2 only.
     """
-    if custom_mask:
+    if custom_mask or multi_item:
         return "fa2"
     fa3_kernels = (
         heads.q_dtype in _FA3_DTYPES

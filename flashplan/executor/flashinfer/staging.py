@@ -6,6 +6,9 @@ int32 host array the device needs laid end to end in one *staging* buffer with n
 slices (:class:`StagingManifest`: the job table, mask recipes and the ``plan()``
 indptrs), and the masks to build. The executor then only copies, launches and calls:
 stage -> one host-to-device copy -> one gather launch -> masks -> ``plan()`` calls.
+The multi-item tensors (uint32 / uint16) ride in the same int32 staging data, as their
+bytes (:func:`~flashplan.executor.flashinfer.calls.int32_words`), and reach ``plan()``
+as typed views of the device copy: still one copy.
 """
 
 from __future__ import annotations
@@ -79,6 +82,9 @@ class DevicePlan:
         manifest: the staging buffer's named slices.
         data: int32 ``[manifest.total]``: the staging buffer's contents.
         masks: per masked group, the size of its device-built mask.
+        ints: the batch's integers behind ``BatchInt`` placeholders.
+        elements: per ``StagedArray`` slice, its elements in its own dtype (the
+            multi-item tensors, viewed on the device as uint32 / uint16).
     """
 
     calls: tuple[GroupCalls, ...]
@@ -86,6 +92,8 @@ class DevicePlan:
     manifest: StagingManifest
     data: npt.NDArray[np.int32]
     masks: Mapping[int, MaskRecipe]
+    ints: Mapping[str, int] = attrs.field(factory=dict)
+    elements: Mapping[str, int] = attrs.field(factory=dict)
 
 
 def device_plan(
@@ -93,6 +101,9 @@ def device_plan(
     jobs: GatherJobs,
     host: Mapping[str, npt.NDArray[np.int32]],
     masks: Mapping[int, MaskRecipe],
+    *,
+    ints: Mapping[str, int] | None = None,
+    elements: Mapping[str, int] | None = None,
 ) -> DevicePlan:
     """Lay out one batch's device work (see module docstring).
 
@@ -104,6 +115,8 @@ def device_plan(
         host: the ``plan()`` host arrays by name
             (:attr:`~flashplan.executor.flashinfer.calls.CallInputs.host`).
         masks: per masked group, its mask's size.
+        ints, elements: :attr:`~flashplan.executor.flashinfer.calls.CallInputs.ints` and
+            ``.elements`` (multi-item batches).
     """
     arrays: dict[str, npt.NDArray[np.int32]] = dict(zip(JOB_COLUMNS, jobs.columns(), strict=True))
     arrays.update(host)
@@ -111,4 +124,4 @@ def device_plan(
     data = np.zeros(manifest.total, dtype=np.int32)
     used = manifest.slices[-1].end if manifest.slices else 0
     np.concatenate(list(arrays.values()), out=data[:used])
-    return DevicePlan(calls, jobs, manifest, data, masks)
+    return DevicePlan(calls, jobs, manifest, data, masks, dict(ints or {}), dict(elements or {}))

@@ -1,0 +1,232 @@
+"""FlashInfer's multi-item scoring tensors, planned from a layout's delimiters (host numpy,
+vectorized over the batch: no per-request Python loop).
+
+For request ``i`` with ``P`` cached tokens, ``E`` new tokens and first delimiter ``f``
+(among the new tokens), FlashInfer's paged prefill in multi-item mode takes:
+
+* ``prefix_len_ptr[i] = P + f`` (uint32): every key before it is the shared prefix;
+* a row of ``token_pos_in_items`` (uint16) over the new tokens from ``f`` on: 0 at each
+  delimiter, 1, 2, … inside an item; rows are zero-padded to one length,
+  ``token_pos_in_items_len`` (the longest row of the batch);
+* ``max_item_len[i]`` (uint16): the largest value of the row (the longest item). The
+  kernel skips key tiles using it, so it must never be smaller.
+
+A request without delimiters gets ``prefix_len_ptr = seq_len`` (every query is then a
+"prefix" query: plain causal), a zero row and ``max_item_len = 0``: one row per request,
+never skipped (the reference file skips such requests and misaligns the batch).
+
+RoPE positions: prefix tokens keep ``P + j``; from the first delimiter on, a token at
+in-item position ``t`` sits at ``prefix_len + t - 1`` — each item is positioned as if it
+directly followed the prefix, and a delimiter shares the last prefix token's position
+(0 when the prefix is empty: no query sees such a delimiter, and a RoPE table must not be
+indexed at -1).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from flashplan.arrays import (
+    INT32_MAX,
+    IntArray,
+    array_key,
+    indptr,
+    readonly_when_unpickled,
+    seal_inplace,
+)
+from flashplan.errors import LayoutError
+from flashplan.layout.batch import BatchLayout
+from flashplan.layout.convert import as_int
+
+__all__ = ["MultiItemTensors", "plan_items"]
+
+U16 = npt.NDArray[np.uint16]
+U32 = npt.NDArray[np.uint32]
+
+
+def _typed(field: str, value: object, dtype: Any) -> npt.NDArray[Any]:
+    """A read-only 1-D array of ``dtype``, from any integer array whose values fit it."""
+    arr = np.asarray(value)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise LayoutError(
+            field, "must be a 1-D integer array", shape=arr.shape, dtype=str(arr.dtype)
+        )
+    if arr.dtype == dtype and not arr.flags.writeable and arr.flags.c_contiguous:
+        return arr
+    info = np.iinfo(dtype)
+    if arr.size and (int(arr.min()) < info.min or int(arr.max()) > info.max):
+        i = int(np.flatnonzero((arr < info.min) | (arr > info.max))[0])
+        raise LayoutError(
+            field, f"does not fit {np.dtype(dtype).name}", request=i, value=int(arr[i])
+        )
+    out = np.array(arr, dtype=dtype, copy=True, order="C")
+    out.flags.writeable = False
+    return out
+
+
+@readonly_when_unpickled
+@attrs.frozen
+class MultiItemTensors:
+    """The multi-item arguments of one paged prefill call, in FlashInfer's dtypes.
+
+    Example — the reference file's two-request batch: items of lengths 2, 1 after a
+    3-token prompt, and items of lengths 1, 3, 2 after a 2-token prompt, each item after
+    a delimiter and a delimiter at the end:
+
+    >>> import flashplan as fp
+    >>> lay = fp.BatchLayout.extend([9, 12], item_delimiters=[[3, 6, 8], [2, 4, 8, 11]])
+    >>> items = plan_items(lay)[0]
+    >>> items.prefix_len_ptr.tolist(), items.token_pos_in_items_len, items.max_item_len.tolist()
+    ([3, 2], 10, [2, 3])
+    >>> items.rows.tolist()
+    [[0, 1, 2, 0, 1, 0, 0, 0, 0, 0], [0, 1, 0, 1, 2, 3, 0, 1, 2, 0]]
+
+    Attributes:
+        prefix_len_ptr: uint32 ``[bs]`` (keys of the call): keys before it are the
+            shared prefix; queries before it are plain causal.
+        token_pos_in_items: uint16 ``[bs * token_pos_in_items_len]`` (tokens): per
+            request, from the query at ``prefix_len_ptr`` on, the query's position in its
+            item (0 = delimiter), zero-padded.
+        token_pos_in_items_len: row length of ``token_pos_in_items`` (tokens).
+        max_item_len: uint16 ``[bs]`` (tokens): at least the largest value of each row.
+
+    Raises:
+        LayoutError: arrays of the wrong shape or sizes, values outside the dtypes, or a
+            ``max_item_len`` below its row's largest position (FlashInfer would silently
+            skip visible keys).
+    """
+
+    prefix_len_ptr: U32 = attrs.field(
+        converter=lambda v: _typed("prefix_len_ptr", v, np.uint32), eq=array_key
+    )
+    token_pos_in_items: U16 = attrs.field(
+        converter=lambda v: _typed("token_pos_in_items", v, np.uint16), eq=array_key
+    )
+    token_pos_in_items_len: int = attrs.field(
+        converter=lambda v: as_int("token_pos_in_items_len", v, minimum=0)
+    )
+    max_item_len: U16 = attrs.field(
+        converter=lambda v: _typed("max_item_len", v, np.uint16), eq=array_key
+    )
+
+    def __attrs_post_init__(self) -> None:
+        bs = self.prefix_len_ptr.shape[0]
+        if self.max_item_len.shape[0] != bs:
+            raise LayoutError(
+                "max_item_len", "must have one entry per request", batch_size=bs,
+                size=self.max_item_len.shape[0],
+            )  # fmt: skip
+        if self.token_pos_in_items.shape[0] != bs * self.token_pos_in_items_len:
+            raise LayoutError(
+                "token_pos_in_items",
+                "must hold batch_size * token_pos_in_items_len entries",
+                batch_size=bs,
+                token_pos_in_items_len=self.token_pos_in_items_len,
+                size=self.token_pos_in_items.shape[0],
+            )
+        if self.token_pos_in_items_len:
+            short = self.max_item_len < self.rows.max(axis=1)
+            if short.any():
+                i = int(np.flatnonzero(short)[0])
+                raise LayoutError(
+                    "max_item_len",
+                    "must be at least the largest position of the request's row "
+                    "(FlashInfer skips key tiles by it)",
+                    request=i,
+                    max_item_len=int(self.max_item_len[i]),
+                    largest=int(self.rows[i].max()),
+                )
+
+    @property
+    def batch_size(self) -> int:
+        """Number of requests."""
+        return int(self.prefix_len_ptr.shape[0])
+
+    @cached_property
+    def rows(self) -> U16:
+        """uint16 ``[bs, token_pos_in_items_len]``: ``token_pos_in_items`` per request."""
+        return self.token_pos_in_items.reshape(self.batch_size, self.token_pos_in_items_len)
+
+    def request(self, i: int) -> MultiItemTensors:
+        """The same tensors for request ``i`` alone (a batch of one; its row unpadded to
+        the batch's length)."""
+        return MultiItemTensors(
+            self.prefix_len_ptr[i : i + 1],
+            self.rows[i],
+            self.token_pos_in_items_len,
+            self.max_item_len[i : i + 1],
+        )
+
+
+def plan_items(layout: BatchLayout) -> tuple[MultiItemTensors, IntArray]:
+    """The multi-item tensors of ``layout`` and its new tokens' RoPE positions.
+
+    Returns:
+        ``(tensors, positions)``: :class:`MultiItemTensors` for the keys of the
+        request's decoder (the paged call's own key coordinates when it reads from the
+        first decoder page), and int32 ``[total_q]`` positions (module docstring).
+
+    Raises:
+        LayoutError: ``layout`` is not a multi-item batch.
+    """
+    items = layout.item_delimiters
+    if items is None:
+        raise LayoutError("item_delimiters", "not a multi-item batch")
+    bs = layout.batch_size
+    prefix, ext = layout.prefix_lens, layout.extend_lens  # int32
+    has = items.has_items
+    first = np.where(has, items.first, ext)  # new tokens before the first delimiter
+    stride = int((ext - first).max()) if bs else 0  # the longest row
+    if bs * stride > INT32_MAX:  # FlashInfer indexes rows in 32 bits
+        raise LayoutError(
+            "item_delimiters",
+            "batch_size * token_pos_in_items_len exceeds int32",
+            batch_size=bs,
+            token_pos_in_items_len=stride,
+        )
+    prefix_len = np.where(has, prefix + first, layout.seq_lens)
+    qo_ptr = indptr(ext, "extend_lens")
+
+    # A *span* is a delimiter and the tokens after it up to the next delimiter (or the
+    # request's end): its k-th token has in-item position k. Per span, three constants
+    # are spread over its tokens in one repeat: where its delimiter goes in the padded
+    # rows, its row of q, and its RoPE position minus k.
+    pos = items.positions
+    nxt = np.empty_like(pos)
+    nxt[:-1] = pos[1:]
+    nxt[items.indptr[1:][has] - 1] = ext[has]  # after a request's last delimiter: its end
+    span = nxt - pos  # 1 + the item's length
+    owner = np.repeat(np.arange(bs, dtype=np.int32), items.counts)
+    const = np.stack(
+        [
+            owner * np.int32(stride) + pos - first[owner],
+            qo_ptr[:-1][owner] + pos,
+            prefix_len[owner] - 1,
+        ]
+    )
+    span_ptr = indptr(span, "item_delimiters")
+    k = np.arange(span_ptr[-1], dtype=np.int32)
+    k -= np.repeat(span_ptr[:-1], span)
+    to_row, to_q, base = np.repeat(const, span, axis=1)
+    padded = np.zeros(bs * stride, dtype=np.uint16)
+    padded[to_row + k] = k
+    longest = np.zeros(bs, dtype=np.int32)  # the longest item: the largest span - 1
+    if span.size:
+        longest[has] = np.maximum.reduceat(span - 1, items.indptr[:-1][has])
+
+    # Positions: P + j, then from the first delimiter on prefix_len + k - 1 (>= 0).
+    positions = np.arange(qo_ptr[-1], dtype=np.int32)
+    positions -= np.repeat(qo_ptr[:-1] - prefix, ext)
+    positions[to_q + k] = np.maximum(base + k, 0)
+    tensors = MultiItemTensors(
+        seal_inplace(prefix_len, np.uint32),
+        seal_inplace(padded, np.uint16),
+        stride,
+        seal_inplace(longest, np.uint16),
+    )
+    return tensors, seal_inplace(positions)
