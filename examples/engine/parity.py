@@ -1,0 +1,103 @@
+"""Parity with Hugging Face: each request alone, full forward, eager attention, no cache."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .engine import Request, StepOutput
+
+__all__ = ["Parity", "check_parity", "reference_model"]
+
+
+def reference_model(model: nn.Module) -> nn.Module:
+    """An fp32 copy of ``model`` on HF's eager attention (the same weights)."""
+    ref = copy.deepcopy(model).float()
+    ref.set_attn_implementation("eager")
+    return ref.eval()
+
+
+@torch.no_grad()
+def reference_logits(ref: nn.Module, request: Request) -> torch.Tensor:
+    """float32 ``[len(tokens), vocab]``: HF's logits at every decoder position of the
+    request's tokens, computed by one forward of the request alone."""
+    dev = ref.device
+    tokens = torch.tensor([request.tokens], device=dev)
+    if ref.config.is_encoder_decoder:
+        src = torch.tensor([request.encoder_prompt], device=dev)
+        out = ref(input_ids=src, decoder_input_ids=tokens, use_cache=False)
+    else:
+        out = ref(input_ids=tokens, use_cache=False)
+    return out.logits[0].float()
+
+
+@dataclass
+class Parity:
+    """Engine vs HF.
+
+    Attributes:
+        max_abs_diff: largest |engine logit − HF logit| over every logits row of every step.
+        max_ref_logit: largest |HF logit| seen (for relative tolerances).
+        rows: logits rows compared.
+        tokens: generated tokens compared; ``mismatches`` lists ``(request id, index)`` of those
+            whose HF argmax differs (greedy parity: the engine's tokens are fed back to both).
+        ties: differing tokens not counted as mismatches, because HF's top two logits there
+            are closer than the ``tie_margin`` of :func:`check_parity`.
+    """
+
+    max_abs_diff: float
+    max_ref_logit: float
+    rows: int
+    tokens: int
+    mismatches: list[tuple[int, int]]
+    ties: int = 0
+
+    def ok(self, atol: float) -> bool:
+        return self.max_abs_diff <= atol and not self.mismatches
+
+    def line(self) -> str:
+        return (
+            f"parity vs HF eager fp32 (each request alone, no cache): max |logit diff| "
+            f"{self.max_abs_diff:.2e} over {self.rows} logits rows (max |logit| "
+            f"{self.max_ref_logit:.2f}); greedy tokens equal: "
+            f"{self.tokens - len(self.mismatches) - self.ties}/{self.tokens}"
+            + (f", {self.ties} differ at HF near-ties" if self.ties else "")
+        )
+
+
+def check_parity(
+    ref: nn.Module,
+    requests: list[Request],
+    steps: list[StepOutput],
+    *,
+    first_tokens: int | None = None,
+    tie_margin: float = 0.0,
+) -> Parity:
+    """Compare every logits row of ``steps`` and the first ``first_tokens`` (all when
+    ``None``) generated tokens of each request with ``ref`` (:func:`reference_model`).
+    A differing token where HF's top two logits are within ``tie_margin`` is a tie, not a
+    mismatch (for bf16 runs; 0 in fp32: every token must match)."""
+    want = {r.rid: reference_logits(ref, r).cpu() for r in requests}
+    diff, rows = 0.0, 0
+    for out in steps:
+        got = out.logits.float().cpu()
+        for j, (r, pos) in enumerate(zip(out.owners, out.positions, strict=True)):
+            diff = max(diff, float((got[j] - want[r.rid][pos]).abs().max()))
+            rows += 1
+    mismatches, tokens, ties = [], 0, 0
+    for r in requests:
+        start = len(r.prompt) - 1  # the position whose logits give output[0]
+        for k, token in enumerate(r.output[:first_tokens]):
+            tokens += 1
+            top2 = want[r.rid][start + k].topk(2)
+            if int(top2.indices[0]) == token:
+                continue
+            if float(top2.values[0] - top2.values[1]) < tie_margin:
+                ties += 1
+            else:
+                mismatches.append((r.rid, k))
+    top = max(float(w.abs().max()) for w in want.values())
+    return Parity(diff, top, rows, tokens, mismatches, ties)

@@ -1,0 +1,112 @@
+"""Run the example engine on a tiny random-weight model and check it against Hugging Face.
+
+Examples (from the repository root)::
+
+  python examples/engine/run.py --model llama                 # CPU, reference executor, fp32
+  python examples/engine/run.py --model bart --page-size 1
+  python examples/engine/run.py --model gemma2 --device cuda  # FlashInferExecutor, bf16
+  python examples/engine/run.py --model path/to/checkpoint    # from_pretrained, real weights
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `examples.engine` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import flashplan as fp
+from examples.engine.engine import Engine, Request, StepOutput
+from examples.engine.hf_models import TINY_CONFIGS, adapter_for, load_model
+from examples.engine.parity import check_parity, reference_model
+
+
+def make_executor(device: torch.device, prefill_backend: str = "fa2") -> fp.Executor:
+    """The reference executor on CPU; FlashInfer on CUDA (FA2 prefill: no slow FA3 builds)."""
+    if device.type != "cuda":
+        return fp.ReferenceExecutor()
+    from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
+
+    return FlashInferExecutor(device, policy=ExecutorPolicy(prefill_backend=prefill_backend))
+
+
+def make_requests(
+    vocab: int, encoder_decoder: bool, n: int, max_new_tokens: int, seed: int
+) -> list[Request]:
+    """``n`` requests with prompts of 1 to 40 tokens (long ones get chunked)."""
+    rng = np.random.default_rng(seed)
+    lens = [5, 37, 12, 1, 23, 3, 40, 9][:n] + list(rng.integers(1, 41, max(0, n - 8)))
+    reqs = []
+    for i, length in enumerate(lens):
+        prompt = rng.integers(3, vocab, int(length)).tolist()
+        new = max_new_tokens - i % 3
+        if encoder_decoder:  # the source to the encoder; a decoder prefix after BART's start 2
+            reqs.append(Request([2, *prompt[: length // 2]], new, encoder_prompt=prompt))
+        else:
+            reqs.append(Request(prompt, new))
+    return reqs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="llama", help=f"{', '.join(TINY_CONFIGS)} or a checkpoint")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-tokens", type=int, default=384, help="KV cache size per layer")
+    p.add_argument("--max-running", type=int, default=3)
+    p.add_argument("--token-budget", type=int, default=16, help="new tokens per step")
+    p.add_argument("--extend-path", default="auto", choices=["auto", "paged", "ragged"])
+    p.add_argument("--requests", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = load_model(args.model, dtype=dtype, device=device, seed=args.seed)
+    ref = reference_model(model)  # fp32, HF eager attention, same weights
+    engine = Engine(
+        adapter_for(model),
+        make_executor(device),
+        page_size=args.page_size,
+        num_pages=args.kv_tokens // args.page_size,
+        max_running=args.max_running,
+        token_budget=args.token_budget,
+        extend_path=args.extend_path,
+    )
+    encdec = bool(model.config.is_encoder_decoder)
+    reqs = make_requests(
+        model.config.vocab_size, encdec, args.requests, args.max_new_tokens, args.seed
+    )
+    for r in reqs:
+        engine.add(r)
+    steps: list[StepOutput] = []
+    while engine.has_work():
+        out = engine.step()
+        assert out is not None, "no request could be admitted: raise --kv-tokens"
+        steps.append(out)
+        work = [f"r{r.rid} " + ("decode" if n == 1 else f"chunk {n}") for r, n in out.batch]
+        if out.layout.encoder_cached is not None:  # requests joining: their encoder ran now
+            joined = ~out.layout.encoder_cached
+            work = [w + (" +encoder" if j else "") for w, j in zip(work, joined, strict=True)]
+        print(f"step {len(steps):2d} ({out.layout.mode.value}): {', '.join(work)}")
+    for r in reqs:
+        src = f" (encoder {len(r.encoder_prompt)} tokens)" if r.encoder_prompt else ""
+        print(f"request {r.rid}: prompt {len(r.prompt)} tokens{src} -> {r.output}")
+    print(f"KV pages handed out again after being freed: {engine.allocator.reused}")
+    fp32 = dtype == torch.float32  # bf16: tolerance, and HF near-ties may pick either token
+    parity = check_parity(ref, reqs, steps, tie_margin=0.0 if fp32 else 0.25)
+    print(parity.line())
+    atol = 1e-4 if fp32 else 0.03 * parity.max_ref_logit
+    ok = parity.ok(atol)
+    print(f"parity {'OK' if ok else 'FAILED'} (tolerance {atol:.1e})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
