@@ -1,0 +1,175 @@
+"""The example engine (examples/engine) against Hugging Face, on the CPU reference executor.
+
+At every step each request's logits must equal HF's own full forward of that request alone
+(eager attention, no cache, fp32) within 1e-4, and the greedy tokens must be equal; and a
+convention mapped wrongly (window off by one, soft cap missing, wrong scale) must break that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: examples.engine
+
+import flashplan as fp
+from examples.engine.engine import Engine, StepOutput
+from examples.engine.hf_attention import (
+    ATTN_IMPLEMENTATION,
+    HFCall,
+    HFConventions,
+    Kind,
+    hf_sm_scale,
+    hf_soft_cap,
+    hf_window_left,
+)
+from examples.engine.hf_models import TINY_CONFIGS, adapter_for, load_model
+from examples.engine.parity import Parity, check_parity, reference_model
+from examples.engine.run import make_requests
+
+ATOL = 1e-4  # fp32 engine vs fp32 HF
+MODELS = list(TINY_CONFIGS)
+WINDOWED = {"gemma2", "gemma3", "mistral"}
+KV_TOKENS = 384  # KV capacity per layer: 24 pages of 16, or 384 pages of 1
+
+
+@functools.cache
+def models(name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(engine model with random weights, fp32 eager HF reference with the same weights)."""
+    model = load_model(name)
+    return model, reference_model(model)
+
+
+def run_engine(
+    model: torch.nn.Module,
+    *,
+    page_size: int = 16,
+    extend_path: str = "auto",
+    conventions: HFConventions = HFConventions(),  # noqa: B008 (frozen)
+) -> tuple[Engine, list, list[StepOutput], list[bool]]:
+    """Six requests (prompts 1..40 tokens, 6..8 new tokens), 3 at a time, 16 tokens a step.
+    Returns the engine, requests, steps and, per step, whether a page-table row was
+    non-contiguous."""
+    engine = Engine(
+        adapter_for(model),
+        fp.ReferenceExecutor(),
+        page_size=page_size,
+        num_pages=KV_TOKENS // page_size,
+        max_running=3,
+        token_budget=16,
+        extend_path=extend_path,
+        conventions=conventions,
+        keep_all_logits=True,  # compare every new token, not only the sampled ones
+    )
+    reqs = make_requests(model.config.vocab_size, model.config.is_encoder_decoder, 6, 8, 0)
+    for r in reqs:
+        engine.add(r)
+    steps, scattered = [], []
+    while engine.has_work():
+        out = engine.step()
+        assert out is not None
+        steps.append(out)
+        scattered.append(any(np.any(np.diff(r.pages) != 1) for r in engine.running))
+    return engine, reqs, steps, scattered
+
+
+def test_conventions() -> None:
+    assert hf_window_left(None) == -1 and hf_window_left(5) == 4 and hf_window_left(1) == 0
+    assert hf_soft_cap(None) == 0.0 and hf_soft_cap(50) == 50.0
+    assert hf_sm_scale(32**-0.5) == 32**-0.5
+    conv = HFConventions()
+    g = conv.group(Kind.SELF, HFCall(0.125, 6, 2.0))
+    assert (g.window_left, g.logits_soft_cap, g.sm_scale) == (5, 2.0, 0.125)
+    assert conv.group(Kind.CROSS, HFCall(0.125)) == fp.AttentionGroup.cross(sm_scale=0.125)
+    assert conv.group(Kind.ENCODER, HFCall(0.125)) == fp.AttentionGroup.bidirectional(
+        sm_scale=0.125
+    )
+
+
+@pytest.mark.parametrize("extend_path", ["auto", "paged", "ragged"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("name", MODELS)
+def test_parity_with_hf(name: str, page_size: int, extend_path: str) -> None:
+    model, ref = models(name)
+    engine, reqs, steps, scattered = run_engine(model, page_size=page_size, extend_path=extend_path)
+    parity = check_parity(ref, reqs, steps)
+    assert parity.max_abs_diff <= ATOL, parity.line()
+    assert not parity.mismatches, parity.line()
+    assert parity.tokens == sum(r.max_new_tokens for r in reqs)
+
+    # The batches were what the test means to cover.
+    ext = [s.layout.extend_lens for s in steps]
+    assert any((e == 1).any() and (e > 1).any() for e in ext), "no decode mixed with a chunk"
+    assert any(((s.layout.prefix_lens > 0) & (s.layout.extend_lens > 1)).any() for s in steps), (
+        "no prompt chunk after an earlier chunk"
+    )
+    assert any(s.layout.mode is fp.Mode.DECODE for s in steps)
+    assert engine.allocator.reused > 0, "no freed page was reused"
+    assert any(scattered), "page tables were all contiguous"
+    assert not engine.running and len(engine.allocator.free) == KV_TOKENS // page_size
+    paths = {gp.path for s in steps for gp in s.spec.group_plans if not gp.group.cross_attention}
+    want = {
+        "paged": {fp.KernelPath.PAGED, fp.KernelPath.DECODE},
+        "ragged": {fp.KernelPath.RAGGED, fp.KernelPath.RAGGED_PAGED, fp.KernelPath.DECODE},
+        "auto": {fp.KernelPath.RAGGED, fp.KernelPath.PAGED, fp.KernelPath.DECODE},
+    }[extend_path]
+    assert paths == want
+    if name in WINDOWED and extend_path == "ragged":  # a window cutting into the prefix
+        assert any(gp.uses_custom_mask for s in steps for gp in s.spec.group_plans)
+    if model.config.is_encoder_decoder:  # a request joined a batch with cached encoders
+        assert any(
+            s.layout.encoder_cached.any() and not s.layout.encoder_cached.all() for s in steps
+        )
+
+
+def _window_shift(shift: int) -> HFConventions:
+    def window_left(sliding_window: int | None) -> int:
+        return hf_window_left(sliding_window) + (shift if sliding_window else 0)
+
+    return dataclasses.replace(HFConventions(), window_left=window_left)
+
+
+WRONG = {
+    "window one wider": _window_shift(+1),
+    "window one narrower": _window_shift(-1),
+    "soft cap missing": dataclasses.replace(HFConventions(), soft_cap=lambda cap: 0.0),
+    "scale 1/sqrt(head_dim)": dataclasses.replace(HFConventions(), sm_scale=lambda s: 64**-0.5),
+}
+CONTROLS = [("gemma2", wrong) for wrong in WRONG] + [
+    ("mistral", "window one wider"),  # window 5, narrower than a 16-token page
+    ("mistral", "window one narrower"),
+]
+
+
+@pytest.mark.parametrize(("name", "wrong"), CONTROLS)
+def test_negative_controls(name: str, wrong: str) -> None:
+    """Each wrong convention on its own breaks parity, far beyond the tolerance."""
+    model, ref = models(name)
+    assert check_parity(ref, *run_engine(model)[1:3]).ok(ATOL)  # the control's baseline
+    _, reqs, steps, _ = run_engine(model, conventions=WRONG[wrong])
+    parity: Parity = check_parity(ref, reqs, steps)
+    assert parity.max_abs_diff > 100 * ATOL, parity.line()
+    assert not parity.ok(ATOL)
+
+
+def test_call_disagreeing_with_plan_raises() -> None:
+    """Gemma 3 keeps ``attn_logit_softcapping`` on its modules but never passes it to the
+    attention function: the engine plans a capped group, HF's call asks for an uncapped one,
+    and ``run`` refuses it instead of computing something else."""
+    from transformers import AutoModelForCausalLM
+
+    config = TINY_CONFIGS["gemma3"]()
+    config.attn_logit_softcapping = 5.0
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
+    engine = Engine(adapter_for(model.eval()), fp.ReferenceExecutor(), num_pages=8)
+    engine.add(make_requests(config.vocab_size, False, 1, 2, 0)[0])
+    with pytest.raises(fp.PlanMismatchError, match="was not planned"):
+        engine.step()
