@@ -17,8 +17,6 @@ import flashplan as fp
 from .hf_attention import HFConventions, Kind, StepContext, expected_call
 from .hf_models import DecoderOnly, EncoderDecoder
 
-__all__ = ["Engine", "PageAllocator", "Request", "StepOutput"]
-
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)

@@ -25,20 +25,6 @@ from transformers import AttentionInterface
 
 import flashplan as fp
 
-__all__ = [
-    "ATTN_IMPLEMENTATION",
-    "Binding",
-    "HFCall",
-    "HFConventions",
-    "Kind",
-    "StepContext",
-    "expected_call",
-    "flashplan_attention",
-    "hf_sm_scale",
-    "hf_soft_cap",
-    "hf_window_left",
-]
-
 #: The name under which :func:`flashplan_attention` is registered with transformers. Not
 #: "flashplan": transformers takes any name containing "flash" for a FlashAttention flavour
 #: (``is_flash_attention_requested``) and tries to load such a kernel.

@@ -30,8 +30,6 @@ import flashplan as fp
 
 from .hf_attention import ATTN_IMPLEMENTATION, Binding, Kind, StepContext
 
-__all__ = ["TINY_CONFIGS", "DecoderOnly", "EncoderDecoder", "adapter_for", "load_model"]
-
 # Shared sizes: head_dim 64 (a FlashInfer head size), 4 query heads on 2 KV heads (GQA).
 _DECODER = dict(
     vocab_size=512,

@@ -10,8 +10,6 @@ from torch import nn
 
 from .engine import Request, StepOutput
 
-__all__ = ["Parity", "check_parity", "reference_model"]
-
 
 def reference_model(model: nn.Module) -> nn.Module:
     """An fp32 copy of ``model`` on HF's eager attention (the same weights)."""
