@@ -93,11 +93,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Options whose values may start with "-" (a draft tree's root is -1): argparse would
+#: read "-1,0,0" as an option, so "--parents -1,0,0" is joined into "--parents=-1,0,0".
+_DASH_VALUED = ("--parents",)
+
+
+def _join_dash_values(argv: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg in _DASH_VALUED:
+            value = next(it, None)
+            out.append(arg if value is None else f"{arg}={value}")
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``flashplan`` command line; return the exit status."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(_join_dash_values(sys.argv[1:] if argv is None else argv))
     except SystemExit as exc:  # usage errors (2) and --help (0): return, don't exit
         return exc.code if isinstance(exc.code, int) else 0
     if args.command is None:

@@ -322,3 +322,11 @@ def test_describe_plan_and_coverage_ragged() -> None:
     (c,) = kernel_coverage(decode, AttentionGroup.sliding(4))
     # Keys 35..39 are needed, page 2 (keys 32..39) is read; keys 0..31 are not.
     assert (c[:32] == COVER_NONE).all() and (c[32:] == COVER_PAGED).all()
+
+
+def test_explain_parents_accepts_a_leading_minus_one(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--parents -1,0,0,1`` (space, not ``=``): the root's -1 is a value, not an option."""
+    spaced = _explain(capsys, "--prefix-lens", "5,9", "--parents", "-1,0,0,1", "--page-size", "4")
+    joined = _explain(capsys, "--prefix-lens", "5,9", "--parents=-1,0,0,1", "--page-size", "4")
+    assert spaced == joined
+    assert spaced.startswith("layout: verify")

@@ -122,6 +122,7 @@ def _expected_backend(
         return policy.prefill_backend
     fa3 = (
         sm90
+        and not policy.deterministic  # graphs replay FA2: deterministic eager matches them
         and heads.q_dtype in _FA3_DTYPES
         and heads.kv_dtype == heads.q_dtype
         and heads.head_dim in (64, 128, 256)

@@ -191,3 +191,14 @@ def test_fixed_token_extend_bucket_pads_every_token(
     assert (got_o[w.lo : w.lo + bs * tokens] >= 0).all()
     host = padded_inputs(inputs.host, bs, bucket)
     assert host["qo_indptr"].tolist() == [tokens * i for i in range(bucket.batch_size + 1)]
+
+
+def test_buckets_capture_decode_and_extend_only() -> None:
+    """A verify bucket is refused when it is made, and a masked plan by check_fits."""
+    with pytest.raises(fp.BucketError, match="verify batches run eagerly"):
+        GraphBucket(fp.Mode.VERIFY, 4, 16, tokens_per_request=4)
+    tree = fp.DraftTree.from_parents([[-1, 0, 0, 1]] * 2)
+    verify = fp.plan(fp.BatchLayout.verify([5, 9], tree, page_size=4), HEADS)
+    assert verify.group_plans[0].uses_custom_mask
+    with pytest.raises(fp.BucketError):
+        check_fits(verify, GraphBucket.extend(2, 16, tokens_per_request=4))

@@ -280,7 +280,7 @@ class ReferenceExecutor:
         self, specs: tuple[PlanSpec, ...] | list[PlanSpec], table: PageTable
     ) -> tuple[ReferenceExecutor, ...]:
         """Apply every step of a multi-step draft decode; one executor per step (the
-        same contract as :meth:`FlashInferExecutor.apply_steps`)."""
+        same contract as :meth:`~flashplan.executor.flashinfer.FlashInferExecutor.apply_steps`)."""
         views = []
         for spec in specs:
             view = ReferenceExecutor(compute_dtype=self.compute_dtype, page_map=self.page_map)

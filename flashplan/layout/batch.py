@@ -33,11 +33,11 @@ __all__ = ["DEFAULT_GROUPS", "BatchLayout", "Mode", "as_groups"]
 class Mode(enum.Enum):
     """What kind of step a batch is.
 
-    ``DECODE``: one new token per request, planned on FlashInfer's decode kernels.
-    ``EXTEND``: any number of new tokens per request (prefill, chunked prefill,
-    block-bidirectional extend, draft extend).
-    ``VERIFY``: speculative target verify: each request's ``N`` draft tokens, a tree
-    (:class:`~flashplan.layout.drafts.DraftTree`), after its prefix.
+    * ``DECODE``: one new token per request, planned on FlashInfer's decode kernels.
+    * ``EXTEND``: any number of new tokens per request (prefill, chunked prefill,
+      block-bidirectional extend, draft extend, multi-item scoring).
+    * ``VERIFY``: speculative target verify: each request's ``N`` draft tokens, a tree
+      (:class:`~flashplan.layout.drafts.DraftTree`), after its prefix.
     """
 
     DECODE = "decode"
@@ -400,6 +400,13 @@ class BatchLayout:
         if not isinstance(draft, DraftTree):
             raise LayoutError("draft", "must be a DraftTree", value=type(draft).__name__)
         prefix = as_lengths("prefix_lens", prefix_lens)
+        if draft.batch_size != prefix.shape[0]:
+            raise LayoutError(
+                "draft",
+                "batch size differs from prefix_lens",
+                prefix_lens_size=prefix.shape[0],
+                draft_size=draft.batch_size,
+            )
         seq = checked_int32(
             "prefix_lens", prefix.astype(np.int64) + draft.num_tokens, "prefix + draft length"
         )
@@ -422,8 +429,9 @@ class BatchLayout:
         request adds ``n`` tokens: the first ``accepted_lens[i]`` are real and the rest
         padding. Causality keeps padding out of every real token's keys; padding tokens'
         outputs are meaningless (ignore those rows), and their K/V lands in the request's
-        own slots past its accepted tokens, which the next step overwrites — so the
-        table must hold ``prefix + n`` tokens per request.
+        own slots past its accepted tokens, beyond the request's cached length (later
+        steps write over them) — so the table must hold ``prefix + n`` tokens per
+        request.
 
         Raises:
             LayoutError: an accepted length above ``tokens_per_request`` (naming the

@@ -105,8 +105,10 @@ class DraftTree:
         """EAGLE's shape: the root, then ``topk`` branches of ``steps`` tokens each.
 
         ``N = 1 + topk * steps``; branch ``b`` is tokens ``1 + b * steps`` ..
-        ``(b + 1) * steps``, a chain hanging from the root — what ``steps`` rounds of
-        a ``topk``-branch multi-step draft decode produce.
+        ``(b + 1) * steps``, a chain hanging from the root: ``steps`` draft tokens per
+        branch. (How many :class:`~flashplan.DraftDecode` steps an engine's draft loop
+        runs to produce them depends on whether its draft model has the root cached:
+        ``docs/guide-speculative.md`` works one round through.)
         """
         bs = as_int("batch_size", batch_size, minimum=0)
         k = as_int("topk", topk, minimum=1)

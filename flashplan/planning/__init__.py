@@ -1,7 +1,7 @@
 """Pure planning: `BatchLayout` -> `PlanSpec` (host data only)."""
 
 from flashplan.planning.items import MultiItemTensors, plan_items
-from flashplan.planning.masks import CustomMask, ThresholdMask
+from flashplan.planning.masks import CustomMask, ThresholdMask, TreeMask
 from flashplan.planning.materialize import PlanIntegrityError, materialize
 from flashplan.planning.planner import plan, plan_steps, planned_groups
 from flashplan.planning.policy import default_extend_path
@@ -27,6 +27,7 @@ __all__ = [
     "PlanSpec",
     "RaggedPart",
     "ThresholdMask",
+    "TreeMask",
     "default_extend_path",
     "materialize",
     "plan",

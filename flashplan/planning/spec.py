@@ -45,11 +45,12 @@ __all__ = [
 class KernelPath(enum.Enum):
     """Which kernels compute a group's attention.
 
-    ``DECODE``: paged decode kernel, one query per request.
-    ``PAGED``: paged prefill kernel over the whole visible KV (new tokens written first).
-    ``RAGGED``: ragged prefill over the new tokens only (no cached prefix anywhere).
-    ``RAGGED_PAGED``: ragged prefill over the new tokens + paged prefill over the
-    cached prefix, merged through their base-2 log-sum-exp.
+    * ``DECODE``: paged decode kernel, one query per request.
+    * ``PAGED``: paged prefill kernel over the whole visible KV (new tokens written
+      first).
+    * ``RAGGED``: ragged prefill over the new tokens only (no cached prefix anywhere).
+    * ``RAGGED_PAGED``: ragged prefill over the new tokens + paged prefill over the
+      cached prefix, merged through their base-2 log-sum-exp.
     """
 
     DECODE = "decode"

@@ -10,6 +10,8 @@ from flashplan.layout import AttentionGroup, BatchLayout, HeadConfig
 
 __all__ = ["CONSTRUCTORS", "construct"]
 
+#: The public record constructors by name (``"BatchLayout.extend"``, ...): what the
+#: invalid-input catalogue (:mod:`flashplan.testing.invalid`) calls with junk arguments.
 CONSTRUCTORS: Mapping[str, Callable[..., Any]] = {
     "BatchLayout.decode": BatchLayout.decode,
     "BatchLayout.extend": BatchLayout.extend,

@@ -170,6 +170,23 @@ def test_a_plan_that_does_not_fit_is_refused_before_anything_runs() -> None:
     torch.cuda.synchronize()
 
 
+def test_graph_executors_refuse_what_a_graph_cannot_replay() -> None:
+    """check_pages mode (reads back from the device) and multi-step applies are refused
+    with clear errors; a refused first plan fixes no key."""
+    with pytest.raises(fp.UnsupportedError, match="check_pages"):
+        GraphExecutor(FlashInferExecutor(check_pages=True), GraphBucket.decode(2, 4))
+    gx = GraphExecutor(FlashInferExecutor(), GraphBucket.decode(batch_size=2, max_pages=4))
+    draft = fp.DraftDecode([5, 9], topk=1, steps=2, page_size=16)
+    with pytest.raises(fp.UnsupportedError, match="per draft step"):
+        gx.apply_steps(fp.plan_steps(draft, HEADS), fp.PageTable.sequential([2, 2], device=DEV))
+    too_big = fp.plan(fp.BatchLayout.decode([5, 9, 3], page_size=16), HEADS)
+    with pytest.raises(fp.BucketError):
+        gx.apply(too_big, fp.PageTable.sequential(too_big.pages_needed, device=DEV))
+    windowed = fp.plan(fp.BatchLayout.decode([5, 9], page_size=16, groups=(W5,)), HEADS)
+    gx.apply(windowed, fp.PageTable.sequential(windowed.pages_needed, device=DEV))
+    torch.cuda.synchronize()
+
+
 def test_replay_planning_is_sync_free() -> None:
     bucket = GraphBucket.decode(batch_size=8, max_pages=40)
     layouts = [

@@ -1,10 +1,12 @@
 """FlashInfer executor: pure call translation, staging layout, policy, and the stateful
 executor.
 
-``calls``, ``staging``, ``policy`` and ``compat`` are pure and import on any machine;
-constructing :class:`FlashInferExecutor` needs CUDA and flashinfer-python.
+``calls``, ``staging``, ``bucket``, ``policy`` and ``compat`` are pure and import on any
+machine; constructing :class:`FlashInferExecutor` (or a CUDA-graph :class:`GraphExecutor`)
+needs CUDA and flashinfer-python.
 """
 
+from flashplan.executor.flashinfer.bucket import GraphBucket, check_fits
 from flashplan.executor.flashinfer.calls import (
     BuiltMask,
     CallInputs,
@@ -19,6 +21,7 @@ from flashplan.executor.flashinfer.calls import (
     translate,
 )
 from flashplan.executor.flashinfer.executor import DEFAULT_WORKSPACE_BYTES, FlashInferExecutor
+from flashplan.executor.flashinfer.graphs import CapturedStep, GraphExecutor, capture
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import DevicePlan, StagingManifest, device_plan
 
@@ -26,10 +29,13 @@ __all__ = [
     "DEFAULT_WORKSPACE_BYTES",
     "BuiltMask",
     "CallInputs",
+    "CapturedStep",
     "DeviceIndices",
     "DevicePlan",
     "ExecutorPolicy",
     "FlashInferExecutor",
+    "GraphBucket",
+    "GraphExecutor",
     "GroupCalls",
     "HostArray",
     "MaskRecipe",
@@ -38,6 +44,8 @@ __all__ = [
     "Translation",
     "WrapperKey",
     "WrapperKind",
+    "capture",
+    "check_fits",
     "device_plan",
     "translate",
 ]

@@ -102,7 +102,7 @@ def _cuda_device(device: torch.device | str | None) -> torch.device:
 
 
 class FlashInferExecutor:
-    """Runs :class:`~flashplan.PlanSpec` s on FlashInfer kernels (CUDA).
+    """Runs plans (:class:`~flashplan.PlanSpec`) on FlashInfer kernels (CUDA).
 
     Same contract as :class:`~flashplan.ReferenceExecutor` (the
     :class:`~flashplan.Executor` protocol): ``apply(spec, table)`` once per batch, then
@@ -328,8 +328,10 @@ class FlashInferExecutor:
         executor's buffers, so apply again only through this executor.
 
         Raises:
-            PlanMismatchError / PageTableError / UnsupportedError: as :meth:`apply`;
-                plans with custom masks are refused (draft decodes have none).
+            PlanMismatchError: as :meth:`apply`, or no plan given.
+            PageTableError: as :meth:`apply`.
+            UnsupportedError: as :meth:`apply`, or a plan with a custom mask (draft
+                decodes have none).
         """
         specs = tuple(specs)
         if not specs:

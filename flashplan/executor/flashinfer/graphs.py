@@ -31,7 +31,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 import torch
 
-from flashplan.errors import PlanMismatchError
+from flashplan.errors import PlanMismatchError, UnsupportedError
 from flashplan.executor.checks import RunArgs, check_run_args
 from flashplan.executor.flashinfer.bucket import (
     BucketLayout,
@@ -66,12 +66,26 @@ class GraphExecutor(FlashInferExecutor):
     (groups, paths, heads) the graph is captured for; later applies must have it.
 
     Raises:
+        UnsupportedError: ``parent`` runs in ``check_pages`` mode, whose checks read back
+            from the device, which a captured graph cannot do: capture from an executor
+            in the default mode (bad ids are then neutralised and counted).
         BucketError: (``apply``) a plan that does not fit the bucket.
     """
 
     def __init__(self, parent: FlashInferExecutor, bucket: GraphBucket) -> None:
         if not isinstance(bucket, GraphBucket):
             raise PlanMismatchError(f"bucket: expected a GraphBucket, got {type(bucket).__name__}")
+        if not isinstance(parent, FlashInferExecutor):
+            raise PlanMismatchError(
+                f"parent: expected a FlashInferExecutor, got {type(parent).__name__}"
+            )
+        if parent.check_pages:
+            raise UnsupportedError(
+                "check_pages=True reads back from the device on every apply and run, which "
+                "a captured CUDA graph cannot do: make the GraphExecutor from an executor "
+                "in the default mode (bad page ids are neutralised and counted in "
+                "page_errors())"
+            )
         self.device = parent.device
         self._fi = parent._fi
         self.policy = parent.policy
@@ -87,23 +101,25 @@ class GraphExecutor(FlashInferExecutor):
         self._fixed_offset: torch.Tensor | None = None
 
     # -- fixed buffers ------------------------------------------------------------------
-    def _fix_key(self, spec: PlanSpec) -> BucketLayout:
+    def _bucket_layout(self, spec: PlanSpec) -> BucketLayout:
+        """The fixed regions for ``spec``'s key (the key of the first applied plan)."""
         if self._key is None:
-            self._key = spec.key
-            self._layout = self.bucket.layout(spec.key, window_pool=self.page_map is not None)
-            self._fixed_page = torch.zeros(
-                self._layout.total, dtype=torch.int32, device=self.device
-            )
-            self._fixed_offset = torch.full(
-                (self._layout.total,), -1, dtype=torch.int32, device=self.device
-            )
-        elif spec.key != self._key:
+            return self.bucket.layout(spec.key, window_pool=self.page_map is not None)
+        if spec.key != self._key:
             raise PlanMismatchError(
                 "a graph executor runs plans of the key it was first applied with "
                 f"(groups, paths, heads); got {spec.key!r}, fixed {self._key!r}"
             )
         assert self._layout is not None
         return self._layout
+
+    def _fix_key(self, key: PlanKey, layout: BucketLayout) -> None:
+        """Fix the key and allocate the fixed buffers (first successful plan only)."""
+        if self._key is not None:
+            return
+        self._key, self._layout = key, layout
+        self._fixed_page = torch.zeros(layout.total, dtype=torch.int32, device=self.device)
+        self._fixed_offset = torch.full((layout.total,), -1, dtype=torch.int32, device=self.device)
 
     def _gather_out(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._fixed_page is not None and self._fixed_offset is not None
@@ -120,7 +136,7 @@ class GraphExecutor(FlashInferExecutor):
     def _device_plan(
         self, spec: PlanSpec, calls: tuple[GroupCalls, ...], table: PageTable
     ) -> DevicePlan:
-        layout = self._fix_key(spec)
+        layout = self._bucket_layout(spec)
         inputs = call_inputs(spec, calls)
         jobs = gather_jobs(
             spec,
@@ -131,7 +147,9 @@ class GraphExecutor(FlashInferExecutor):
         )
         fixed = bucket_jobs(jobs, layout, spec.batch_size, self.bucket)
         host = padded_inputs(inputs.host, spec.batch_size, self.bucket)
-        return device_plan(calls, fixed, host, inputs.masks)
+        dplan = device_plan(calls, fixed, host, inputs.masks)
+        self._fix_key(spec.key, layout)  # nothing above refused the plan
+        return dplan
 
     #: The graph reads one wrapper per key: wait rather than make another.
     _grow_wrappers = False
@@ -185,6 +203,21 @@ class GraphExecutor(FlashInferExecutor):
         if isinstance(spec, PlanSpec):
             check_fits(spec, self.bucket)
         super().apply(spec, table)
+
+    def apply_steps(
+        self, specs: tuple[PlanSpec, ...] | list[PlanSpec], table: PageTable
+    ) -> tuple[FlashInferExecutor, ...]:
+        """Not supported: a graph executor's fixed buffers hold one step's plan.
+
+        Raises:
+            UnsupportedError: always; capture one :class:`GraphExecutor` per draft step
+                (each a decode bucket of ``batch_size * topk`` branches) instead.
+        """
+        raise UnsupportedError(
+            "GraphExecutor.apply_steps: a graph's fixed buffers hold one step; capture one "
+            "GraphExecutor per draft step (a decode bucket of batch_size * topk branches) "
+            "and apply each step's plan to its own"
+        )
 
     def _check_run(
         self,

@@ -53,7 +53,9 @@ class ExecutorPolicy:
             between an eager step and a CUDA-graph replay. Decode always runs on
             tensor cores, no kernel splits a request's KV across work items
             (``disable_split_kv``: nothing is reduced in a batch-dependent order),
-            and plans on a ragged path are refused (plan with
+            ``prefill_backend="auto"`` means FA2 (the backend CUDA graphs replay, so
+            an eager extend and its replay run the same kernel), and plans on a ragged
+            path are refused (plan with
             ``extend_path="paged"``: otherwise a request's kernels would depend on
             the rest of the batch). See ``docs/guide-cuda-graphs.md`` for why this
             differs from the reference file's fixed split tiles.
@@ -113,7 +115,9 @@ def prefill_backend(
 
     ``"auto"`` picks FA3 on Hopper (sm_90) for fp16/bf16 and head_dim 64/128/256
     without a custom mask (measured ~1.4x faster than FA2 for a 16 x (2048 + 512)
-    extend on an H200), FA2 otherwise. Calls with a custom mask or multi-item tensors
+    extend on an H200), FA2 otherwise, and FA2 in deterministic mode (the backend
+    CUDA-graph replays use, so eager and replayed extends agree bit for bit). Calls
+    with a custom mask or multi-item tensors
     always run on FA2, whatever the policy: FlashInfer 0.7.4's FA3 kernels carry the
     multi-item rule too (``hopper/mainloop_mma.cuh``), but the reference file and
     flashplan's GPU tests use FA2 only.
@@ -133,7 +137,7 @@ def prefill_backend(
         )
     if policy.prefill_backend != "auto":
         return policy.prefill_backend
-    return "fa3" if sm90 and fa3_kernels else "fa2"
+    return "fa3" if sm90 and fa3_kernels and not policy.deterministic else "fa2"
 
 
 def split_kwargs(policy: ExecutorPolicy) -> list[tuple[str, object]]:
