@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One GPU session's work on the lent H200, batched into one call (device time is short):
+# the GPU test suite, compute-sanitizer memcheck over decode / extend / graph tests, and
+# the benchmarks. Every phase has a time cap and writes its log under $OUT; a failing
+# phase does not stop the next one.
+#
+#   source .whl/setup.sh >"$OUT/setup.log" 2>&1 && bash benchmarks/h200_session.sh [PHASES]
+#
+# PHASES: comma-separated subset of tests,sanitize,bench (default: all three).
+# The FlashInfer wheels and module cache come from the git-ignored .whl/ folder that
+# ../shared/tools/device/prepare.sh fills on the CPU machine (see docs/benchmarks.md).
+set -uo pipefail
+
+RESULTS="${OUT:?set OUT to the results folder}"
+OUT="$RESULTS/r"  # every log and table here; packed into $RESULTS/results.tgz at the end
+mkdir -p "$OUT"
+PHASES=",${1:-tests,sanitize,bench},"
+export PYTHONUNBUFFERED=1
+START=$SECONDS
+
+phase() {  # phase NAME CAP_SECONDS CMD...: run with a cap, log to $OUT/NAME.log
+  local name="$1" cap="$2"; shift 2
+  local t0=$SECONDS rc=0
+  echo "::: [$name] cap ${cap}s: $*" | tee -a "$OUT/summary.log"
+  timeout --kill-after=10 "$cap" "$@" >"$OUT/$name.log" 2>&1 || rc=$?
+  echo "::: [$name] rc=$rc in $((SECONDS - t0))s (total $((SECONDS - START))s)" \
+    | tee -a "$OUT/summary.log"
+  tail -n 3 "$OUT/$name.log" | sed "s/^/    /" | tee -a "$OUT/summary.log"
+}
+
+python3 -c 'import torch, flashinfer, triton; print("torch", torch.__version__,
+  "flashinfer", flashinfer.__version__, "triton", triton.__version__,
+  torch.cuda.get_device_name())' | tee -a "$OUT/summary.log"
+
+if [[ $PHASES == *,tests,* ]]; then
+  phase gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -rfEs tests/gpu tests/kernels
+fi
+
+if [[ $PHASES == *,sanitize,* ]]; then
+  # memcheck over decode and extend (ragged, ragged+paged, paged; page 1 and 16; bf16
+  # and fp16; soft cap) without torch's caching allocator, so that every tensor is its
+  # own allocation and an access past a tensor's end is caught too; then the CUDA-graph
+  # tests (graph capture needs the caching allocator).
+  SAN=(compute-sanitizer --tool memcheck --target-processes all --print-limit 20
+       --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider)
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 phase sanitizer_eager 80 "${SAN[@]}" \
+    tests/gpu/test_flashinfer_executor.py -k "test_matches_reference and 128-16-4-30"
+  phase sanitizer_graphs 60 "${SAN[@]}" tests/gpu/test_step_loop.py -k "not busy"
+fi
+
+if [[ $PHASES == *,bench,* ]]; then
+  phase run_gpu 110 python3 benchmarks/run_gpu.py --out "$OUT" \
+    --parts copy,host,graph,deterministic,window
+  phase bench_speculative 40 python3 benchmarks/bench_speculative.py --out "$OUT"
+  phase bench_multi_item 50 python3 benchmarks/bench_multi_item.py --out "$OUT" --no-full
+fi
+echo "::: done in $((SECONDS - START))s" | tee -a "$OUT/summary.log"
+cp "$OUT/summary.log" "$RESULTS/summary.log"
+tar czf "$RESULTS/results.tgz" -C "$RESULTS" r && rm -rf "$OUT"
