@@ -19,6 +19,10 @@ import torch
 
 if __package__ in (None, ""):  # run as a script: make `examples.engine` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+try:
+    import transformers  # noqa: F401
+except ImportError:
+    sys.exit("examples/engine needs transformers: pip install -e '.[test]' (it pins it)")
 
 import flashplan as fp
 from examples.engine.engine import Engine, Request, StepOutput
