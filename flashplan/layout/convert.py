@@ -91,6 +91,9 @@ def as_real(field: str, value: object) -> float:
     return out
 
 
+_BOOL_TYPES = frozenset((bool, np.bool_))
+
+
 def _host_numpy(field: str, values: object) -> npt.NDArray[Any]:
     """``values`` as a numpy array (object dtype when the elements are not all numbers)."""
     if isinstance(values, torch.Tensor):
@@ -112,7 +115,7 @@ def _host_numpy(field: str, values: object) -> npt.NDArray[Any]:
         raise LayoutError(field, "must be a 1-D sequence of ints", type=type(values).__name__)
     if isinstance(values, np.ndarray):
         return values
-    if any(type(v) is bool or type(v) is np.bool_ for v in values):
+    if not _BOOL_TYPES.isdisjoint(map(type, values)):
         arr = np.empty(len(values), dtype=object)  # numpy would turn True into 1
         arr[:] = list(values)
         return arr

@@ -163,11 +163,11 @@ class ItemDelimiters:
             flat = list(itertools.chain.from_iterable(e for e in entries if e is not None))
         elif types <= _TENSOR_TYPES:  # one concatenation (sglang hands over CPU tensors)
             present = [e for e in entries if e is not None]
-            for i, e in enumerate(entries):
-                if e is not None and (e.device.type != "cpu" or e.dim() != 1):
+            flat = _cat_host_tensors(present) if present else []
+            if flat is None:  # not all 1-D CPU tensors: name the first request that is not
+                for i, e in enumerate(entries):
                     _check_entry(i, e)
             lengths = [0 if e is None else e.shape[0] for e in entries]
-            flat = torch.cat(present) if present else []
         else:
             for i, e in enumerate(entries):
                 _check_entry(i, e)
@@ -237,6 +237,18 @@ class ItemDelimiters:
 
 _LIST_TYPES = {list, tuple, type(None)}
 _TENSOR_TYPES = {torch.Tensor, type(None)}
+
+
+def _cat_host_tensors(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The concatenation of 1-D CPU tensors, or ``None`` when any part is not one (checked
+    on the result: one cat instead of a device and shape check per request)."""
+    if any(p.dim() != 1 for p in parts):
+        return None
+    try:
+        flat = torch.cat(parts)
+    except (RuntimeError, TypeError):
+        return None
+    return flat if flat.device.type == "cpu" else None
 
 
 def _check_entry(request: int, entry: object) -> None:

@@ -192,37 +192,27 @@ def plan_items(layout: BatchLayout) -> tuple[MultiItemTensors, IntArray]:
     prefix_len = np.where(has, prefix + first, layout.seq_lens)
     qo_ptr = indptr(ext, "extend_lens")
 
-    # A *span* is a delimiter and the tokens after it up to the next delimiter (or the
-    # request's end): its k-th token has in-item position k. Per span, three constants
-    # are spread over its tokens in one repeat: where its delimiter goes in the padded
-    # rows, its row of q, and its RoPE position minus k.
-    pos = items.positions
-    nxt = np.empty_like(pos)
-    nxt[:-1] = pos[1:]
-    nxt[items.indptr[1:][has] - 1] = ext[has]  # after a request's last delimiter: its end
-    span = nxt - pos  # 1 + the item's length
+    # Everything from a request's first delimiter on is its *row*: column c is new token
+    # first + c. On the [bs, stride] grid of rows (FlashInfer's padded layout itself) the
+    # in-item position of column c is c minus the column of the last delimiter at or
+    # before it (column 0 is always one); columns past the row's end are padding.
+    row_len = ext - first  # 0 for a request without delimiters
+    cols = np.arange(stride, dtype=np.int32)
+    in_row = cols < row_len[:, None]
+    last = np.zeros((bs, stride), dtype=np.int32)
     owner = np.repeat(np.arange(bs, dtype=np.int32), items.counts)
-    const = np.stack(
-        [
-            owner * np.int32(stride) + pos - first[owner],
-            qo_ptr[:-1][owner] + pos,
-            prefix_len[owner] - 1,
-        ]
-    )
-    span_ptr = indptr(span, "item_delimiters")
-    k = np.arange(span_ptr[-1], dtype=np.int32)
-    k -= np.repeat(span_ptr[:-1], span)
-    to_row, to_q, base = np.repeat(const, span, axis=1)
-    padded = np.zeros(bs * stride, dtype=np.uint16)
-    padded[to_row + k] = k
-    longest = np.zeros(bs, dtype=np.int32)  # the longest item: the largest span - 1
-    if span.size:
-        longest[has] = np.maximum.reduceat(span - 1, items.indptr[:-1][has])
+    at = items.positions - first[owner]
+    last[owner, at] = at
+    np.maximum.accumulate(last, axis=1, out=last)
+    grid = np.where(in_row, cols - last, 0)  # int32 [bs, stride]
+    longest = grid.max(axis=1, initial=0)  # the longest item (a delimiter is 0)
 
     # Positions: P + j, then from the first delimiter on prefix_len + k - 1 (>= 0).
     positions = np.arange(qo_ptr[-1], dtype=np.int32)
     positions -= np.repeat(qo_ptr[:-1] - prefix, ext)
-    positions[to_q + k] = np.maximum(base + k, 0)
+    row_q = (qo_ptr[:-1] + first)[:, None] + cols  # where each row column sits in q
+    positions[row_q[in_row]] = np.maximum((prefix_len - 1)[:, None] + grid, 0)[in_row]
+    padded = grid.astype(np.uint16).reshape(-1)
     tensors = MultiItemTensors(
         seal_inplace(prefix_len, np.uint32),
         seal_inplace(padded, np.uint16),
