@@ -7,6 +7,8 @@
 #   source .whl/setup.sh >"$OUT/setup.log" 2>&1 && bash benchmarks/h200_session.sh [PHASES]
 #
 # PHASES: comma-separated subset of tests,sanitize,bench (default: all three).
+# Caps (seconds) and run_gpu.py's parts can be lowered to fit the device time left:
+# CAP_TESTS, CAP_SAN_EAGER, CAP_SAN_GRAPHS, CAP_RUN_GPU, CAP_SPEC, CAP_ITEMS, RUN_GPU_PARTS.
 # The FlashInfer wheels and module cache come from the git-ignored .whl/ folder that
 # ../shared/tools/device/prepare.sh fills on the CPU machine (see docs/benchmarks.md).
 set -uo pipefail
@@ -33,7 +35,7 @@ python3 -c 'import torch, flashinfer, triton; print("torch", torch.__version__,
   torch.cuda.get_device_name())' | tee -a "$OUT/summary.log"
 
 if [[ $PHASES == *,tests,* ]]; then
-  phase gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -rfEs tests/gpu tests/kernels
+  phase gpu_tests "${CAP_TESTS:-200}" python3 -m pytest -q -p no:cacheprovider -rfEs tests/gpu tests/kernels
 fi
 
 if [[ $PHASES == *,sanitize,* ]]; then
@@ -43,16 +45,16 @@ if [[ $PHASES == *,sanitize,* ]]; then
   # tests (graph capture needs the caching allocator).
   SAN=(compute-sanitizer --tool memcheck --target-processes all --print-limit 20
        --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider)
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 phase sanitizer_eager 80 "${SAN[@]}" \
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 phase sanitizer_eager "${CAP_SAN_EAGER:-80}" "${SAN[@]}" \
     tests/gpu/test_flashinfer_executor.py -k "test_matches_reference and 128-16-4-30"
-  phase sanitizer_graphs 60 "${SAN[@]}" tests/gpu/test_step_loop.py -k "not busy"
+  phase sanitizer_graphs "${CAP_SAN_GRAPHS:-60}" "${SAN[@]}" tests/gpu/test_step_loop.py -k "not busy"
 fi
 
 if [[ $PHASES == *,bench,* ]]; then
-  phase run_gpu 110 python3 benchmarks/run_gpu.py --out "$OUT" \
-    --parts copy,host,graph,deterministic,window
-  phase bench_speculative 40 python3 benchmarks/bench_speculative.py --out "$OUT"
-  phase bench_multi_item 50 python3 benchmarks/bench_multi_item.py --out "$OUT" --no-full
+  phase run_gpu "${CAP_RUN_GPU:-110}" python3 benchmarks/run_gpu.py --out "$OUT" \
+    --parts "${RUN_GPU_PARTS:-copy,host,graph,deterministic,window}"
+  phase bench_speculative "${CAP_SPEC:-40}" python3 benchmarks/bench_speculative.py --out "$OUT"
+  phase bench_multi_item "${CAP_ITEMS:-50}" python3 benchmarks/bench_multi_item.py --out "$OUT" --no-full
 fi
 echo "::: done in $((SECONDS - START))s" | tee -a "$OUT/summary.log"
 cp "$OUT/summary.log" "$RESULTS/summary.log"
