@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """flashplan GPU benchmarks: every case side by side in one run (H200).
 
-Run on the GPU machine from the repo root (after ``source .whl/setup.sh``)::
+Run on the GPU machine from the repo root (after ``source .whl/setup.sh``; the git-ignored
+``.whl/`` folder carries FlashInfer there and is filled on a CPU machine by the lent machine's
+kit, ``../shared/tools/device/prepare.sh``, outside this repository: see docs/benchmarks.md)::
 
     python3 benchmarks/run_gpu.py --out OUT_DIR                 # every part (~50 s on H200)
     python3 benchmarks/run_gpu.py --parts graph,host --out OUT  # some parts
