@@ -194,11 +194,13 @@ def test_fixed_token_extend_bucket_pads_every_token(
 
 
 def test_buckets_capture_decode_and_extend_only() -> None:
-    """A verify bucket is refused when it is made, and a masked plan by check_fits."""
+    """A verify bucket is refused when it is made, and a (masked) verify plan by check_fits
+    before any buffer is sized for it."""
     with pytest.raises(fp.BucketError, match="verify batches run eagerly"):
         GraphBucket(fp.Mode.VERIFY, 4, 16, tokens_per_request=4)
     tree = fp.DraftTree.from_parents([[-1, 0, 0, 1]] * 2)
     verify = fp.plan(fp.BatchLayout.verify([5, 9], tree, page_size=4), HEADS)
     assert verify.group_plans[0].uses_custom_mask
-    with pytest.raises(fp.BucketError):
+    with pytest.raises(fp.BucketError) as err:
         check_fits(verify, GraphBucket.extend(2, 16, tokens_per_request=4))
+    assert err.value.field == "mode"

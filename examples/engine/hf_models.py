@@ -88,14 +88,13 @@ def load_model(
 ) -> nn.Module:
     """A :data:`TINY_CONFIGS` model with random weights (seeded), or ``from_pretrained(name)``
     for a local path or Hub id with weights. In eval mode, on ``device``."""
-    if name in TINY_CONFIGS:
-        config = TINY_CONFIGS[name]()
-        auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    tiny = name in TINY_CONFIGS
+    config = TINY_CONFIGS[name]() if tiny else AutoConfig.from_pretrained(name)
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    if tiny:
         torch.manual_seed(seed)
         model = auto.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     else:
-        config = AutoConfig.from_pretrained(name)
-        auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
         model = auto.from_pretrained(name, attn_implementation=attn_implementation, dtype=dtype)
     return model.to(device).eval()
 

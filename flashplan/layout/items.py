@@ -157,24 +157,19 @@ class ItemDelimiters:
             )
         entries = list(per_request)
         types = set(map(type, entries))
-        flat: object
+        flat: object = None
         if types <= _LIST_TYPES:  # one pass over Python ints
-            lengths = [0 if e is None else len(e) for e in entries]
             flat = list(itertools.chain.from_iterable(e for e in entries if e is not None))
         elif types <= _TENSOR_TYPES:  # one concatenation (sglang hands over CPU tensors)
             present = [e for e in entries if e is not None]
             flat = _cat_host_tensors(present) if present else []
-            if flat is None:  # not all 1-D CPU tensors: name the first request that is not
-                for i, e in enumerate(entries):
-                    _check_entry(i, e)
-            lengths = [0 if e is None else e.shape[0] for e in entries]
-        else:
+        if flat is None:  # anything else, entry by entry (naming the first bad request)
             for i, e in enumerate(entries):
                 _check_entry(i, e)
-            lengths = [0 if e is None else len(e) for e in entries]
             flat = _concatenate(
                 [_entry_array(i, e) for i, e in enumerate(entries) if e is not None]
             )
+        lengths = [0 if e is None else len(e) for e in entries]
         indptr = np.zeros(len(entries) + 1, dtype=np.int64)
         np.cumsum(lengths, out=indptr[1:])
         try:

@@ -38,15 +38,14 @@ __all__ = ["BucketLayout", "GraphBucket", "bucket_jobs", "check_fits", "padded_i
 
 
 def _bucket_mode(field: str, value: object) -> Mode:
-    if value not in (Mode.DECODE, Mode.EXTEND):
-        raise BucketError(
-            field,
-            "CUDA-graph buckets capture Mode.DECODE or Mode.EXTEND (fixed tokens per "
-            "request); verify batches run eagerly",
-            value=value,
-        )
-    assert isinstance(value, Mode)
-    return value
+    if isinstance(value, Mode) and value is not Mode.VERIFY:
+        return value
+    raise BucketError(
+        field,
+        "CUDA-graph buckets capture Mode.DECODE or Mode.EXTEND (fixed tokens per "
+        "request); verify batches run eagerly",
+        value=value,
+    )
 
 
 @attrs.frozen
@@ -148,9 +147,9 @@ def check_fits(spec: PlanSpec, bucket: GraphBucket) -> None:
     """Raise :class:`~flashplan.BucketError` unless ``spec`` fits ``bucket``.
 
     A fitting plan is not a multi-item batch, has the bucket's mode, at most
-    ``batch_size`` requests, exactly ``tokens_per_request`` new tokens each, only paged
-    calls without a custom mask, and no paged call reading more than ``max_pages`` pages
-    for a request.
+    ``batch_size`` requests, exactly ``tokens_per_request`` new tokens each, paged calls
+    only (decode and extend plans carry no custom mask there), and no paged call reading
+    more than ``max_pages`` pages for a request.
     """
     if spec.key.multi_item:
         raise BucketError(
@@ -179,11 +178,6 @@ def check_fits(spec: PlanSpec, bucket: GraphBucket) -> None:
         if gp.path in (KernelPath.RAGGED, KernelPath.RAGGED_PAGED):
             raise BucketError(
                 "paths", "CUDA-graph buckets run paged paths only: plan with extend_path='paged'",
-                group=index, path=gp.path.value,
-            )  # fmt: skip
-        if gp.uses_custom_mask:
-            raise BucketError(
-                "paths", "CUDA-graph buckets run paged calls without a custom mask",
                 group=index, path=gp.path.value,
             )  # fmt: skip
         if gp.paged is not None:
