@@ -20,20 +20,22 @@ of each purpose:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
-from flashplan.arrays import IntArray, seal_inplace
+from flashplan.arrays import INT32_MAX, IntArray, seal_inplace
+from flashplan.errors import UnsupportedError
 from flashplan.planning.spec import PlanSpec
 
 __all__ = ["GatherJobs", "Region", "concat_jobs", "gather_jobs", "pages_region"]
 
 
-@attrs.frozen
-class Region:
-    """Outputs ``[lo, hi)`` of the job table: what one purpose gathered."""
+class Region(NamedTuple):
+    """Outputs ``[lo, hi)`` of the job table: what one purpose gathered (a named
+    tuple: one is made per region and step)."""
 
     name: str
     lo: int
@@ -134,27 +136,39 @@ def gather_jobs(
     ):
         parts.append(("encoder", np.zeros(bs, np.int32), np.diff(spec.encoder_indptr), ps, 0))
 
-    # One int32 table, filled part by part (few numpy calls: this runs every step).
+    return _job_table(parts, r32, bs)
+
+
+def _job_table(
+    parts: list[tuple[str, IntArray, IntArray, int, int]], rows: IntArray, bs: int
+) -> GatherJobs:
+    """The job table of ``parts`` (name, first, counts, div, use_map), each ``[bs]``.
+
+    Few numpy calls (this runs every step): the rows, divisors and map flags are
+    broadcast into the table at once, and ``dst`` is one running sum over every part's
+    counts, since the parts' outputs lie end to end.
+    """
     n = len(parts)
     size = n * bs
     table = np.empty((6, size), dtype=np.int32)
+    by_part = table.reshape(6, n, bs)
+    by_part[0] = rows
+    by_part[4] = np.array([p[3] for p in parts], dtype=np.int32)[:, None]
+    by_part[5] = np.array([p[4] for p in parts], dtype=np.int32)[:, None]
+    for k, (_, first, counts, _, _) in enumerate(parts):
+        by_part[1, k] = first
+        by_part[2, k] = counts
+    ends = np.add.accumulate(table[2].astype(np.int64)) if size else np.zeros(0, np.int64)
+    total = int(ends[-1]) if size else 0
+    if total > INT32_MAX:
+        raise UnsupportedError(
+            f"a batch that gathers {total} page ids and slots exceeds int32 offsets"
+        )
+    np.subtract(ends, table[2], out=table[3], casting="unsafe")
+    bounds = [0] + [int(ends[(k + 1) * bs - 1]) if bs else 0 for k in range(n)]
+    regions = tuple(Region(p[0], bounds[k], bounds[k + 1]) for k, p in enumerate(parts))
+    table.flags.writeable = False
     rows_col, first_col, counts_col, dst_col, div_col, map_col = table
-    regions = []
-    at = 0
-    for k, (name, first, counts, div, use_map) in enumerate(parts):
-        span = slice(k * bs, (k + 1) * bs)
-        rows_col[span] = r32
-        first_col[span] = first
-        counts_col[span] = counts
-        div_col[span] = div
-        map_col[span] = use_map
-        ends = np.cumsum(counts, dtype=np.int64)
-        dst_col[span] = ends - counts + at
-        size_k = int(ends[-1]) if bs else 0
-        regions.append(Region(name, at, at + size_k))
-        at += size_k
-    for col in (rows_col, first_col, counts_col, dst_col, div_col, map_col):
-        col.flags.writeable = False
     return GatherJobs(
         rows=rows_col,
         first=first_col,
@@ -162,8 +176,8 @@ def gather_jobs(
         dst=dst_col,
         div=div_col,
         use_map=map_col,
-        regions=tuple(regions),
-        total=at,
+        regions=regions,
+        total=total,
     )
 
 

@@ -25,7 +25,6 @@ from collections.abc import Mapping
 
 import attrs
 import numpy as np
-import numpy.typing as npt
 
 from flashplan.arrays import INT32_MAX, IntArray, seal_inplace
 from flashplan.errors import BucketError
@@ -210,37 +209,32 @@ def bucket_jobs(
         graph: the bucket.
     """
     pads = graph.batch_size - batch_size
-    columns: list[list[npt.NDArray[np.int64]]] = [[] for _ in range(6)]
-    regions = []
-    for k, r in enumerate(jobs.regions):
-        fixed = bucket.region(r.name)
-        span = slice(k * batch_size, (k + 1) * batch_size)
-        j_rows, j_first, j_counts, j_dst, j_div, j_map = (
-            c[span].astype(np.int64) for c in jobs.columns()
-        )
-        per_pad = 1 if r.name.startswith("pages/") else graph.tokens_per_request
-        pad_dst = fixed.lo + r.size + per_pad * np.arange(pads, dtype=np.int64)
-        pad = np.full(pads, 1, np.int64)
-        parts = (
-            (j_rows, np.full(pads, -1, np.int64)),
-            (j_first, np.full(pads, graph.dummy_page, np.int64)),
-            (j_counts, pad * per_pad),
-            (j_dst - r.lo + fixed.lo, pad_dst),
-            (j_div, pad),
-            (j_map, pad * 0),
-        )
-        for col, (real, padding) in zip(columns, parts, strict=True):
-            col += [real, padding]
-        used = r.size + per_pad * pads
-        hi = fixed.hi if not r.name.startswith("pages/") else fixed.lo + used
-        regions.append(Region(r.name, fixed.lo, hi))
-    cols: list[IntArray] = [
-        seal_inplace(np.concatenate(c) if c else np.zeros(0, np.int32)) for c in columns
-    ]
-    rows, first, counts, dst, div, use_map = cols
-    return GatherJobs(
-        rows, first, counts, dst, div, use_map, regions=tuple(regions), total=bucket.total
+    n = len(jobs.regions)
+    fixed = [bucket.region(r.name) for r in jobs.regions]
+    is_pages = [r.name.startswith("pages/") for r in jobs.regions]
+    per_pad = np.array(
+        [1 if pages else graph.tokens_per_request for pages in is_pages], dtype=np.int64
     )
+    # [6 columns, region, request]: the batch's jobs, then one fill job per padding request
+    table = np.empty((6, n, graph.batch_size), dtype=np.int32)
+    table[:, :, :batch_size] = np.stack(jobs.columns()).reshape(6, n, batch_size)
+    shift = np.array([f.lo - r.lo for f, r in zip(fixed, jobs.regions, strict=True)], np.int32)
+    table[3, :, :batch_size] += shift[:, None]  # each packed region moves to its fixed base
+    if pads:
+        first_pad = np.array([f.lo + r.size for f, r in zip(fixed, jobs.regions, strict=True)])
+        table[0, :, batch_size:] = -1
+        table[1, :, batch_size:] = graph.dummy_page
+        table[2, :, batch_size:] = per_pad[:, None]
+        table[3, :, batch_size:] = first_pad[:, None] + per_pad[:, None] * np.arange(pads)
+        table[4, :, batch_size:] = 1
+        table[5, :, batch_size:] = 0
+    regions = tuple(
+        Region(r.name, f.lo, f.lo + r.size + pads if pages else f.hi)
+        for r, f, pages in zip(jobs.regions, fixed, is_pages, strict=True)
+    )
+    table.flags.writeable = False
+    rows, first, counts, dst, div, use_map = table.reshape(6, n * graph.batch_size)
+    return GatherJobs(rows, first, counts, dst, div, use_map, regions=regions, total=bucket.total)
 
 
 def padded_inputs(
