@@ -35,7 +35,13 @@ import torch
 from flashplan.errors import FlashplanError
 from flashplan.kernels._triton import HAS_TRITON, device_guard, runs_on_triton, tl, triton
 
-__all__ = ["NO_BAD_JOB", "gather_slots", "gather_slots_torch", "new_status"]
+__all__ = [
+    "NO_BAD_JOB",
+    "gather_slots",
+    "gather_slots_torch",
+    "launch_gather_jobs",
+    "new_status",
+]
 
 _BLOCK = 1024
 
@@ -49,12 +55,8 @@ if HAS_TRITON:
         pages_ptr,
         pages_row_stride,
         pages_col_stride,
-        rows_ptr,
-        first_ptr,
-        counts_ptr,
-        dst_ptr,
-        div_ptr,
-        use_map_ptr,
+        jobs_ptr,
+        num_jobs,
         out_page_ptr,
         out_offset_ptr,
         page_map_ptr,
@@ -66,11 +68,12 @@ if HAS_TRITON:
         BLOCK: tl.constexpr,
     ):
         s = tl.program_id(0)
-        row = tl.load(rows_ptr + s).to(tl.int64)
-        first = tl.load(first_ptr + s).to(tl.int64)
-        n = tl.load(counts_ptr + s)
-        dst = tl.load(dst_ptr + s).to(tl.int64)
-        div = tl.load(div_ptr + s).to(tl.int64)
+        job = jobs_ptr + s  # column c of the [6, num_jobs] job table at job + c * num_jobs
+        row = tl.load(job).to(tl.int64)
+        first = tl.load(job + num_jobs).to(tl.int64)
+        n = tl.load(job + 2 * num_jobs)
+        dst = tl.load(job + 3 * num_jobs).to(tl.int64)
+        div = tl.load(job + 4 * num_jobs).to(tl.int64)
         base = pages_ptr + tl.maximum(row, 0) * pages_row_stride
         for off in range(0, n, BLOCK):
             k = off + tl.arange(0, BLOCK)
@@ -86,7 +89,7 @@ if HAS_TRITON:
             if num_pages > 0:
                 bad = bad | ((page >= num_pages) & reads)
             if HAS_MAP:
-                use = tl.load(use_map_ptr + s)
+                use = tl.load(job + 5 * num_jobs)
                 if use != 0:
                     outside = (page >= page_map_len) & reads
                     bad = bad | outside
@@ -189,17 +192,49 @@ def gather_slots(
             num_pages=num_pages, status=status,
         )  # fmt: skip
         return
-    with device_guard(pages.device):
-        _gather_slots_kernel[(n,)](
+    launch_gather_jobs(
+        pages, torch.stack(jobs), out_page, out_offset,
+        page_map=page_map, num_pages=num_pages, status=status,
+    )  # fmt: skip
+
+
+def launch_gather_jobs(
+    pages: torch.Tensor,
+    jobs: torch.Tensor,
+    out_page: torch.Tensor,
+    out_offset: torch.Tensor,
+    *,
+    page_map: torch.Tensor | None,
+    num_pages: int,
+    status: torch.Tensor | None,
+) -> None:
+    """:func:`gather_slots`'s Triton launch for a job table staged as one tensor, with
+    no argument checks: for callers that build every argument themselves (the
+    executors, whose staging buffer holds the table), on the host's hot path.
+
+    Args:
+        pages: int32 ``[num_rows, max_pages]`` page table.
+        jobs: int32 ``[6, num_jobs]``, rows contiguous and ``num_jobs`` apart (a view of
+            one contiguous buffer): rows, first, counts, dst, div, use_map.
+        out_page, out_offset, page_map, num_pages, status: as :func:`gather_slots`.
+    """
+    num_jobs = jobs.shape[1]
+    if num_jobs == 0:
+        return
+    device = pages.device
+    # Triton launches on the current device; enter a guard only when it is another one
+    # (a guard costs more host time than the check).
+    other = device.type == "cuda" and device.index != torch.cuda.current_device()
+    guard = device_guard(device) if other else None
+    if guard is not None:
+        guard.__enter__()
+    try:
+        _gather_slots_kernel[(num_jobs,)](
             pages,
             pages.stride(0),
             pages.stride(1),
-            rows,
-            first,
-            counts,
-            dst,
-            div,
-            use_map,
+            jobs,
+            num_jobs,
             out_page,
             out_offset,
             page_map if page_map is not None else out_page,
@@ -210,6 +245,9 @@ def gather_slots(
             HAS_STATUS=status is not None,
             BLOCK=_BLOCK,
         )
+    finally:
+        if guard is not None:
+            guard.__exit__(None, None, None)
 
 
 def gather_slots_torch(

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 __all__ = ["DeviceBuffer", "PinnedRing", "PinnedSlot", "WrapperPool", "WrapperSlot"]
@@ -30,10 +31,15 @@ def _grown(current: int, needed: int) -> int:
 
 @attrs.define(eq=False)
 class PinnedSlot:
-    """One pinned int32 staging buffer and the event after its last reader."""
+    """One pinned int32 staging buffer (``host``; ``array`` is its numpy view) and the
+    event after its last reader."""
 
     host: torch.Tensor
     event: torch.cuda.Event | None = None
+    array: np.ndarray = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.array = self.host.numpy()  # a view: numpy writes land in the pinned memory
 
     @property
     def capacity(self) -> int:
@@ -73,6 +79,7 @@ class PinnedRing:
                 slot.host = torch.empty(
                     _grown(slot.capacity, size), dtype=self.dtype, pin_memory=True
                 )
+                slot.array = slot.host.numpy()
                 return slot
         largest = max((s.capacity for s in self.slots), default=0)
         slot = PinnedSlot(torch.empty(_grown(largest, size), dtype=self.dtype, pin_memory=True))

@@ -41,6 +41,7 @@ from flashplan.planning.masks import CustomMask, TreeMask
 from flashplan.planning.spec import KernelPath, PlanKey, PlanSpec
 
 __all__ = [
+    "PLACEHOLDERS",
     "BatchInt",
     "BuiltMask",
     "CallInputs",
@@ -48,6 +49,7 @@ __all__ = [
     "GroupCalls",
     "HostArray",
     "MaskRecipe",
+    "Placeholder",
     "PlanCall",
     "StagedArray",
     "Translation",
@@ -71,7 +73,7 @@ class WrapperKind(enum.Enum):
     RAGGED_PREFILL = "BatchPrefillWithRaggedKVCacheWrapper"
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class WrapperKey:
     """Identifies one wrapper instance: kind, group and construction options.
 
@@ -135,6 +137,13 @@ class BuiltMask:
     group (from the batch's :class:`MaskRecipe`)."""
 
     group_index: int
+
+
+#: Any placeholder of a skeleton's ``plan()`` arguments.
+Placeholder = HostArray | StagedArray | BatchInt | DeviceIndices | BuiltMask
+
+#: The placeholder classes (for ``isinstance``).
+PLACEHOLDERS = (HostArray, StagedArray, BatchInt, DeviceIndices, BuiltMask)
 
 
 @attrs.frozen

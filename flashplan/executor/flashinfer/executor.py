@@ -8,7 +8,7 @@ The thin stateful part of flashplan. ``apply(spec, table)`` reads as its steps:
 2. **stage**: every int32 host array of the batch goes into one pinned slot of a ring
    that is never overwritten while a queued copy may read it;
 3. **one copy**: a single non-blocking host-to-device copy into a persistent buffer;
-4. **one gather launch** (:func:`~flashplan.kernels.gather_slots`): every group's page
+4. **one gather launch** (:func:`~flashplan.kernels.gather.launch_gather_jobs`): every group's page
    ids and every write slot, mapped through the sliding-window page map where a
    windowed group needs it;
 5. **masks**: threshold custom masks expanded on the device;
@@ -41,11 +41,14 @@ from flashplan.errors import LayoutError, PageTableError, PlanMismatchError, Uns
 from flashplan.executor.checks import RunArgs, check_apply_args, check_run_args
 from flashplan.executor.flashinfer.buffers import DeviceBuffer, PinnedRing, WrapperPool
 from flashplan.executor.flashinfer.calls import (
+    PLACEHOLDERS,
     BatchInt,
     BuiltMask,
     DeviceIndices,
     GroupCalls,
     HostArray,
+    Placeholder,
+    PlanCall,
     StagedArray,
     WrapperKey,
     call_inputs,
@@ -57,7 +60,7 @@ from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import JOB_COLUMNS, DevicePlan, device_plan
 from flashplan.executor.gathers import Region, concat_jobs, gather_jobs
 from flashplan.kernels.custom_mask import build_custom_mask
-from flashplan.kernels.gather import NO_BAD_JOB, gather_slots, new_status
+from flashplan.kernels.gather import NO_BAD_JOB, launch_gather_jobs, new_status
 from flashplan.kernels.merge_state import merge_state_triton
 from flashplan.kernels.write_kv import write_kv
 from flashplan.layout.convert import as_bool, as_int
@@ -170,6 +173,7 @@ class FlashInferExecutor:
         self._pool = WrapperPool(grow=self._grow_wrappers)
         self._planned: dict[tuple[int, str], Any] = {}
         self._skeletons: dict[object, tuple[GroupCalls, ...]] = {}
+        self._splits: dict[int, tuple[PlanCall, dict[str, Any], tuple[Any, ...]]] = {}
         self._ring = PinnedRing()
         self._staged = DeviceBuffer(self.device, torch.int32)
         self._out_page = DeviceBuffer(self.device, torch.int32)
@@ -310,11 +314,27 @@ class FlashInferExecutor:
                     continue
                 key, index = call.wrapper, gc.group_index
                 held = self._pool.acquire((prefix, key), partial(self._make_wrapper, key, index))
-                kwargs = {name: resolve(value) for name, value in call.kwargs}
+                constants, placeholders = self._split_kwargs(call)
+                kwargs = dict(constants)
+                for name, value in placeholders:
+                    kwargs[name] = resolve(value)
                 self._call_plan(held.wrapper, kwargs)
                 self._pool.mark_planned(held, stream)
                 planned[(index, part)] = held.wrapper
         return planned
+
+    def _split_kwargs(
+        self, call: PlanCall
+    ) -> tuple[dict[str, Any], tuple[tuple[str, Placeholder], ...]]:
+        """``call``'s constant keyword arguments and its placeholders, split once per
+        skeleton call (skeletons are cached per key and live as long as the executor)."""
+        split = self._splits.get(id(call))
+        if split is None or split[0] is not call:
+            constants = {n: v for n, v in call.kwargs if not isinstance(v, PLACEHOLDERS)}
+            placeholders = tuple((n, v) for n, v in call.kwargs if isinstance(v, PLACEHOLDERS))
+            split = (call, constants, placeholders)
+            self._splits[id(call)] = split
+        return split[1], split[2]
 
     # -- multi-step draft decode ------------------------------------------------------
     def apply_steps(
@@ -367,14 +387,14 @@ class FlashInferExecutor:
             step_jobs = attrs.evolve(
                 combined,
                 regions=tuple(
-                    attrs.evolve(r, name=r.name.removeprefix(prefix))
+                    r._replace(name=r.name.removeprefix(prefix))
                     for r in combined.regions
                     if r.name.startswith(prefix)
                 ),
             )
             view = copy.copy(self)
             view._spec, view._table, view._planned = spec, table, planned
-            view._plan = DevicePlan(calls, step_jobs, dplan.manifest, dplan.data, inputs.masks)
+            view._plan = DevicePlan(calls, step_jobs, dplan.manifest, dplan.parts, inputs.masks)
             view._gathered = (page, offset)
             views.append(view)
         slot.mark_read(stream)
@@ -399,10 +419,9 @@ class FlashInferExecutor:
         """Copy the staging data into a pinned slot and send it to the device at once."""
         total = dplan.manifest.total
         slot = self._ring.acquire(total)
-        host = slot.host[:total]
-        host.numpy()[:] = dplan.data
+        dplan.write_into(slot.array)
         staged = self._staged.get(total)
-        staged.copy_(host, non_blocking=True)
+        staged.copy_(slot.host[:total], non_blocking=True)
         return staged, slot
 
     def _gather(
@@ -410,14 +429,13 @@ class FlashInferExecutor:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         jobs = dplan.jobs
         page, offset = self._gather_out(max(jobs.total, 1))
-        rows, first, counts, dst, div, use_map = (
-            staged[dplan.manifest[n].offset : dplan.manifest[n].end] for n in JOB_COLUMNS
-        )
-        gather_slots(
-            table.pages, rows, first, counts, dst, div, use_map, page, offset,
-            total=int(jobs.counts.sum()), page_map=self.page_map,
-            num_pages=table.num_pages or 0, status=self._status,
-        )  # fmt: skip
+        if jobs.total:
+            # the job table's six columns lead the staging buffer, each num_jobs long
+            num_jobs = dplan.manifest[JOB_COLUMNS[0]].size
+            launch_gather_jobs(
+                table.pages, staged[: 6 * num_jobs].view(6, num_jobs), page, offset,
+                page_map=self.page_map, num_pages=table.num_pages or 0, status=self._status,
+            )  # fmt: skip
         return page, offset
 
     def _build_masks(self, dplan: DevicePlan, staged: torch.Tensor) -> dict[int, torch.Tensor]:

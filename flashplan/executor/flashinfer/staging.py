@@ -14,6 +14,9 @@ as typed views of the device copy: still one copy.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import cached_property
+from itertools import accumulate
+from typing import NamedTuple
 
 import attrs
 import numpy as np
@@ -28,9 +31,9 @@ __all__ = ["JOB_COLUMNS", "DevicePlan", "Slice", "StagingManifest", "device_plan
 JOB_COLUMNS = ("jobs.rows", "jobs.first", "jobs.counts", "jobs.dst", "jobs.div", "jobs.use_map")
 
 
-@attrs.frozen
-class Slice:
-    """Entries ``[offset, offset + size)`` of the staging buffer, called ``name``."""
+class Slice(NamedTuple):
+    """Entries ``[offset, offset + size)`` of the staging buffer, called ``name`` (a
+    named tuple: one is made per staged array and step)."""
 
     name: str
     offset: int
@@ -53,22 +56,21 @@ class StagingManifest:
 
     slices: tuple[Slice, ...]
     total: int
+    _by_name: dict[str, Slice] = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {s.name: s for s in self.slices})
 
     def __getitem__(self, name: str) -> Slice:
-        for s in self.slices:
-            if s.name == name:
-                return s
-        raise KeyError(name)
+        return self._by_name[name]
 
     @classmethod
     def of(cls, arrays: Mapping[str, npt.NDArray[np.int32]]) -> StagingManifest:
         """The manifest laying ``arrays`` end to end in their mapping order."""
-        slices = []
-        offset = 0
-        for name, values in arrays.items():
-            slices.append(Slice(name, offset, int(values.shape[0])))
-            offset += int(values.shape[0])
-        return cls(tuple(slices), max(offset, 1))
+        sizes = [values.shape[0] for values in arrays.values()]
+        offsets = list(accumulate(sizes, initial=0))
+        slices = tuple(map(Slice, arrays, offsets, sizes))
+        return cls(slices, max(offsets[-1], 1))
 
 
 @attrs.frozen(eq=False)
@@ -80,7 +82,9 @@ class DevicePlan:
             manifest, the gather regions and the built masks).
         jobs: the gather jobs (page ids of each paged call and the write slots).
         manifest: the staging buffer's named slices.
-        data: int32 ``[manifest.total]``: the staging buffer's contents.
+        parts: the int32 arrays of the manifest's slices, in buffer order (an
+            executor concatenates them straight into its pinned staging slot:
+            :meth:`write_into`).
         masks: per masked group, the size of its device-built mask.
         ints: the batch's integers behind ``BatchInt`` placeholders.
         elements: per ``StagedArray`` slice, its elements in its own dtype (the
@@ -90,10 +94,25 @@ class DevicePlan:
     calls: tuple[GroupCalls, ...]
     jobs: GatherJobs
     manifest: StagingManifest
-    data: npt.NDArray[np.int32]
+    parts: tuple[npt.NDArray[np.int32], ...]
     masks: Mapping[int, MaskRecipe]
     ints: Mapping[str, int] = attrs.field(factory=dict)
     elements: Mapping[str, int] = attrs.field(factory=dict)
+
+    def write_into(self, out: npt.NDArray[np.int32]) -> None:
+        """Write the staging buffer's contents into ``out`` (int32, at least
+        ``manifest.total`` entries; entries past the last slice are left as they are)."""
+        if self.parts:
+            used = self.manifest.slices[-1].end
+            np.concatenate(self.parts, out=out[:used])
+
+    @cached_property
+    def data(self) -> npt.NDArray[np.int32]:
+        """int32 ``[manifest.total]``: the staging buffer's contents (zero-padded)."""
+        out = np.zeros(self.manifest.total, dtype=np.int32)
+        self.write_into(out)
+        out.flags.writeable = False
+        return out
 
 
 def device_plan(
@@ -121,7 +140,7 @@ def device_plan(
     arrays: dict[str, npt.NDArray[np.int32]] = dict(zip(JOB_COLUMNS, jobs.columns(), strict=True))
     arrays.update(host)
     manifest = StagingManifest.of(arrays)
-    data = np.zeros(manifest.total, dtype=np.int32)
-    used = manifest.slices[-1].end if manifest.slices else 0
-    np.concatenate(list(arrays.values()), out=data[:used])
-    return DevicePlan(calls, jobs, manifest, data, masks, dict(ints or {}), dict(elements or {}))
+    return DevicePlan(
+        calls, jobs, manifest, tuple(arrays.values()), masks, dict(ints or {}),
+        dict(elements or {}),
+    )  # fmt: skip
