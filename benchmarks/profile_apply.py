@@ -14,7 +14,7 @@ manual timers wrapped around the executor's own steps:
   device_plan        the pure host work: call_inputs + gather_jobs (+ bucket_jobs and
                      padded_inputs for a graph) + device_plan (the staging buffer)
   stage              pinned ring slot + numpy copy into it + the one host-to-device copy
-  gather             the one gather_slots (Triton) launch, incl. its argument checks
+  gather             the one gather (Triton) launch (launch_gather_jobs), and the views around it
   masks              threshold-mask builds (none for decode)
   pool.acquire       picking an idle FlashInfer wrapper
   plan()             FlashInfer's own plan() calls (via ``_call_plan``)
@@ -76,7 +76,7 @@ STAGES = [
     ("stage", 0),
     ("ring.acquire", 1),
     ("gather", 0),
-    ("gather_slots launch", 1),
+    ("gather launch", 1),
     ("masks", 0),
     ("pool.acquire", 0),
     ("plan()", 0),
@@ -148,7 +148,7 @@ def instrument(timer: StageTimer, ex: FlashInferExecutor, graph: bool) -> None:
     timer.wrap(ex, "_stage", "stage")
     timer.wrap(ex._ring, "acquire", "ring.acquire")
     timer.wrap(ex, "_gather", "gather")
-    timer.wrap(executor_mod, "gather_slots", "gather_slots launch")
+    timer.wrap(executor_mod, "launch_gather_jobs", "gather launch")
     timer.wrap(ex, "_build_masks", "masks")
     pool = getattr(ex, "_pool", None)
     if pool is not None:
@@ -217,9 +217,9 @@ def isolated(timer: StageTimer) -> None:
             extra = sorted(set(kwargs) - set(bare))
             t = idle_us(lambda: wrapper.plan(**bare))
             print(f"  {'plan() without ' + ', '.join(extra):<34} {t:8.1f}")
-    if "gather_slots launch" in timer.last_call:
-        fn, args, kwargs = timer.last_call["gather_slots launch"]
-        print(f"  {'gather_slots launch':<34} {idle_us(lambda: fn(*args, **kwargs)):8.1f}")
+    if "gather launch" in timer.last_call:
+        fn, args, kwargs = timer.last_call["gather launch"]
+        print(f"  {'gather launch':<34} {idle_us(lambda: fn(*args, **kwargs)):8.1f}")
 
 
 def run(title: str, ex: FlashInferExecutor, make: Callable[[], fp.PlanSpec], table: fp.PageTable,
