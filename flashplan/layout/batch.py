@@ -77,7 +77,7 @@ def as_groups(field: str, value: object) -> tuple[AttentionGroup, ...]:
     for i, g in enumerate(groups):
         if not isinstance(g, AttentionGroup):
             raise LayoutError(field, "must hold AttentionGroup records", index=i, value=g)
-    if len(set(groups)) != len(groups):
+    if len(groups) > 1 and len(set(groups)) != len(groups):
         raise LayoutError(field, "must not repeat a group", groups=groups)
     return groups
 
@@ -305,6 +305,37 @@ class BatchLayout:
                     group=g.describe(),
                 )
 
+    @classmethod
+    def _from_checked(
+        cls,
+        mode: Mode,
+        seq_lens: IntArray,
+        prefix_lens: IntArray,
+        encoder_lens: IntArray | None,
+        page_size: int,
+        groups: tuple[AttentionGroup, ...],
+        encoder_cached: npt.NDArray[np.bool_] | None,
+        draft: DraftTree | None,
+        item_delimiters: ItemDelimiters | None,
+    ) -> BatchLayout:
+        """Internal: a layout from fields that already are what the converters return
+        and that already pass every check of ``__init__`` (read-only int32 arrays, a
+        validated page size, a tuple of distinct groups …). Nothing is converted or
+        checked again: only flashplan's own constructors call it, and only with values
+        they validated (tests check that it gives records equal to ``__init__``'s)."""
+        self = object.__new__(cls)
+        _set = object.__setattr__
+        _set(self, "mode", mode)
+        _set(self, "seq_lens", seq_lens)
+        _set(self, "prefix_lens", prefix_lens)
+        _set(self, "encoder_lens", encoder_lens)
+        _set(self, "page_size", page_size)
+        _set(self, "groups", groups)
+        _set(self, "encoder_cached", encoder_cached)
+        _set(self, "draft", draft)
+        _set(self, "item_delimiters", item_delimiters)
+        return self
+
     # -- named constructors -------------------------------------------------------------
     @classmethod
     def decode(
@@ -319,7 +350,17 @@ class BatchLayout:
         """A decode step: each request adds one token; ``seq_lens`` count it (>= 1)."""
         seq = as_lengths("seq_lens", seq_lens, minimum=1)
         prefix = seal_inplace(seq - np.int32(1))
-        return cls(Mode.DECODE, seq, prefix, encoder_lens, page_size, groups, encoder_cached)
+        if encoder_lens is not None or encoder_cached is not None:
+            return cls(Mode.DECODE, seq, prefix, encoder_lens, page_size, groups, encoder_cached)
+        # The common step, without encoder: the same checks as the constructor, in its
+        # order, minus those that hold by construction (seq_lens >= 1 was checked, so
+        # prefix_lens = seq_lens - 1 is in [0, seq_lens) and the step adds one token;
+        # without encoder, every derived value is at most seq_lens, which fits int32).
+        ps = as_int("page_size", page_size, minimum=1)
+        checked = as_groups("groups", groups)
+        if any(g.cross_attention for g in checked):
+            raise LayoutError("encoder_lens", "a cross-attention group needs encoder_lens")
+        return cls._from_checked(Mode.DECODE, seq, prefix, None, ps, checked, None, None, None)
 
     @classmethod
     def extend(
@@ -559,6 +600,8 @@ class BatchLayout:
             LayoutError: the row's last token (encoder + decoder) exceeds int32.
         """
         ps = self.page_size
+        if self.encoder_lens is None:  # ceil(seq / ps) with no sum that could wrap
+            return seal_inplace((self.seq_lens - np.int32(1)) // np.int32(ps) + np.int32(1))
         end = self.decoder_start.astype(np.int64) + self.seq_lens
         if end.size and int(end.max()) > INT32_MAX:
             i = int(np.argmax(end))

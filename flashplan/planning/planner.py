@@ -92,40 +92,117 @@ def plan(
             "extend_path", "verify batches run on the paged path", extend_path=choice.value
         )
 
+    if layout.mode is Mode.DECODE:
+        return _plan_decode(layout, heads)
     qo_lens = layout.extend_lens
-    if layout.mode is Mode.DECODE:  # one token each: no sum, no overflow check
-        qo_indptr = seal_inplace(np.arange(layout.batch_size + 1, dtype=np.int32))
-    else:
-        qo_indptr = indptr(qo_lens, "extend_lens")
+    qo_indptr = indptr(qo_lens, "extend_lens")
     items: MultiItemTensors | None = None
     if layout.draft is not None:
         positions = _verify_positions(layout)
     elif layout.is_multi_item:
         items, positions = plan_items(layout)
-    elif layout.mode is Mode.DECODE:
-        positions = layout.prefix_lens  # one new token each, at the position after its prefix
     else:
         positions = _positions(layout.prefix_lens, qo_lens, qo_indptr)
     given, resolved = planned_groups(layout.groups, heads.head_dim)
     group_plans = tuple(_plan_group(layout, g, choice, qo_lens, qo_indptr, items) for g in given)
-    return PlanSpec(
-        key=PlanKey(
-            mode=layout.mode,
-            groups=resolved,
-            paths=tuple(gp.path for gp in group_plans),
-            page_size=layout.page_size,
-            heads=heads,
-            multi_item=layout.is_multi_item,
-        ),
-        qo_indptr=qo_indptr,
-        prefix_lens=layout.prefix_lens,
-        decoder_start=layout.decoder_start,
-        positions=positions,
-        encoder_indptr=None
-        if layout.encoder_new_lens is None
-        else indptr(layout.encoder_new_lens, "encoder_lens"),
-        pages_needed=layout.pages_needed,
-        group_plans=group_plans,
+    # Every array below is a read-only int32 array the layout or the planner made, of
+    # the sizes PlanSpec checks: no converter or check needs to run again.
+    return PlanSpec._from_checked(
+        _plan_key(layout, resolved, tuple(gp.path for gp in group_plans), heads),
+        qo_indptr,
+        layout.prefix_lens,
+        layout.decoder_start,
+        positions,
+        _encoder_indptr(layout),
+        layout.pages_needed,
+        group_plans,
+    )
+
+
+def _plan_key(
+    layout: BatchLayout,
+    resolved: tuple[AttentionGroup, ...],
+    paths: tuple[KernelPath, ...],
+    heads: HeadConfig,
+) -> PlanKey:
+    return PlanKey(
+        mode=layout.mode,
+        groups=resolved,
+        paths=paths,
+        page_size=layout.page_size,
+        heads=heads,
+        multi_item=layout.is_multi_item,
+    )
+
+
+def _encoder_indptr(layout: BatchLayout) -> IntArray | None:
+    new = layout.encoder_new_lens
+    return None if new is None else indptr(new, "encoder_lens")
+
+
+def _plan_decode(layout: BatchLayout, heads: HeadConfig) -> PlanSpec:
+    """A decode batch: one new token per request, every self group on the decode path.
+
+    Built from the layout's own sealed arrays (shared, never copied): the new token of
+    request ``i`` is query ``i`` (``qo_indptr = arange``), at position ``prefix_lens[i]``.
+    """
+    bs = layout.batch_size
+    qo_indptr = seal_inplace(np.arange(bs + 1, dtype=np.int32))  # no sum, no overflow
+    given, resolved = planned_groups(layout.groups, heads.head_dim)
+    group_plans = tuple(_decode_group(layout, g) for g in given)
+    derived: dict[str, IntArray] = {"qo_lens": seal_inplace(np.ones(bs, dtype=np.int32))}
+    if layout.encoder_lens is None:
+        derived["write_start"] = layout.prefix_lens  # decoder_start is 0
+    return PlanSpec._from_checked(
+        _plan_key(layout, resolved, tuple(gp.path for gp in group_plans), heads),
+        qo_indptr,
+        layout.prefix_lens,
+        layout.decoder_start,
+        layout.prefix_lens,  # one new token each, at the position after its prefix
+        _encoder_indptr(layout),
+        layout.pages_needed,
+        group_plans,
+        **derived,
+    )
+
+
+def _decode_group(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
+    """One group of a decode batch. The new token at row token ``end - 1`` sees the keys
+    ``[first, end)`` of its row: ``end = decoder_start + seq_lens`` (checked to fit
+    int32 when the layout was built) and, with a window ``w``, ``first = decoder_start
+    + max(seq_lens - (w + 1), 0)``, so int32 arithmetic cannot wrap."""
+    if group.cross_attention:
+        return _plan_cross(layout, group)
+    ps = layout.page_size
+    seq = layout.seq_lens
+    base = layout.decoder_start
+    window = _window(group)
+    if layout.encoder_lens is None and window < 0:
+        # Whole rows from row token 0: the derived arrays are the layout's own
+        # (pages_needed = ceil(seq / ps)); the last page holds (seq - 1) % ps + 1 keys.
+        paged = PagedPart._from_checked(
+            base,
+            seq,
+            ps,
+            True,
+            window,
+            None,
+            None,
+            start_page=base,
+            kv_lens=seq,
+            num_pages=layout.pages_needed,
+            last_page_len=seal_inplace(layout.prefix_lens % np.int32(ps) + np.int32(1)),
+        )
+    else:
+        end = seq if layout.encoder_lens is None else seal_inplace(base + seq)
+        if window >= 0:
+            hidden = np.int32(min(window + 1, INT32_MAX))  # seq - hidden cannot wrap
+            first = seal_inplace(base + np.maximum(seq - hidden, np.int32(0)))
+        else:
+            first = base
+        paged = PagedPart._from_checked(first, end, ps, True, window, None, None)
+    return GroupPlan._from_checked(
+        group, KernelPath.DECODE, paged, None, layout.decoder_start, layout.seq_lens
     )
 
 
@@ -178,6 +255,10 @@ def _plan_group(
     decoder's first page, which starts on a page boundary)."""
     if group.cross_attention:
         return _plan_cross(layout, group)
+    if layout.mode is Mode.VERIFY:
+        return _plan_verify(layout, group)
+    if layout.mode is Mode.DECODE:
+        return _decode_group(layout, group)
     seq = layout.seq_lens.astype(np.int64)
     prefix = layout.prefix_lens.astype(np.int64)
     base = layout.decoder_start
@@ -185,14 +266,8 @@ def _plan_group(
     ps = layout.page_size
     paged: PagedPart | None
     ragged: RaggedPart | None = None
-    if layout.mode is Mode.VERIFY:
-        return _plan_verify(layout, group)
     end = _row_tokens(base + seq)  # validated to fit int32 when the layout was built
-    if layout.mode is Mode.DECODE:
-        path = KernelPath.DECODE
-        first = _row_tokens(base + np.maximum(seq - (window + 1), 0)) if window >= 0 else base
-        paged = PagedPart(first, end, ps, True, window)
-    elif choice is ExtendPath.PAGED:
+    if choice is ExtendPath.PAGED:
         path = KernelPath.PAGED
         first = _row_tokens(base + np.maximum(prefix - window, 0)) if window >= 0 else base
         paged = PagedPart(first, end, ps, group.causal, window, items=items)
@@ -203,13 +278,8 @@ def _plan_group(
         else:
             path = KernelPath.RAGGED_PAGED
             paged = _prefix_part(base.astype(np.int64), prefix, qo_lens, window, ps)
-    return GroupPlan(
-        group=group,
-        path=path,
-        paged=paged,
-        ragged=ragged,
-        key_start=layout.decoder_start,
-        num_keys=layout.seq_lens,
+    return GroupPlan._from_checked(
+        group, path, paged, ragged, layout.decoder_start, layout.seq_lens
     )
 
 
@@ -258,16 +328,12 @@ def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
 
 def _plan_cross(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
     assert layout.encoder_lens is not None  # checked when the layout was built
-    zeros = np.zeros(layout.batch_size, dtype=np.int32)
-    paged = PagedPart(zeros, layout.encoder_lens, layout.page_size, False, -1)
-    return GroupPlan(
-        group=group,
-        path=KernelPath.DECODE if layout.mode is Mode.DECODE else KernelPath.PAGED,
-        paged=paged,
-        ragged=None,
-        key_start=seal_inplace(zeros),
-        num_keys=layout.encoder_lens,
+    zeros = seal_inplace(np.zeros(layout.batch_size, dtype=np.int32))
+    paged = PagedPart._from_checked(
+        zeros, layout.encoder_lens, layout.page_size, False, -1, None, None
     )
+    path = KernelPath.DECODE if layout.mode is Mode.DECODE else KernelPath.PAGED
+    return GroupPlan._from_checked(group, path, paged, None, zeros, layout.encoder_lens)
 
 
 def _prefix_part(

@@ -167,6 +167,39 @@ class PagedPart:
         validator=attrs.validators.optional(attrs.validators.instance_of(MultiItemTensors)),
     )
 
+    @classmethod
+    def _from_checked(
+        cls,
+        first_token: IntArray,
+        end_token: IntArray,
+        page_size: int,
+        causal: bool,
+        window_left: int,
+        mask: CustomMask | None,
+        items: MultiItemTensors | None,
+        **derived: Any,
+    ) -> PagedPart:
+        """Internal (the planner): a part from values that already are what the
+        converters return (read-only int32 arrays of one length, ``first_token >= 0``, a
+        page size >= 1, a bool, a window >= -1) and pass ``__init__``'s checks; nothing
+        is converted or checked again. ``derived`` presets cached properties
+        (``start_page``, ``kv_lens``, ``num_pages``, ``last_page_len``) that the caller
+        already holds, each equal to what the property computes (tests check both)."""
+        self = object.__new__(cls)
+        _set = object.__setattr__
+        _set(self, "first_token", first_token)
+        _set(self, "end_token", end_token)
+        _set(self, "page_size", page_size)
+        _set(self, "causal", causal)
+        _set(self, "window_left", window_left)
+        _set(self, "mask", mask)
+        _set(self, "items", items)
+        for name, value in derived.items():
+            if name not in _PAGED_DERIVED:
+                raise TypeError(f"PagedPart has no derived array {name!r}")
+            _set(self, name, value)
+        return self
+
     def __attrs_post_init__(self) -> None:
         _same_length("paged", self.first_token, self.end_token)
         if self.first_token.size and int(self.first_token.min()) < 0:
@@ -200,6 +233,9 @@ class PagedPart:
                 token_pos_in_items_len=items.token_pos_in_items_len,
             )
 
+    # int32 arithmetic throughout: 0 <= start_page * page_size <= first_token, and a
+    # non-empty span's kv_lens is in [1, end_token]; entries of empty spans may wrap in
+    # the intermediate values, but np.where replaces them by 0.
     @cached_property
     def _nonempty(self) -> npt.NDArray[np.bool_]:
         return self.end_token > self.first_token
@@ -207,24 +243,26 @@ class PagedPart:
     @cached_property
     def start_page(self) -> IntArray:
         """int32 ``[bs]`` (pages): first column of the row read (0 when empty)."""
-        return seal_inplace(np.where(self._nonempty, self.first_token // self.page_size, 0))
+        page = self.first_token // np.int32(self.page_size)
+        return seal_inplace(np.where(self._nonempty, page, np.int32(0)))
 
     @cached_property
     def kv_lens(self) -> IntArray:
         """int32 ``[bs]`` (tokens): keys the kernel sees, counted from ``start_page``."""
-        start = self.start_page.astype(np.int64) * self.page_size
-        return seal_inplace(np.where(self._nonempty, self.end_token - start, 0))
+        keys = self.end_token - self.start_page * np.int32(self.page_size)
+        return seal_inplace(np.where(self._nonempty, keys, np.int32(0)))
 
     @cached_property
     def num_pages(self) -> IntArray:
         """int32 ``[bs]`` (pages): ``ceil(kv_lens / page_size)``."""
-        return seal_inplace((self.kv_lens + (self.page_size - 1)) // self.page_size)
+        # (kv - 1) // ps + 1: no sum that could pass int32, and 0 for kv = 0.
+        return seal_inplace((self.kv_lens - np.int32(1)) // np.int32(self.page_size) + np.int32(1))
 
     @cached_property
     def last_page_len(self) -> IntArray:
         """int32 ``[bs]`` (tokens): in ``[1, page_size]``, 0 for an empty span."""
-        full = (self.num_pages.astype(np.int64) - 1) * self.page_size
-        return seal_inplace(np.where(self._nonempty, self.kv_lens - full, 0))
+        full = (self.num_pages - np.int32(1)) * np.int32(self.page_size)
+        return seal_inplace(np.where(self._nonempty, self.kv_lens - full, np.int32(0)))
 
     @cached_property
     def page_indptr(self) -> IntArray:
@@ -241,6 +279,10 @@ class PagedPart:
     def max_kv_len(self) -> int:
         """Longest span (tokens), 0 for an empty batch."""
         return int(self.kv_lens.max()) if self.kv_lens.size else 0
+
+
+#: The cached properties :meth:`PagedPart._from_checked` may preset.
+_PAGED_DERIVED = frozenset(("start_page", "kv_lens", "num_pages", "last_page_len"))
 
 
 @readonly_when_unpickled
@@ -305,6 +347,29 @@ class GroupPlan:
     key_start: IntArray = attrs.field(converter=lambda v: _int_array("key_start", v), eq=array_key)
     num_keys: IntArray = attrs.field(converter=lambda v: _int_array("num_keys", v), eq=array_key)
 
+    @classmethod
+    def _from_checked(
+        cls,
+        group: AttentionGroup,
+        path: KernelPath,
+        paged: PagedPart | None,
+        ragged: RaggedPart | None,
+        key_start: IntArray,
+        num_keys: IntArray,
+    ) -> GroupPlan:
+        """Internal (the planner): a group plan from values that already pass
+        ``__init__``'s converters and checks (read-only int32 arrays, parts that match
+        ``path``); nothing is converted or checked again."""
+        self = object.__new__(cls)
+        _set = object.__setattr__
+        _set(self, "group", group)
+        _set(self, "path", path)
+        _set(self, "paged", paged)
+        _set(self, "ragged", ragged)
+        _set(self, "key_start", key_start)
+        _set(self, "num_keys", num_keys)
+        return self
+
     def __attrs_post_init__(self) -> None:
         if (self.paged is None) != (self.path is KernelPath.RAGGED):
             raise LayoutError("paged", f"path {self.path.value} and the paged call disagree")
@@ -341,6 +406,10 @@ def _group_plans(value: Iterable[object]) -> tuple[GroupPlan, ...]:
 
 def _encoder_indptr(field: str, value: object) -> IntArray | None:
     return None if value is None else _int_array(field, value)
+
+
+#: The cached properties :meth:`PlanSpec._from_checked` may preset.
+_SPEC_DERIVED = frozenset(("qo_lens", "write_start"))
 
 
 @readonly_when_unpickled
@@ -391,6 +460,40 @@ class PlanSpec:
         converter=lambda v: _int_array("pages_needed", v), eq=array_key
     )
     group_plans: tuple[GroupPlan, ...] = attrs.field(converter=lambda v: _group_plans(v))
+
+    @classmethod
+    def _from_checked(
+        cls,
+        key: PlanKey,
+        qo_indptr: IntArray,
+        prefix_lens: IntArray,
+        decoder_start: IntArray,
+        positions: IntArray,
+        encoder_indptr: IntArray | None,
+        pages_needed: IntArray,
+        group_plans: tuple[GroupPlan, ...],
+        **derived: Any,
+    ) -> PlanSpec:
+        """Internal (the planner): a plan from values that already pass ``__init__``'s
+        converters and checks (read-only int32 arrays of consistent sizes, a tuple of
+        one :class:`GroupPlan` per group of ``key``); nothing is converted or checked
+        again. ``derived`` presets cached properties (``qo_lens``, ``write_start``) the
+        caller already holds, each equal to what the property computes."""
+        self = object.__new__(cls)
+        _set = object.__setattr__
+        _set(self, "key", key)
+        _set(self, "qo_indptr", qo_indptr)
+        _set(self, "prefix_lens", prefix_lens)
+        _set(self, "decoder_start", decoder_start)
+        _set(self, "positions", positions)
+        _set(self, "encoder_indptr", encoder_indptr)
+        _set(self, "pages_needed", pages_needed)
+        _set(self, "group_plans", group_plans)
+        for name, value in derived.items():
+            if name not in _SPEC_DERIVED:
+                raise TypeError(f"PlanSpec has no derived array {name!r}")
+            _set(self, name, value)
+        return self
 
     def __attrs_post_init__(self) -> None:
         bs = self.qo_indptr.shape[0] - 1
