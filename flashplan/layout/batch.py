@@ -349,7 +349,7 @@ class BatchLayout:
     ) -> BatchLayout:
         """A decode step: each request adds one token; ``seq_lens`` count it (>= 1)."""
         seq = as_lengths("seq_lens", seq_lens, minimum=1)
-        prefix = seal_inplace(seq - np.int32(1))
+        prefix = seal_inplace(seq - 1)
         if encoder_lens is not None or encoder_cached is not None:
             return cls(Mode.DECODE, seq, prefix, encoder_lens, page_size, groups, encoder_cached)
         # The common step, without encoder: the same checks as the constructor, in its
@@ -588,7 +588,7 @@ class BatchLayout:
             LayoutError: the rounded value exceeds int32.
         """
         if self.encoder_lens is None:
-            return seal_inplace(np.zeros_like(self.seq_lens))
+            return seal_inplace(np.zeros(self.seq_lens.shape[0], dtype=np.int32))
         start = self.encoder_pages.astype(np.int64) * self.page_size
         return checked_int32("encoder_lens", start, "encoder length rounded to a page")
 
@@ -600,8 +600,10 @@ class BatchLayout:
             LayoutError: the row's last token (encoder + decoder) exceeds int32.
         """
         ps = self.page_size
-        if self.encoder_lens is None:  # ceil(seq / ps) with no sum that could wrap
-            return seal_inplace((self.seq_lens - np.int32(1)) // np.int32(ps) + np.int32(1))
+        if self.encoder_lens is None:  # ceil(seq / ps) in int32, with no sum that could wrap
+            pages = (self.seq_lens - 1) // ps
+            pages += 1
+            return seal_inplace(pages)
         end = self.decoder_start.astype(np.int64) + self.seq_lens
         if end.size and int(end.max()) > INT32_MAX:
             i = int(np.argmax(end))

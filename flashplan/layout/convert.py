@@ -96,6 +96,8 @@ _BOOL_TYPES = frozenset((bool, np.bool_))
 
 def _host_numpy(field: str, values: object) -> npt.NDArray[Any]:
     """``values`` as a numpy array (object dtype when the elements are not all numbers)."""
+    if isinstance(values, np.ndarray):  # the common case first: no ABC check
+        return values
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise LayoutError(
@@ -113,8 +115,6 @@ def _host_numpy(field: str, values: object) -> npt.NDArray[Any]:
         return t.numpy()
     if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
         raise LayoutError(field, "must be a 1-D sequence of ints", type=type(values).__name__)
-    if isinstance(values, np.ndarray):
-        return values
     if not _BOOL_TYPES.isdisjoint(map(type, values)):
         arr = np.empty(len(values), dtype=object)  # numpy would turn True into 1
         arr[:] = list(values)
@@ -177,6 +177,10 @@ def as_lengths(field: str, values: object, *, minimum: int = 0) -> IntArray:
         return copy_readonly(np.zeros(0, dtype=np.int32))
     kind = arr.dtype.kind
     if kind in "iu":
+        # Two reductions (no temporaries) on the common, valid path; the mask below
+        # only to locate the first offending request.
+        if np.minimum.reduce(arr) >= minimum and np.maximum.reduce(arr) <= INT32_MAX:
+            return copy_readonly(arr)
         bad = (arr < minimum) | (arr > INT32_MAX)
     elif kind == "f":
         with np.errstate(invalid="ignore"):

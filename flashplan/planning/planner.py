@@ -148,13 +148,15 @@ def _plan_decode(layout: BatchLayout, heads: HeadConfig) -> PlanSpec:
     """
     bs = layout.batch_size
     qo_indptr = seal_inplace(np.arange(bs + 1, dtype=np.int32))  # no sum, no overflow
-    given, resolved = planned_groups(layout.groups, heads.head_dim)
+    given, key = _decode_statics(layout.groups, heads, layout.page_size)
     group_plans = tuple(_decode_group(layout, g) for g in given)
-    derived: dict[str, IntArray] = {"qo_lens": seal_inplace(np.ones(bs, dtype=np.int32))}
+    ones = np.empty(bs, dtype=np.int32)
+    ones.fill(1)  # cheaper than np.ones
+    derived: dict[str, IntArray] = {"qo_lens": seal_inplace(ones)}
     if layout.encoder_lens is None:
         derived["write_start"] = layout.prefix_lens  # decoder_start is 0
     return PlanSpec._from_checked(
-        _plan_key(layout, resolved, tuple(gp.path for gp in group_plans), heads),
+        key,
         qo_indptr,
         layout.prefix_lens,
         layout.decoder_start,
@@ -164,6 +166,26 @@ def _plan_decode(layout: BatchLayout, heads: HeadConfig) -> PlanSpec:
         group_plans,
         **derived,
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def _decode_statics(
+    groups: tuple[AttentionGroup, ...], heads: HeadConfig, page_size: int
+) -> tuple[tuple[AttentionGroup, ...], PlanKey]:
+    """The groups a decode batch plans (:func:`planned_groups`) and its key: every
+    group of a decode batch (self or cross) runs on the decode path.
+
+    Memoized: a pure function of hashable, frozen inputs, called every step."""
+    given, resolved = planned_groups(groups, heads.head_dim)
+    key = PlanKey(
+        mode=Mode.DECODE,
+        groups=resolved,
+        paths=(KernelPath.DECODE,) * len(given),
+        page_size=page_size,
+        heads=heads,
+        multi_item=False,  # a decode layout takes no item delimiters
+    )
+    return given, key
 
 
 def _decode_group(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
@@ -179,7 +201,11 @@ def _decode_group(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
     window = _window(group)
     if layout.encoder_lens is None and window < 0:
         # Whole rows from row token 0: the derived arrays are the layout's own
-        # (pages_needed = ceil(seq / ps)); the last page holds (seq - 1) % ps + 1 keys.
+        # (pages_needed = ceil(seq / ps)); the last page holds (seq - 1) % ps + 1 keys,
+        # and seq - 1 = prefix_lens >= 0 (a mask for a power-of-two page size).
+        prefix = layout.prefix_lens
+        last = prefix & (ps - 1) if ps & (ps - 1) == 0 else prefix % ps
+        last += 1
         paged = PagedPart._from_checked(
             base,
             seq,
@@ -191,13 +217,13 @@ def _decode_group(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
             start_page=base,
             kv_lens=seq,
             num_pages=layout.pages_needed,
-            last_page_len=seal_inplace(layout.prefix_lens % np.int32(ps) + np.int32(1)),
+            last_page_len=seal_inplace(last),
         )
     else:
         end = seq if layout.encoder_lens is None else seal_inplace(base + seq)
         if window >= 0:
-            hidden = np.int32(min(window + 1, INT32_MAX))  # seq - hidden cannot wrap
-            first = seal_inplace(base + np.maximum(seq - hidden, np.int32(0)))
+            hidden = min(window + 1, INT32_MAX)  # an int32 operand: seq - hidden cannot wrap
+            first = seal_inplace(base + np.maximum(seq - hidden, 0))
         else:
             first = base
         paged = PagedPart._from_checked(first, end, ps, True, window, None, None)

@@ -233,9 +233,10 @@ class PagedPart:
                 token_pos_in_items_len=items.token_pos_in_items_len,
             )
 
-    # int32 arithmetic throughout: 0 <= start_page * page_size <= first_token, and a
-    # non-empty span's kv_lens is in [1, end_token]; entries of empty spans may wrap in
-    # the intermediate values, but np.where replaces them by 0.
+    # int32 arithmetic throughout (Python int operands keep int32 arrays int32):
+    # 0 <= start_page * page_size <= first_token, and a non-empty span's kv_lens is in
+    # [1, end_token]; entries of empty spans may wrap in the intermediate values, but
+    # np.where replaces them by 0.
     @cached_property
     def _nonempty(self) -> npt.NDArray[np.bool_]:
         return self.end_token > self.first_token
@@ -243,26 +244,27 @@ class PagedPart:
     @cached_property
     def start_page(self) -> IntArray:
         """int32 ``[bs]`` (pages): first column of the row read (0 when empty)."""
-        page = self.first_token // np.int32(self.page_size)
-        return seal_inplace(np.where(self._nonempty, page, np.int32(0)))
+        return seal_inplace(np.where(self._nonempty, self.first_token // self.page_size, 0))
 
     @cached_property
     def kv_lens(self) -> IntArray:
         """int32 ``[bs]`` (tokens): keys the kernel sees, counted from ``start_page``."""
-        keys = self.end_token - self.start_page * np.int32(self.page_size)
-        return seal_inplace(np.where(self._nonempty, keys, np.int32(0)))
+        keys = self.end_token - self.start_page * self.page_size
+        return seal_inplace(np.where(self._nonempty, keys, 0))
 
     @cached_property
     def num_pages(self) -> IntArray:
         """int32 ``[bs]`` (pages): ``ceil(kv_lens / page_size)``."""
         # (kv - 1) // ps + 1: no sum that could pass int32, and 0 for kv = 0.
-        return seal_inplace((self.kv_lens - np.int32(1)) // np.int32(self.page_size) + np.int32(1))
+        pages = (self.kv_lens - 1) // self.page_size
+        pages += 1
+        return seal_inplace(pages)
 
     @cached_property
     def last_page_len(self) -> IntArray:
         """int32 ``[bs]`` (tokens): in ``[1, page_size]``, 0 for an empty span."""
-        full = (self.num_pages - np.int32(1)) * np.int32(self.page_size)
-        return seal_inplace(np.where(self._nonempty, self.kv_lens - full, np.int32(0)))
+        full = (self.num_pages - 1) * self.page_size
+        return seal_inplace(np.where(self._nonempty, self.kv_lens - full, 0))
 
     @cached_property
     def page_indptr(self) -> IntArray:
@@ -304,7 +306,7 @@ class RaggedPart:
     @cached_property
     def kv_lens(self) -> IntArray:
         """int32 ``[bs]`` (tokens): keys per request."""
-        return seal_inplace(np.diff(self.kv_indptr))
+        return seal_inplace(self.kv_indptr[1:] - self.kv_indptr[:-1])
 
     @cached_property
     def max_kv_len(self) -> int:
@@ -515,7 +517,7 @@ class PlanSpec:
     @cached_property
     def qo_lens(self) -> IntArray:
         """int32 ``[bs]`` (tokens): new tokens (queries) per request."""
-        return seal_inplace(np.diff(self.qo_indptr))
+        return seal_inplace(self.qo_indptr[1:] - self.qo_indptr[:-1])
 
     @property
     def total_q(self) -> int:
@@ -531,7 +533,8 @@ class PlanSpec:
     def write_start(self) -> IntArray:
         """int32 ``[bs]`` (row tokens): where each request's first new token's K/V is
         written (``decoder_start + prefix_lens``)."""
-        return seal_inplace(self.decoder_start.astype(np.int64) + self.prefix_lens)
+        # int32 sum: equal to the int64 sum cast down (a layout checks that it fits).
+        return seal_inplace(self.decoder_start + self.prefix_lens)
 
     @property
     def heads(self) -> HeadConfig:
