@@ -150,11 +150,9 @@ def _plan_decode(layout: BatchLayout, heads: HeadConfig) -> PlanSpec:
     qo_indptr = seal_inplace(np.arange(bs + 1, dtype=np.int32))  # no sum, no overflow
     given, key = _decode_statics(layout.groups, heads, layout.page_size)
     group_plans = tuple(_decode_group(layout, g) for g in given)
-    ones = np.empty(bs, dtype=np.int32)
-    ones.fill(1)  # cheaper than np.ones
-    derived: dict[str, IntArray] = {"qo_lens": seal_inplace(ones)}
-    if layout.encoder_lens is None:
-        derived["write_start"] = layout.prefix_lens  # decoder_start is 0
+    qo_lens = np.empty(bs, dtype=np.int32)
+    qo_lens.fill(1)  # cheaper than np.ones
+    qo_lens.setflags(write=False)
     return PlanSpec._from_checked(
         key,
         qo_indptr,
@@ -164,7 +162,9 @@ def _plan_decode(layout: BatchLayout, heads: HeadConfig) -> PlanSpec:
         _encoder_indptr(layout),
         layout.pages_needed,
         group_plans,
-        **derived,
+        qo_lens=qo_lens,
+        # decoder_start + prefix_lens, and decoder_start is 0 without encoder
+        write_start=layout.prefix_lens if layout.encoder_lens is None else None,
     )
 
 
@@ -206,6 +206,7 @@ def _decode_group(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
         prefix = layout.prefix_lens
         last = prefix & (ps - 1) if ps & (ps - 1) == 0 else prefix % ps
         last += 1
+        last.setflags(write=False)  # our own fresh int32 array
         paged = PagedPart._from_checked(
             base,
             seq,
@@ -217,7 +218,7 @@ def _decode_group(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
             start_page=base,
             kv_lens=seq,
             num_pages=layout.pages_needed,
-            last_page_len=seal_inplace(last),
+            last_page_len=last,
         )
     else:
         end = seq if layout.encoder_lens is None else seal_inplace(base + seq)

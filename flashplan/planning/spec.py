@@ -177,14 +177,18 @@ class PagedPart:
         window_left: int,
         mask: CustomMask | None,
         items: MultiItemTensors | None,
-        **derived: Any,
+        *,
+        start_page: IntArray | None = None,
+        kv_lens: IntArray | None = None,
+        num_pages: IntArray | None = None,
+        last_page_len: IntArray | None = None,
     ) -> PagedPart:
         """Internal (the planner): a part from values that already are what the
         converters return (read-only int32 arrays of one length, ``first_token >= 0``, a
         page size >= 1, a bool, a window >= -1) and pass ``__init__``'s checks; nothing
-        is converted or checked again. ``derived`` presets cached properties
-        (``start_page``, ``kv_lens``, ``num_pages``, ``last_page_len``) that the caller
-        already holds, each equal to what the property computes (tests check both)."""
+        is converted or checked again. The keyword arguments preset cached properties
+        with arrays the caller already holds, each equal to what the property computes
+        (tests check both)."""
         self = object.__new__(cls)
         _set = object.__setattr__
         _set(self, "first_token", first_token)
@@ -194,10 +198,14 @@ class PagedPart:
         _set(self, "window_left", window_left)
         _set(self, "mask", mask)
         _set(self, "items", items)
-        for name, value in derived.items():
-            if name not in _PAGED_DERIVED:
-                raise TypeError(f"PagedPart has no derived array {name!r}")
-            _set(self, name, value)
+        if start_page is not None:
+            _set(self, "start_page", start_page)
+        if kv_lens is not None:
+            _set(self, "kv_lens", kv_lens)
+        if num_pages is not None:
+            _set(self, "num_pages", num_pages)
+        if last_page_len is not None:
+            _set(self, "last_page_len", last_page_len)
         return self
 
     def __attrs_post_init__(self) -> None:
@@ -281,10 +289,6 @@ class PagedPart:
     def max_kv_len(self) -> int:
         """Longest span (tokens), 0 for an empty batch."""
         return int(self.kv_lens.max()) if self.kv_lens.size else 0
-
-
-#: The cached properties :meth:`PagedPart._from_checked` may preset.
-_PAGED_DERIVED = frozenset(("start_page", "kv_lens", "num_pages", "last_page_len"))
 
 
 @readonly_when_unpickled
@@ -410,10 +414,6 @@ def _encoder_indptr(field: str, value: object) -> IntArray | None:
     return None if value is None else _int_array(field, value)
 
 
-#: The cached properties :meth:`PlanSpec._from_checked` may preset.
-_SPEC_DERIVED = frozenset(("qo_lens", "write_start"))
-
-
 @readonly_when_unpickled
 @attrs.frozen
 class PlanSpec:
@@ -474,13 +474,15 @@ class PlanSpec:
         encoder_indptr: IntArray | None,
         pages_needed: IntArray,
         group_plans: tuple[GroupPlan, ...],
-        **derived: Any,
+        *,
+        qo_lens: IntArray | None = None,
+        write_start: IntArray | None = None,
     ) -> PlanSpec:
         """Internal (the planner): a plan from values that already pass ``__init__``'s
         converters and checks (read-only int32 arrays of consistent sizes, a tuple of
         one :class:`GroupPlan` per group of ``key``); nothing is converted or checked
-        again. ``derived`` presets cached properties (``qo_lens``, ``write_start``) the
-        caller already holds, each equal to what the property computes."""
+        again. The keyword arguments preset cached properties with arrays the caller
+        already holds, each equal to what the property computes."""
         self = object.__new__(cls)
         _set = object.__setattr__
         _set(self, "key", key)
@@ -491,10 +493,10 @@ class PlanSpec:
         _set(self, "encoder_indptr", encoder_indptr)
         _set(self, "pages_needed", pages_needed)
         _set(self, "group_plans", group_plans)
-        for name, value in derived.items():
-            if name not in _SPEC_DERIVED:
-                raise TypeError(f"PlanSpec has no derived array {name!r}")
-            _set(self, name, value)
+        if qo_lens is not None:
+            _set(self, "qo_lens", qo_lens)
+        if write_start is not None:
+            _set(self, "write_start", write_start)
         return self
 
     def __attrs_post_init__(self) -> None:
