@@ -21,12 +21,17 @@ from flashplan.executor.flashinfer.bucket import (
     bucket_jobs,
     check_fits,
     padded_inputs,
+    padded_masks,
 )
-from flashplan.executor.flashinfer.calls import call_inputs, call_skeleton
+from flashplan.executor.flashinfer.calls import (
+    call_inputs,
+    call_skeleton,
+    flashinfer_mask_offsets,
+)
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.gathers import gather_jobs, pages_region
-from flashplan.kernels import gather_slots_torch
-from flashplan.testing import attention_groups, decode_layouts, page_tables
+from flashplan.kernels import build_custom_mask_torch, gather_slots_torch
+from flashplan.testing import attention_groups, decode_layouts, page_tables, verify_layouts
 
 HEADS = fp.HeadConfig(8, 2, 64)
 
@@ -193,14 +198,82 @@ def test_fixed_token_extend_bucket_pads_every_token(
     assert host["qo_indptr"].tolist() == [tokens * i for i in range(bucket.batch_size + 1)]
 
 
-def test_buckets_capture_decode_and_extend_only() -> None:
-    """A verify bucket is refused when it is made, and a (masked) verify plan by check_fits
-    before any buffer is sized for it."""
-    with pytest.raises(fp.BucketError, match="verify batches run eagerly"):
-        GraphBucket(fp.Mode.VERIFY, 4, 16, tokens_per_request=4)
+def test_verify_buckets_and_their_refusals() -> None:
+    """A verify plan fits a verify bucket of its N (and no other bucket); its tree mask's
+    fixed buffer holds every request's mask at FlashInfer's element-per-byte offsets."""
     tree = fp.DraftTree.from_parents([[-1, 0, 0, 1]] * 2)
     verify = fp.plan(fp.BatchLayout.verify([5, 9], tree, page_size=4), HEADS)
     assert verify.group_plans[0].uses_custom_mask
-    with pytest.raises(fp.BucketError) as err:
-        check_fits(verify, GraphBucket.extend(2, 16, tokens_per_request=4))
-    assert err.value.field == "mode"
+    bucket = GraphBucket.verify(3, 4, num_tokens=4)
+    assert (bucket.mode, bucket.total_q, bucket.mask_bytes(4)) == (fp.Mode.VERIFY, 12, 12 * 16)
+    check_fits(verify, bucket)
+    for other, field in (
+        (GraphBucket.extend(2, 16, tokens_per_request=4), "mode"),
+        (GraphBucket.verify(2, 16, num_tokens=3), "tokens_per_request"),
+        (GraphBucket.verify(2, 3, num_tokens=4), "max_pages"),
+    ):
+        with pytest.raises(fp.BucketError) as err:
+            check_fits(verify, other)
+        assert err.value.field == field
+    with pytest.raises(fp.BucketError):
+        GraphBucket("verify", 4, 16)  # type: ignore[arg-type]
+
+
+def _tree_mask_bytes(host: dict, recipe, index: int, n: int) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """Build group ``index``'s tree mask from staged-style host arrays (torch twin)."""
+
+    def t(name: str) -> torch.Tensor:
+        return torch.from_numpy(np.array(host[f"g{index}.mask.{name}"]))
+
+    bs = host[f"g{index}.mask.qo_lens"].shape[0]
+    bits = torch.from_numpy(np.array(host[f"g{index}.mask.tail_bits"]).view(np.uint8)[: bs * n * n])
+    out = torch.full((recipe.total_bytes,), 0xA5, dtype=torch.uint8)
+    build_custom_mask_torch(
+        t("first_visible"), t("qo_lens"), t("kv_lens"), t("byte_offsets"), out,
+        tree=(t("row_offsets"), t("tail_start"), bits), num_tokens=n,
+    )  # fmt: skip
+    return out.numpy()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=verify_layouts(min_batch=1, max_batch=4, encoder=False, page_sizes=(1, 3, 16)),
+    extra=st.integers(0, 3),
+)
+def test_padded_tree_masks_keep_every_real_bit_and_pad_harmlessly(
+    layout: fp.BatchLayout, extra: int
+) -> None:
+    spec = fp.plan(layout, HEADS)
+    n = layout.draft.num_tokens if layout.draft is not None else 0
+    max_pages = max(int(gp.paged.num_pages.max()) for gp in spec.group_plans if gp.paged)
+    bucket = GraphBucket.verify(layout.batch_size + extra, max_pages + 1, num_tokens=n)
+    check_fits(spec, bucket)
+    calls = call_skeleton(spec, ExecutorPolicy(), sm90=True, batch_size=bucket.batch_size)
+    inputs = call_inputs(spec, calls)
+    host = padded_inputs(inputs.host, spec.batch_size, bucket)
+    masks = padded_masks(inputs.masks, spec.batch_size, bucket)
+    assert set(masks) == set(inputs.masks)
+    bs, pads = spec.batch_size, extra
+    for index, recipe in masks.items():
+        real = inputs.masks[index]
+        want = _tree_mask_bytes(dict(inputs.host), real, index, n)
+        got = _tree_mask_bytes(host, recipe, index, n)
+        assert recipe.total_bytes <= bucket.mask_bytes(spec.page_size)
+        offsets = host[f"g{index}.mask.byte_offsets"]
+        assert offsets.shape == (bs + pads,)
+        # FlashInfer's offsets of the padded batch (qo x kv elements, one byte each).
+        qo, kv = host[f"g{index}.mask.qo_lens"], host[f"g{index}.mask.kv_lens"]
+        assert offsets.tolist() == flashinfer_mask_offsets(qo, kv)[:-1].tolist()
+        # Every real request's bytes are the unpadded mask's.
+        used = int(flashinfer_mask_offsets(qo[:bs], kv[:bs])[-1])
+        for i in range(bs):
+            lo = int(offsets[i])
+            size = (int(qo[i]) * int(kv[i]) + 7) // 8
+            assert got[lo : lo + size].tolist() == want[lo : lo + size].tolist()
+        # A padding request: n rows, one key, which every row sees.
+        for k in range(pads):
+            lo = int(offsets[bs + k])
+            assert lo == used + n * k
+            bits = np.unpackbits(got[lo : lo + (n + 7) // 8], bitorder="little")[:n]
+            assert bits.tolist() == [1] * n
+        assert host[f"g{index}.page_indptr"].shape == (bs + pads + 1,)

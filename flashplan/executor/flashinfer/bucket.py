@@ -28,23 +28,26 @@ import numpy as np
 
 from flashplan.arrays import INT32_MAX, IntArray, seal_inplace
 from flashplan.errors import BucketError
+from flashplan.executor.flashinfer.calls import MaskRecipe
 from flashplan.executor.gathers import GatherJobs, Region, pages_region
 from flashplan.layout.batch import Mode
 from flashplan.layout.convert import as_int
 from flashplan.planning.spec import KernelPath, PlanKey, PlanSpec
 
-__all__ = ["BucketLayout", "GraphBucket", "bucket_jobs", "check_fits", "padded_inputs"]
+__all__ = [
+    "BucketLayout",
+    "GraphBucket",
+    "bucket_jobs",
+    "check_fits",
+    "padded_inputs",
+    "padded_masks",
+]
 
 
 def _bucket_mode(field: str, value: object) -> Mode:
-    if isinstance(value, Mode) and value is not Mode.VERIFY:
+    if isinstance(value, Mode):
         return value
-    raise BucketError(
-        field,
-        "CUDA-graph buckets capture Mode.DECODE or Mode.EXTEND (fixed tokens per "
-        "request); verify batches run eagerly",
-        value=value,
-    )
+    raise BucketError(field, "must be a flashplan.Mode", value=value)
 
 
 @attrs.frozen
@@ -72,8 +75,10 @@ class GraphBucket:
     """The fixed shape a CUDA graph is captured for.
 
     Attributes:
-        mode: :attr:`Mode.DECODE`, or :attr:`Mode.EXTEND` with the same number of new
-            tokens for every request (the draft-extend shape).
+        mode: :attr:`Mode.DECODE`; :attr:`Mode.EXTEND` with the same number of new
+            tokens for every request (the draft-extend shape); or :attr:`Mode.VERIFY`
+            (target verify of ``tokens_per_request`` draft tokens per request: tree
+            masks live in fixed buffers too).
         batch_size: requests the graph runs (a smaller batch is padded to it).
         max_pages: most pages one request's kernel call may read (page-table columns).
         tokens_per_request: new tokens per request (1 for decode).
@@ -114,6 +119,21 @@ class GraphBucket:
         """An extend bucket with a fixed ``tokens_per_request`` (draft extend)."""
         return cls(Mode.EXTEND, batch_size, max_pages, tokens_per_request, dummy_page)
 
+    @classmethod
+    def verify(
+        cls, batch_size: int, max_pages: int, num_tokens: int, *, dummy_page: int = 0
+    ) -> GraphBucket:
+        """A target-verify bucket: ``num_tokens`` draft tokens per request (``N`` of the
+        :class:`~flashplan.DraftTree`), up to ``max_pages`` pages per request."""
+        return cls(Mode.VERIFY, batch_size, max_pages, num_tokens, dummy_page)
+
+    def mask_bytes(self, page_size: int) -> int:
+        """Bytes of the fixed custom-mask buffer of one masked group (a verify tree):
+        every request's ``tokens_per_request x (max_pages * page_size)`` mask laid at
+        FlashInfer 0.7.4's offsets, which count one byte per mask element
+        (:func:`~flashplan.executor.flashinfer.calls.flashinfer_mask_offsets`)."""
+        return self.total_q * self.max_pages * page_size
+
     @property
     def total_q(self) -> int:
         """Rows of ``q`` (and of new K/V) the graph runs: ``batch_size * tokens_per_request``."""
@@ -147,8 +167,9 @@ def check_fits(spec: PlanSpec, bucket: GraphBucket) -> None:
 
     A fitting plan is not a multi-item batch, has the bucket's mode, at most
     ``batch_size`` requests, exactly ``tokens_per_request`` new tokens each, paged calls
-    only (decode and extend plans carry no custom mask there), and no paged call reading
-    more than ``max_pages`` pages for a request.
+    only (so the only custom masks are a verify's tree masks, which the bucket's fixed
+    mask buffers hold), and no paged call reading more than ``max_pages`` pages for a
+    request.
     """
     if spec.key.multi_item:
         raise BucketError(
@@ -244,19 +265,86 @@ def padded_inputs(
 
     ``qo_indptr`` gains ``tokens_per_request`` rows per padding request; each group's
     ``page_indptr`` one page and its ``last_page_len`` one key (the dummy page's slot 0).
+    A verify's tree-mask arrays gain padding requests of ``tokens_per_request`` rows
+    whose every row sees that one key, at the offsets FlashInfer computes for them (their
+    sizes: :func:`padded_masks`).
+
+    Raises:
+        BucketError: an array this function does not know how to pad.
     """
     pads = graph.batch_size - batch_size
+    n = graph.tokens_per_request
     out: dict[str, IntArray] = {}
     for name, values in host.items():
-        if name == "qo_indptr":
-            step = graph.tokens_per_request
-        elif name.endswith(".page_indptr"):
-            step = 1
-        elif name.endswith(".last_page_len"):
+        field = name.rsplit(".", 1)[-1]
+        if name == "qo_indptr" or field == "page_indptr":
+            step = n if name == "qo_indptr" else 1
+            tail = int(values[-1]) + step * np.arange(1, pads + 1, dtype=np.int64)
+            out[name] = seal_inplace(np.concatenate([values.astype(np.int64), tail]))
+        elif ".mask." in name:
+            out[name] = _padded_mask_array(name, field, values, host, pads, n)
+        elif field == "last_page_len":
             out[name] = seal_inplace(np.concatenate([values, np.ones(pads, np.int32)]))
-            continue
-        else:  # pragma: no cover - masks are not part of graph buckets yet
+        else:
             raise BucketError(name, "this host array cannot be padded to a bucket")
-        tail = int(values[-1]) + step * np.arange(1, pads + 1, dtype=np.int64)
-        out[name] = seal_inplace(np.concatenate([values.astype(np.int64), tail]))
     return out
+
+
+#: Per padding request (one key: the dummy page's slot 0), the entries of a tree
+#: mask's per-request arrays: every row of a padding request sees its one key.
+_MASK_PAD = {
+    "kv_lens": 1,
+    "first_visible": 0,
+    "tail_start": 1,  # the key is a prefix key (below the draft columns)
+    "row_offsets": 0,
+}
+
+
+def _padded_mask_array(
+    name: str,
+    field: str,
+    values: IntArray,
+    host: Mapping[str, IntArray],
+    pads: int,
+    n: int,
+) -> IntArray:
+    """One array of a device-built tree mask (``g<i>.mask.<field>``) padded with
+    ``pads`` requests of ``n`` rows and one key each, which see that key."""
+    prefix = name[: -len(field)]
+    if field == "byte_offsets":  # FlashInfer's offsets run on: n x 1 elements each
+        qo, kv = host[prefix + "qo_lens"], host[prefix + "kv_lens"]
+        end = int(values[-1]) + int(qo[-1]) * int(kv[-1]) if values.size else 0
+        tail = end + n * np.arange(pads, dtype=np.int64)
+        return seal_inplace(np.concatenate([values.astype(np.int64), tail]))
+    if field == "tail_bits":  # bytes of [bs, n, n] bits as int32 words: no draft bits
+        used = int(host[prefix + "qo_lens"].shape[0]) * n * n
+        bits = np.zeros(used + pads * n * n, dtype=np.uint8)
+        bits[:used] = values.view(np.uint8)[:used]
+        padded = np.zeros((bits.shape[0] + 3) // 4 * 4, dtype=np.uint8)
+        padded[: bits.shape[0]] = bits
+        return seal_inplace(padded.view(np.int32))
+    if field == "qo_lens":
+        value = n
+    elif field in _MASK_PAD:
+        value = _MASK_PAD[field]
+    else:
+        raise BucketError(name, "this mask array cannot be padded to a bucket")
+    count = pads * (n if field == "row_offsets" else 1)
+    return seal_inplace(np.concatenate([values, np.full(count, value, np.int32)]))
+
+
+def padded_masks(
+    masks: Mapping[int, MaskRecipe], batch_size: int, graph: GraphBucket
+) -> dict[int, MaskRecipe]:
+    """The mask sizes of :func:`padded_inputs`' masks: each padding request adds
+    ``tokens_per_request`` bytes at FlashInfer's offsets (one per element: ``n x 1``)."""
+    pads = graph.batch_size - batch_size
+    n = graph.tokens_per_request
+    if not pads:
+        return dict(masks)
+    return {
+        index: attrs.evolve(
+            r, max_bytes=max(r.max_bytes, (n + 7) // 8), total_bytes=r.total_bytes + pads * n
+        )
+        for index, r in masks.items()
+    }
