@@ -154,6 +154,45 @@ def test_fixed_token_extend_replay_equals_eager(page_size: int) -> None:
             assert torch.equal(cache, eager_cache), (group, spec.batch_size)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_tree_verify_replay_equals_eager(page_size: int) -> None:
+    """Target verify in a graph: the tree masks are built into fixed buffers; windows
+    that bite inside the tree, padding requests in every round but the first."""
+    rng = np.random.default_rng(stable_seed("verify", page_size))
+    n = 7
+    groups = (FULL, W5, CAP)
+    bucket = GraphBucket.verify(batch_size=4, max_pages=320 // page_size + 2, num_tokens=n)
+    specs, tables = [], []
+    for bs in (4, 2, 1):
+        prefix = rng.integers(0, 300, bs)
+        if bs == 2:  # random trees
+            parents = [[-1] + [int(rng.integers(0, j)) for j in range(1, n)] for _ in range(bs)]
+            tree = fp.DraftTree.from_parents(parents)
+        else:
+            tree = fp.DraftTree.eagle(bs, topk=2, steps=3)
+        layout = fp.BatchLayout.verify(prefix, tree, page_size=page_size, groups=groups)
+        spec = fp.plan(layout, HEADS)
+        assert all(gp.uses_custom_mask for gp in spec.group_plans)
+        specs.append(spec)
+        tables.append(fp.PageTable.shuffled(spec.pages_needed, seed=bs, device=DEV))
+    pool = max(int(t.num_pages or 0) for t in tables)
+    engine = Engine(groups, bucket, specs[0], tables[0], pool, policy=ExecutorPolicy())
+    for spec, table in zip(specs, tables, strict=True):
+        for group, (got, want, cache, eager_cache) in zip(
+            groups, engine.replay_and_eager(spec, table), strict=True
+        ):
+            assert rel_err(got, want) <= 1e-2, (group, spec.batch_size)
+            assert torch.equal(cache, eager_cache), (group, spec.batch_size)
+    chain = fp.plan(
+        fp.BatchLayout.verify([9], fp.DraftTree.chain(1, n), page_size=page_size, groups=groups),
+        HEADS,
+    )
+    with pytest.raises(fp.PlanMismatchError, match="chain"):
+        engine.step.replay(chain, fp.PageTable.shuffled(chain.pages_needed, device=DEV))
+    engine.step.replay(specs[1], tables[1])  # the earlier plan still replays
+    torch.cuda.synchronize()
+
+
 def test_a_plan_that_does_not_fit_is_refused_before_anything_runs() -> None:
     bucket = GraphBucket.decode(batch_size=2, max_pages=4)
     spec = fp.plan(fp.BatchLayout.decode([5, 9], page_size=16), HEADS)
@@ -171,20 +210,86 @@ def test_a_plan_that_does_not_fit_is_refused_before_anything_runs() -> None:
 
 
 def test_graph_executors_refuse_what_a_graph_cannot_replay() -> None:
-    """check_pages mode (reads back from the device) and multi-step applies are refused
-    with clear errors; a refused first plan fixes no key."""
+    """check_pages mode (reads back from the device) is refused with a clear error; a
+    refused first plan fixes no key; the steps per apply are fixed like the key."""
     with pytest.raises(fp.UnsupportedError, match="check_pages"):
         GraphExecutor(FlashInferExecutor(check_pages=True), GraphBucket.decode(2, 4))
     gx = GraphExecutor(FlashInferExecutor(), GraphBucket.decode(batch_size=2, max_pages=4))
-    draft = fp.DraftDecode([5, 9], topk=1, steps=2, page_size=16)
-    with pytest.raises(fp.UnsupportedError, match="per draft step"):
-        gx.apply_steps(fp.plan_steps(draft, HEADS), fp.PageTable.sequential([2, 2], device=DEV))
     too_big = fp.plan(fp.BatchLayout.decode([5, 9, 3], page_size=16), HEADS)
     with pytest.raises(fp.BucketError):
         gx.apply(too_big, fp.PageTable.sequential(too_big.pages_needed, device=DEV))
     windowed = fp.plan(fp.BatchLayout.decode([5, 9], page_size=16, groups=(W5,)), HEADS)
-    gx.apply(windowed, fp.PageTable.sequential(windowed.pages_needed, device=DEV))
+    table = fp.PageTable.sequential(windowed.pages_needed, device=DEV)
+    gx.apply(windowed, table)
+    draft = fp.DraftDecode([5, 9], topk=1, steps=2, page_size=16, groups=(W5,))
+    with pytest.raises(fp.PlanMismatchError, match="step"):
+        gx.apply_steps(fp.plan_steps(draft, HEADS), table)
+    gx.apply(windowed, table)  # still the one-step plan it was fixed with
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_multi_step_draft_replay_equals_eager(page_size: int) -> None:
+    """Every step of a multi-step draft decode in one graph, re-planned per round with one
+    apply_steps: outputs and caches equal an eager apply_steps of the same round, with
+    padding branches in every round."""
+    topk, steps, groups = 2, 3, (FULL, W5)
+    bucket = GraphBucket.decode(batch_size=4 * topk, max_pages=320 // page_size + 2)
+    rng = np.random.default_rng(stable_seed("draft", page_size))
+    rounds = []
+    for requests in (4, 3, 1):
+        prefix = rng.integers(1, 300, requests)
+        draft = fp.DraftDecode(prefix, topk, steps, page_size=page_size, groups=groups)
+        prompt = fp.PageTable.shuffled(
+            (prefix + page_size - 1) // page_size, seed=requests, device=DEV
+        )
+        assert prompt.num_pages is not None
+        own = draft.branch_pages
+        start = prompt.num_pages
+        branch_pages = torch.arange(
+            start, start + requests * topk * own, dtype=torch.int32, device=DEV
+        ).reshape(requests, topk, own)
+        table = fp.PageTable.draft_branches(prompt, prefix, topk, branch_pages, page_size=page_size)
+        rounds.append((fp.plan_steps(draft, HEADS), table, start + requests * topk * own))
+    pool = max(r[2] for r in rounds)
+    gen = torch.Generator(device=DEV).manual_seed(page_size)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=DEV).to(torch.bfloat16)
+
+    n, hq, hkv, d = bucket.total_q, HEADS.num_qo_heads, HEADS.num_kv_heads, HEADS.head_dim
+    qs, ks, vs = ([rand(n, h, d) for _ in range(steps)] for h in (hq, hkv, hkv))
+    caches = [rand(pool, 2, page_size, hkv, d) for _ in groups]
+    base = [c.clone() for c in caches]
+    gx = GraphExecutor(FlashInferExecutor(), bucket)
+    views = gx.apply_steps(rounds[0][0], rounds[0][1])
+
+    def forward() -> list[torch.Tensor]:
+        return [
+            view.run(group, qs[s], ks[s], vs[s], cache)
+            for s, view in enumerate(views)
+            for group, cache in zip(groups, caches, strict=True)
+        ]
+
+    captured = capture(gx, forward)
+    for specs, table, _ in rounds:
+        for t in (*qs, *ks, *vs):
+            t.copy_(rand(*t.shape))
+        for cache, b in zip(caches, base, strict=True):
+            cache.copy_(b)
+        outs = captured.replay(specs, table)
+        eager_caches = [b.clone() for b in base]
+        rows = specs[0].total_q
+        want = [
+            view.run(group, qs[s][:rows], ks[s][:rows], vs[s][:rows], cache)
+            for s, view in enumerate(FlashInferExecutor().apply_steps(specs, table))
+            for group, cache in zip(groups, eager_caches, strict=True)
+        ]
+        torch.cuda.synchronize()
+        for got, exp in zip(outs, want, strict=True):
+            assert rel_err(got[:rows], exp) <= 1e-2, (page_size, rows)
+        for cache, eager_cache in zip(caches, eager_caches, strict=True):
+            assert torch.equal(cache, eager_cache), (page_size, rows)
 
 
 def test_replay_planning_is_sync_free() -> None:

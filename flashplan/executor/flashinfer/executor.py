@@ -215,8 +215,8 @@ class FlashInferExecutor:
     #: Eager executors make another wrapper rather than wait (see WrapperPool).
     _grow_wrappers = True
 
-    def _make_wrapper(self, key: WrapperKey, group_index: int) -> Any:
-        del group_index  # eager wrappers own no per-group buffers
+    def _make_wrapper(self, key: WrapperKey, group_index: int, prefix: str = "") -> Any:
+        del group_index, prefix  # eager wrappers own no per-group or per-step buffers
         cls = getattr(self._fi, key.kind.value)
         return cls(self._workspace, **key.constructor_kwargs())
 
@@ -313,7 +313,9 @@ class FlashInferExecutor:
                 if call is None:
                     continue
                 key, index = call.wrapper, gc.group_index
-                held = self._pool.acquire((prefix, key), partial(self._make_wrapper, key, index))
+                held = self._pool.acquire(
+                    (prefix, key), partial(self._make_wrapper, key, index, prefix)
+                )
                 constants, placeholders = self._split_kwargs(call)
                 kwargs = dict(constants)
                 for name, value in placeholders:
@@ -438,11 +440,15 @@ class FlashInferExecutor:
             )  # fmt: skip
         return page, offset
 
+    def _mask_out(self, group_index: int, size: int) -> torch.Tensor:
+        """The uint8 buffer (``size`` bytes) group ``group_index``'s mask is built into."""
+        buf = self._mask_bufs.setdefault(group_index, DeviceBuffer(self.device, torch.uint8))
+        return buf.get(size)
+
     def _build_masks(self, dplan: DevicePlan, staged: torch.Tensor) -> dict[int, torch.Tensor]:
         built = {}
         for index, recipe in dplan.masks.items():
-            buf = self._mask_bufs.setdefault(index, DeviceBuffer(self.device, torch.uint8))
-            out = buf.get(recipe.total_bytes)
+            out = self._mask_out(index, recipe.total_bytes)
 
             def view(name: str, index: int = index) -> torch.Tensor:
                 s = dplan.manifest[f"g{index}.mask.{name}"]

@@ -18,38 +18,48 @@ FlashInfer's ``plan()`` on wrappers made with ``use_cuda_graph=True``. Its ``run
 takes the bucket's shapes: ``q`` of ``bucket.total_q`` rows, whose padding rows'
 outputs are to be ignored.
 
-Only paged paths replay (decode, and extends with a fixed token count per request):
-FlashInfer's graph plans must keep their launch configuration between replays, which
-holds for a fixed batch size and row capacity (see ``docs/guide-cuda-graphs.md``).
+Only paged paths replay — decode, extends with a fixed token count per request (draft
+extend) and target verify (:meth:`GraphBucket.verify`: each masked group's tree mask is
+built into a fixed buffer the graph-mode prefill wrapper was made with): FlashInfer's
+graph plans must keep their launch configuration between replays, which holds for a
+fixed batch size and row capacity (see ``docs/guide-cuda-graphs.md``). A multi-step
+draft decode replays as one graph too: :meth:`GraphExecutor.apply_steps` plans every
+step into its own fixed buffers with one staging copy and one gather launch, and
+``step.replay(specs, table)`` takes the steps' plans.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import attrs
 import torch
 
-from flashplan.errors import PlanMismatchError, UnsupportedError
-from flashplan.executor.checks import RunArgs, check_run_args
+from flashplan.arrays import INT32_MAX, IntArray
+from flashplan.errors import BucketError, PageTableError, PlanMismatchError, UnsupportedError
+from flashplan.executor.checks import RunArgs, check_apply_args, check_run_args
 from flashplan.executor.flashinfer.bucket import (
     BucketLayout,
     GraphBucket,
     bucket_jobs,
     check_fits,
     padded_inputs,
+    padded_masks,
 )
 from flashplan.executor.flashinfer.calls import (
     GroupCalls,
+    MaskRecipe,
     WrapperKey,
     WrapperKind,
     call_inputs,
     call_skeleton,
+    skeleton_key,
 )
 from flashplan.executor.flashinfer.executor import FlashInferExecutor
 from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
-from flashplan.executor.gathers import gather_jobs, pages_region
+from flashplan.executor.gathers import GatherJobs, concat_jobs, gather_jobs, pages_region
 from flashplan.layout.page_table import PageTable
 from flashplan.planning.spec import PlanKey, PlanSpec
 
@@ -99,6 +109,9 @@ class GraphExecutor(FlashInferExecutor):
         self._layout: BucketLayout | None = None
         self._fixed_page: torch.Tensor | None = None
         self._fixed_offset: torch.Tensor | None = None
+        self._steps: int | None = None  # steps per apply, fixed by the first one
+        self._masked: tuple[bool, ...] | None = None  # groups with a tree mask, fixed too
+        self._fixed_masks: dict[int, torch.Tensor] = {}
 
     # -- fixed buffers ------------------------------------------------------------------
     def _bucket_layout(self, spec: PlanSpec) -> BucketLayout:
@@ -113,30 +126,84 @@ class GraphExecutor(FlashInferExecutor):
         assert self._layout is not None
         return self._layout
 
-    def _fix_key(self, key: PlanKey, layout: BucketLayout) -> None:
-        """Fix the key and allocate the fixed buffers (first successful plan only)."""
+    def _check_steps(self, steps: int) -> None:
+        """A graph's fixed buffers hold the steps of its first apply: one for ``apply``,
+        ``len(specs)`` for ``apply_steps``."""
+        if self._steps is not None and steps != self._steps:
+            raise PlanMismatchError(
+                f"this graph executor was first applied with {self._steps} step(s) per apply "
+                f"(its fixed buffers hold that many); got {steps}: use one graph executor "
+                "per number of steps"
+            )
+
+    def _check_masks(self, calls: tuple[GroupCalls, ...], page_size: int) -> None:
+        """The groups with a custom mask are part of a graph's shape: its kernels were
+        captured with or without one."""
+        masked = tuple(gc.masked for gc in calls)
+        if self._masked is not None and masked != self._masked:
+            raise PlanMismatchError(
+                "this graph executor was first applied with custom masks on the groups "
+                f"{self._masked} (a tree verify has one, a chain verify none); got {masked}: "
+                "use one graph executor for trees and another for chains"
+            )
+        if any(masked):
+            capacity = self.bucket.mask_bytes(page_size)
+            if capacity > INT32_MAX:
+                raise BucketError(
+                    "max_pages",
+                    "the bucket's fixed mask buffer would exceed FlashInfer's int32 mask "
+                    "offsets (batch_size * tokens_per_request * max_pages * page_size)",
+                    mask_bytes=capacity,
+                )
+
+    def _fix_key(
+        self,
+        key: PlanKey,
+        layout: BucketLayout,
+        calls: tuple[GroupCalls, ...],
+        steps: int = 1,
+    ) -> None:
+        """Fix the key, the masked groups and the steps per apply, and allocate the fixed
+        buffers (first successful plan only): ``steps`` copies of ``layout``, end to end,
+        and a fixed mask buffer per masked group."""
         if self._key is not None:
             return
-        self._key, self._layout = key, layout
-        self._fixed_page = torch.zeros(layout.total, dtype=torch.int32, device=self.device)
-        self._fixed_offset = torch.full((layout.total,), -1, dtype=torch.int32, device=self.device)
+        self._key, self._layout, self._steps = key, layout, steps
+        self._masked = tuple(gc.masked for gc in calls)
+        total = layout.total * steps
+        self._fixed_page = torch.zeros(total, dtype=torch.int32, device=self.device)
+        self._fixed_offset = torch.full((total,), -1, dtype=torch.int32, device=self.device)
+        size = self.bucket.mask_bytes(key.page_size)
+        for gc in calls:
+            if gc.masked:
+                self._fixed_masks[gc.group_index] = torch.zeros(
+                    size, dtype=torch.uint8, device=self.device
+                )
+
+    def _mask_out(self, group_index: int, size: int) -> torch.Tensor:
+        fixed = self._fixed_masks[group_index]
+        assert size <= fixed.shape[0], (size, fixed.shape)  # check_fits bounds every mask
+        return fixed[:size]
 
     def _gather_out(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._fixed_page is not None and self._fixed_offset is not None
         return self._fixed_page, self._fixed_offset
 
     def _skeleton(self, spec: PlanSpec) -> tuple[GroupCalls, ...]:
-        key = ("graph", spec.key)
+        key = ("graph", skeleton_key(spec, self.policy, self.bucket.batch_size))
         calls = self._skeletons.get(key)
         if calls is None:
             calls = _graph_skeleton(spec, self)
             self._skeletons[key] = calls
         return calls
 
-    def _device_plan(
+    def _bucket_parts(
         self, spec: PlanSpec, calls: tuple[GroupCalls, ...], table: PageTable
-    ) -> DevicePlan:
+    ) -> tuple[BucketLayout, GatherJobs, dict[str, IntArray], dict[int, MaskRecipe]]:
+        """``spec``'s jobs in the bucket's fixed regions, its padded ``plan()`` arrays and
+        its padded masks' sizes."""
         layout = self._bucket_layout(spec)
+        self._check_masks(calls, spec.page_size)
         inputs = call_inputs(spec, calls)
         jobs = gather_jobs(
             spec,
@@ -147,14 +214,21 @@ class GraphExecutor(FlashInferExecutor):
         )
         fixed = bucket_jobs(jobs, layout, spec.batch_size, self.bucket)
         host = padded_inputs(inputs.host, spec.batch_size, self.bucket)
-        dplan = device_plan(calls, fixed, host, inputs.masks)
-        self._fix_key(spec.key, layout)  # nothing above refused the plan
+        return layout, fixed, host, padded_masks(inputs.masks, spec.batch_size, self.bucket)
+
+    def _device_plan(
+        self, spec: PlanSpec, calls: tuple[GroupCalls, ...], table: PageTable
+    ) -> DevicePlan:
+        self._check_steps(1)
+        layout, fixed, host, masks = self._bucket_parts(spec, calls, table)
+        dplan = device_plan(calls, fixed, host, masks)
+        self._fix_key(spec.key, layout, calls)  # nothing above refused the plan
         return dplan
 
     #: The graph reads one wrapper per key: wait rather than make another.
     _grow_wrappers = False
 
-    def _make_wrapper(self, key: WrapperKey, group_index: int) -> Any:
+    def _make_wrapper(self, key: WrapperKey, group_index: int, prefix: str = "") -> Any:
         assert self._layout is not None and self._fixed_page is not None
         bs = self.bucket.batch_size
         dev = self.device
@@ -167,7 +241,8 @@ class GraphExecutor(FlashInferExecutor):
         if key.kind is WrapperKind.RAGGED_PREFILL:  # pragma: no cover - refused by check_fits
             raise PlanMismatchError("CUDA-graph buckets run paged paths only")
         r = self._layout.region(pages_region(group_index))
-        indices = self._fixed_page[r.lo : r.hi]
+        base = self._layout.total * _step_of(prefix)  # step k's regions: k layouts on
+        indices = self._fixed_page[base + r.lo : base + r.hi]
         if key.kind is WrapperKind.DECODE:
             wrapper = cls(
                 self._workspace,
@@ -178,6 +253,10 @@ class GraphExecutor(FlashInferExecutor):
                 **kwargs,
             )
         else:
+            mask = self._fixed_masks.get(group_index)
+            if mask is not None:  # FlashInfer's plan() copies the built mask onto itself
+                kwargs["custom_mask_buf"] = mask
+                kwargs["mask_indptr_buf"] = ints(bs + 1)
             wrapper = cls(
                 self._workspace,
                 use_cuda_graph=True,
@@ -207,17 +286,76 @@ class GraphExecutor(FlashInferExecutor):
     def apply_steps(
         self, specs: tuple[PlanSpec, ...] | list[PlanSpec], table: PageTable
     ) -> tuple[FlashInferExecutor, ...]:
-        """Not supported: a graph executor's fixed buffers hold one step's plan.
+        """Replay planning of a multi-step draft decode: every step at once (one staging
+        copy, one gather launch, one ``plan()`` per step and group), each step into its
+        own fixed buffers and wrappers; sync-free.
+
+        Each step's plan is a decode of the bucket's shape (``batch_size * topk``
+        branches: :func:`flashplan.plan_steps`); the first ``apply_steps`` fixes the number
+        of steps, like the key. Returns one executor per step, as
+        :meth:`FlashInferExecutor.apply_steps`: capture a forward that runs
+        ``views[s].run(...)`` for every step, then per round
+        ``step.replay(specs, table)``. This executor itself runs step 0.
 
         Raises:
-            UnsupportedError: always; capture one :class:`GraphExecutor` per draft step
-                (each a decode bucket of ``batch_size * topk`` branches) instead.
+            BucketError: a step's plan does not fit the bucket.
+            PlanMismatchError: no plan, a key or number of steps other than the first
+                apply's, or (as :meth:`apply`) a wrong record.
+            PageTableError: as :meth:`FlashInferExecutor.apply`.
         """
-        raise UnsupportedError(
-            "GraphExecutor.apply_steps: a graph's fixed buffers hold one step; capture one "
-            "GraphExecutor per draft step (a decode bucket of batch_size * topk branches) "
-            "and apply each step's plan to its own"
-        )
+        specs = tuple(specs)
+        if not specs:
+            raise PlanMismatchError("apply_steps() needs at least one step's plan")
+        self._check_steps(len(specs))
+        steps = []
+        for spec in specs:
+            if isinstance(spec, PlanSpec):
+                check_fits(spec, self.bucket)
+            spec, table = check_apply_args(spec, table)
+            calls = self._skeleton(spec)
+            if any(gc.masked for gc in calls):
+                raise UnsupportedError("apply_steps() plans steps without custom masks")
+            steps.append((spec, calls, *self._bucket_parts(spec, calls, table)))
+        if table.pages.device != self.device:
+            raise PageTableError(
+                "pages",
+                "the page table must live on the executor's device",
+                table_device=str(table.pages.device),
+                device=str(self.device),
+            )
+        prefixes = [f"s{k}/" for k in range(len(steps))]
+        combined = concat_jobs([step[3] for step in steps], prefixes)  # step k at k layouts
+        host = {
+            p + name: a
+            for p, step in zip(prefixes, steps, strict=True)
+            for name, a in step[4].items()
+        }
+        dplan = device_plan((), combined, host, {})
+        self._fix_key(specs[0].key, steps[0][2], steps[0][1], len(specs))
+        staged, slot = self._stage(dplan)
+        page, offset = self._gather(dplan, staged, table)
+        stream = torch.cuda.current_stream(self.device)
+        views = []
+        for prefix, (spec, calls, *_) in zip(prefixes, steps, strict=True):
+            planned = self._plan_calls(calls, dplan, slot.host, staged, page, {}, stream, prefix)
+            step_jobs = attrs.evolve(
+                combined,
+                regions=tuple(
+                    r._replace(name=r.name.removeprefix(prefix))
+                    for r in combined.regions
+                    if r.name.startswith(prefix)
+                ),
+            )
+            view = copy.copy(self)
+            view._spec, view._table, view._planned = spec, table, planned
+            view._plan = DevicePlan(calls, step_jobs, dplan.manifest, dplan.parts, {})
+            view._gathered = (page, offset)
+            views.append(view)
+        slot.mark_read(stream)
+        first = views[0]
+        self._spec, self._table, self._planned = first._spec, table, first._planned
+        self._plan, self._gathered = first._plan, first._gathered
+        return tuple(views)
 
     def _check_run(
         self,
@@ -238,6 +376,11 @@ class GraphExecutor(FlashInferExecutor):
                 "and pass k_new=v_new=None for cross groups in the graph"
             )
         return args
+
+
+def _step_of(prefix: str) -> int:
+    """The step index of a multi-step name prefix (``"s3/"`` -> 3; ``""`` -> 0)."""
+    return int(prefix[1:-1]) if prefix else 0
 
 
 def _graph_skeleton(spec: PlanSpec, ex: GraphExecutor) -> tuple[GroupCalls, ...]:
@@ -262,15 +405,24 @@ class CapturedStep(Generic[T]):
     graph: torch.cuda.CUDAGraph
     output: T
 
-    def replay(self, spec: PlanSpec | None = None, table: PageTable | None = None) -> T:
+    def replay(
+        self,
+        spec: PlanSpec | tuple[PlanSpec, ...] | list[PlanSpec] | None = None,
+        table: PageTable | None = None,
+    ) -> T:
         """Plan ``spec`` on ``table`` (when given) into the fixed buffers, then replay.
 
-        Returns :attr:`output`, valid once the replay's kernels have run.
+        ``spec`` may be a sequence of plans: the steps of a multi-step draft decode,
+        applied with :meth:`GraphExecutor.apply_steps`. Returns :attr:`output`, valid
+        once the replay's kernels have run.
         """
         if (spec is None) != (table is None):
             raise PlanMismatchError("replay() takes both spec and table, or neither")
         if spec is not None and table is not None:
-            self.executor.apply(spec, table)
+            if isinstance(spec, (tuple, list)):
+                self.executor.apply_steps(spec, table)
+            else:
+                self.executor.apply(spec, table)
         self.graph.replay()
         return self.output
 
