@@ -179,134 +179,6 @@ def profile_plan(bs: int, n: int = 5000) -> str:
     return buf.getvalue()
 
 
-def best_us(fn: Callable[[], object], number: int = 300, repeat: int = 9) -> float:
-    """Best-of-``repeat`` mean of ``number`` calls (steadier than a median on a busy box)."""
-    fn()
-    out = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        out.append((time.perf_counter() - t0) / number)
-    return min(out) * 1e6
-
-
-def breakdown(bs: int) -> list[tuple[str, float]]:
-    """plan() statement by statement (for a decode batch without encoder or window),
-    each re-run alone with flashplan's own helpers, plus a prototype decode fast path
-    that returns an equal PlanSpec. Private helpers: this mirrors
-    ``flashplan/planning/planner.py`` as of writing and says so when it no longer can."""
-    from flashplan.arrays import indptr
-    from flashplan.planning import planner as P
-    from flashplan.planning.spec import GroupPlan, KernelPath, PagedPart, PlanKey, PlanSpec
-
-    lens = np.full(bs, KV, dtype=np.int64)
-    layout = fp.BatchLayout.decode(lens, page_size=PAGE)
-    group = layout.groups[0]
-    qo = layout.extend_lens
-    qi = indptr(qo, "extend_lens")
-    seq = layout.seq_lens.astype(np.int64)
-    base = layout.decoder_start.astype(np.int64)
-    first, end = base + np.zeros_like(seq), base + seq
-    part = PagedPart(first, end, PAGE, True, -1)
-    gp = P._plan_group(layout, group, P.ExtendPath.AUTO, qo, qi)
-    resolved = (group.resolved(HEADS.head_dim),)
-    key = PlanKey(mode=layout.mode, groups=resolved, paths=(gp.path,), page_size=PAGE,
-                  heads=HEADS)  # fmt: skip
-    pos = P._positions(layout.prefix_lens, qo, qi)
-
-    def spec_record() -> PlanSpec:
-        return PlanSpec(
-            key=key, qo_indptr=qi, prefix_lens=layout.prefix_lens,
-            decoder_start=layout.decoder_start, positions=pos, encoder_indptr=None,
-            pages_needed=layout.pages_needed, group_plans=(gp,),
-        )  # fmt: skip
-
-    rows = [
-        ("plan() total", best_us(lambda: fp.plan(layout, HEADS))),
-        ("  indptr(extend_lens)  -> qo_indptr", best_us(lambda: indptr(qo, "extend_lens"))),
-        (
-            "  planned_groups (AttentionGroup.resolved)",
-            best_us(lambda: P.planned_groups(layout.groups, HEADS.head_dim)),
-        ),
-        ("  _plan_group", best_us(lambda: P._plan_group(layout, group, P.ExtendPath.AUTO, qo, qi))),
-        (
-            "    3 astype(int64) + zeros_like + 2 adds",
-            best_us(
-                lambda: (
-                    layout.seq_lens.astype(np.int64),
-                    layout.prefix_lens.astype(np.int64),
-                    layout.decoder_start.astype(np.int64) + np.zeros_like(seq),
-                    base + seq,
-                )
-            ),
-        ),
-        (
-            "    PagedPart(...) (int64 bounds -> int32 copies + checks)",
-            best_us(lambda: PagedPart(first, end, PAGE, True, -1)),
-        ),
-        (
-            "    GroupPlan(...)",
-            best_us(
-                lambda: GroupPlan(
-                    group=group,
-                    path=KernelPath.DECODE,
-                    paged=part,
-                    ragged=None,
-                    key_start=layout.decoder_start,
-                    num_keys=layout.seq_lens,
-                )
-            ),
-        ),
-        ("  _positions", best_us(lambda: P._positions(layout.prefix_lens, qo, qi))),
-        (
-            "  PlanKey(...)",
-            best_us(
-                lambda: PlanKey(
-                    mode=layout.mode, groups=resolved, paths=(gp.path,), page_size=PAGE, heads=HEADS
-                )
-            ),
-        ),
-        ("  PlanSpec(...)", best_us(spec_record)),
-    ]
-    cache: dict[object, object] = {}
-
-    def fast_decode_plan(lay: fp.BatchLayout) -> PlanSpec:
-        """Prototype: decode without encoder/window; static parts cached per key; the
-        layout's own sealed int32 arrays reused (qo_indptr = arange, positions = prefix,
-        bounds = decoder_start / seq_lens)."""
-        k = (lay.groups, HEADS, lay.page_size, lay.batch_size)
-        hit = cache.get(k)
-        if hit is None:
-            given, res = P.planned_groups(lay.groups, HEADS.head_dim)
-            arange = np.arange(lay.batch_size + 1, dtype=np.int32)
-            arange.flags.writeable = False
-            pk = PlanKey(mode=lay.mode, groups=res, paths=(KernelPath.DECODE,) * len(res),
-                         page_size=lay.page_size, heads=HEADS)  # fmt: skip
-            hit = cache[k] = (given, arange, pk)
-        given, arange, pk = hit  # type: ignore[misc]
-        start, ends = lay.decoder_start, lay.seq_lens
-        gps = tuple(
-            GroupPlan(
-                group=g,
-                path=KernelPath.DECODE,
-                paged=PagedPart(start, ends, lay.page_size, True, -1),
-                ragged=None,
-                key_start=start,
-                num_keys=ends,
-            )
-            for g in given
-        )
-        return PlanSpec(key=pk, qo_indptr=arange, prefix_lens=lay.prefix_lens,
-                        decoder_start=start, positions=lay.prefix_lens, encoder_indptr=None,
-                        pages_needed=lay.pages_needed, group_plans=gps)  # fmt: skip
-
-    same = fast_decode_plan(layout) == fp.plan(layout, HEADS)
-    rows.append((f"prototype decode plan (equal PlanSpec: {same})",
-                 best_us(lambda: fast_decode_plan(layout))))  # fmt: skip
-    return rows
-
-
 ROWS = [
     ("layout", "layout_us"),
     ("plan", "plan_us"),
@@ -328,9 +200,6 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2000, help="timed calls per row")
     parser.add_argument("--profile", action="store_true", help="cProfile plan() at 256")
     parser.add_argument("--json", default=None, help="write the figures to this file")
-    parser.add_argument(
-        "--breakdown", action="store_true", help="plan() line by line at 256 + a prototype"
-    )
     args = parser.parse_args()
     sizes = [int(b) for b in args.batch.split(",")]
     results = [measure(bs, args.reps) for bs in sizes]
@@ -352,13 +221,6 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    if args.breakdown:
-        print("\nplan() for 256 requests, statement by statement (best-of-9 mean, us):")
-        try:
-            for label, us in breakdown(256):
-                print(f"  {label:<62} {us:7.1f}")
-        except (AttributeError, ImportError, TypeError) as exc:  # planner internals moved
-            print(f"  (breakdown unavailable with this flashplan: {exc!r})")
     if args.profile:
         print(profile_plan(256))
 

@@ -153,18 +153,20 @@ def _job_table(
     table = np.empty((6, size), dtype=np.int32)
     by_part = table.reshape(6, n, bs)
     by_part[0] = rows
-    by_part[4] = np.array([p[3] for p in parts], dtype=np.int32)[:, None]
-    by_part[5] = np.array([p[4] for p in parts], dtype=np.int32)[:, None]
-    for k, (_, first, counts, _, _) in enumerate(parts):
+    for k, (_, first, counts, div, use_map) in enumerate(parts):
         by_part[1, k] = first
         by_part[2, k] = counts
+        by_part[4, k] = div
+        by_part[5, k] = use_map
     ends = np.add.accumulate(table[2].astype(np.int64)) if size else np.zeros(0, np.int64)
     total = int(ends[-1]) if size else 0
     if total > INT32_MAX:
         raise UnsupportedError(
             f"a batch that gathers {total} page ids and slots exceeds int32 offsets"
         )
-    np.subtract(ends, table[2], out=table[3], casting="unsafe")
+    if size:  # dst: the running sum before each job
+        table[3, 0] = 0
+        table[3, 1:] = ends[:-1]
     bounds = [0] + [int(ends[(k + 1) * bs - 1]) if bs else 0 for k in range(n)]
     regions = tuple(Region(p[0], bounds[k], bounds[k + 1]) for k, p in enumerate(parts))
     table.flags.writeable = False
