@@ -8,7 +8,8 @@
 #
 # PHASES: comma-separated subset of tests,sanitize,bench (default: all three).
 # Caps (seconds) and run_gpu.py's parts can be lowered to fit the device time left:
-# CAP_TESTS, CAP_SAN_EAGER, CAP_SAN_GRAPHS, CAP_RUN_GPU, CAP_SPEC, CAP_ITEMS, RUN_GPU_PARTS.
+# CAP_TESTS, CAP_SAN_EAGER, CAP_SAN_GRAPHS, CAP_RUN_GPU, CAP_SPEC, CAP_ITEMS, CAP_PROFILE,
+# CAP_HOST_CPU, RUN_GPU_PARTS.
 # The FlashInfer wheels and module cache come from the git-ignored .whl/ folder that
 # ../shared/tools/device/prepare.sh fills on the CPU machine (see docs/benchmarks.md).
 set -uo pipefail
@@ -55,6 +56,8 @@ if [[ $PHASES == *,bench,* ]]; then
     --parts "${RUN_GPU_PARTS:-copy,host,graph,deterministic,window}"
   phase bench_speculative "${CAP_SPEC:-40}" python3 benchmarks/bench_speculative.py --out "$OUT"
   phase bench_multi_item "${CAP_ITEMS:-50}" python3 benchmarks/bench_multi_item.py --out "$OUT" --no-full
+  phase profile_apply "${CAP_PROFILE:-60}" python3 benchmarks/profile_apply.py --batch 256 --n 100 --no-cprofile
+  phase host_cpu "${CAP_HOST_CPU:-40}" python3 benchmarks/host_cpu.py --reps 500
 fi
 echo "::: done in $((SECONDS - START))s" | tee -a "$OUT/summary.log"
 cp "$OUT/summary.log" "$RESULTS/summary.log"
