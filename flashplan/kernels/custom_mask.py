@@ -30,47 +30,36 @@ _BLOCK = 1024
 if HAS_TRITON:
 
     @triton.jit
-    def _custom_mask_kernel(
-        first_visible_ptr,
-        qo_lens_ptr,
-        kv_lens_ptr,
-        byte_offsets_ptr,
-        out_ptr,
-        row_offsets_ptr,
-        tail_start_ptr,
-        tail_bits_ptr,
+    def _mask_byte(
+        e0,
+        row0,
+        col0,
+        kv32,
+        n_elem,
+        first,
+        kv,
+        i,
         N,
+        tail,
+        row_offsets_ptr,
+        tail_bits_ptr,
         TREE: tl.constexpr,
-        BLOCK: tl.constexpr,
+        WIDE: tl.constexpr,
     ):
-        # Grid (bs, byte blocks): one program writes BLOCK bytes of one request.
-        i = tl.program_id(0)
-        blk = tl.program_id(1)
-        q = tl.load(qo_lens_ptr + i).to(tl.int64)
-        kv = tl.load(kv_lens_ptr + i).to(tl.int64)
-        first = tl.load(first_visible_ptr + i).to(tl.int64)
-        base = tl.load(byte_offsets_ptr + i).to(tl.int64)
-        n_elem = q * kv
-        n_bytes = (n_elem + 7) // 8
-        b = blk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        valid = b < n_bytes
-        kv_safe = tl.maximum(kv, 1)
-        # One int64 division per byte; each of its 8 bits then steps from there with
-        # int32 arithmetic (64-bit division is several times slower on the GPU).
-        e0 = b * 8
-        row0 = e0 // kv_safe
-        col0 = (e0 - row0 * kv_safe).to(tl.int32)
-        kv32 = kv_safe.to(tl.int32)
-        byte = (b * 0).to(tl.int32)
+        """The 8 mask bits of the bytes starting at elements ``e0`` (row ``row0``,
+        column ``col0``), packed little-endian. ``WIDE``: rows of at least 8 columns, so
+        a byte crosses at most one row end (a compare, not a division, per bit)."""
+        byte = (e0 * 0).to(tl.int32)
         for bit in tl.static_range(8):  # no tl.sum: it is a jit helper, not a builtin
-            e = e0 + bit
-            inside = e < n_elem
+            inside = e0 + bit < n_elem
             c = col0 + bit
-            wrap = c // kv32
-            row = row0 + wrap.to(tl.int64)
+            if WIDE:  # noqa: SIM108 - a constexpr branch, resolved when compiling
+                wrap = (c >= kv32).to(tl.int32)
+            else:
+                wrap = c // kv32
+            row = (row0 + wrap).to(tl.int64)
             col = (c - wrap * kv32).to(tl.int64)
             if TREE:
-                tail = tl.load(tail_start_ptr + i).to(tl.int64)
                 shift = tl.load(row_offsets_ptr + i * N + row, mask=inside, other=0).to(tl.int64)
                 thr = tl.minimum(tl.maximum(first + shift, 0), kv)
                 in_prefix = (col >= thr) & (col < tail)
@@ -84,7 +73,55 @@ if HAS_TRITON:
                 thr = tl.minimum(tl.maximum(first + row, 0), kv)
                 seen = (col >= thr) & inside
             byte = byte | (seen.to(tl.int32) << bit)
-        tl.store(out_ptr + base + b, byte.to(tl.uint8), mask=valid)
+        return byte
+
+    @triton.jit
+    def _custom_mask_kernel(
+        first_visible_ptr,
+        qo_lens_ptr,
+        kv_lens_ptr,
+        byte_offsets_ptr,
+        out_ptr,
+        row_offsets_ptr,
+        tail_start_ptr,
+        tail_bits_ptr,
+        N,
+        TREE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # Grid (bs, byte blocks): one program writes BLOCK bytes of one request. A
+        # request has fewer than 2**31 - 8 elements (checked on the host), so element
+        # indices fit int32: one int32 division per byte, none per bit in rows of 8+.
+        i = tl.program_id(0)
+        blk = tl.program_id(1)
+        q = tl.load(qo_lens_ptr + i)
+        kv32 = tl.load(kv_lens_ptr + i).to(tl.int32)
+        kv = kv32.to(tl.int64)
+        first = tl.load(first_visible_ptr + i).to(tl.int64)
+        base = tl.load(byte_offsets_ptr + i).to(tl.int64)
+        n_elem = (q * kv32).to(tl.int32)
+        n_bytes = (n_elem + 7) // 8
+        b = blk * BLOCK + tl.arange(0, BLOCK)
+        if blk * BLOCK < n_bytes:
+            valid = b < n_bytes
+            kv_safe = tl.maximum(kv32, 1)
+            e0 = tl.where(valid, b, 0) * 8
+            row0 = e0 // kv_safe
+            col0 = e0 - row0 * kv_safe
+            tail = 0
+            if TREE:
+                tail = tl.load(tail_start_ptr + i).to(tl.int64)
+            if kv32 >= 8:
+                byte = _mask_byte(
+                    e0, row0, col0, kv_safe, n_elem, first, kv, i, N, tail,
+                    row_offsets_ptr, tail_bits_ptr, TREE=TREE, WIDE=True,
+                )  # fmt: skip
+            else:
+                byte = _mask_byte(
+                    e0, row0, col0, kv_safe, n_elem, first, kv, i, N, tail,
+                    row_offsets_ptr, tail_bits_ptr, TREE=TREE, WIDE=False,
+                )  # fmt: skip
+            tl.store(out_ptr + base + b, byte.to(tl.uint8), mask=valid)
 
 
 def _check(
@@ -137,6 +174,8 @@ def build_custom_mask(
         byte_offsets: int32/int64 ``[bs]`` (bytes) where request i's bytes start in ``out``.
         out: uint8 ``[>= max(byte_offsets + ceil(qo*kv/8))]`` on the same device.
         max_bytes: host int, the largest ``ceil(qo_len * kv_len / 8)`` (sizes the grid).
+            Each request's ``qo_len * kv_len`` must be below ``2**31 - 8`` (the
+            executor refuses larger masks: FlashInfer's offsets are int32 too).
         tree: for a tree mask, ``(row_offsets [bs * N], tail_start [bs], tail_bits
             [bs * N * N])`` (int32, int32, uint8 0/1), row-major per request.
         num_tokens: ``N`` of a tree mask.

@@ -441,7 +441,7 @@ def bytes_as_int32(values: npt.NDArray[np.uint8]) -> IntArray:
 
 def _mask_recipe(index: int, mask: CustomMask, host: dict[str, IntArray]) -> MaskRecipe:
     offsets = flashinfer_mask_offsets(mask.qo_lens, mask.kv_lens)
-    if offsets[-1] > np.iinfo(np.int32).max:
+    if offsets[-1] > np.iinfo(np.int32).max - 8:  # the mask kernel's int32 element indices
         raise UnsupportedError(
             f"custom mask of {int(offsets[-1])} elements exceeds int32 offsets; "
             "plan this batch with extend_path='paged'"
