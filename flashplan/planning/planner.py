@@ -246,9 +246,13 @@ def plan_steps(draft: DraftDecode, heads: HeadConfig) -> tuple[PlanSpec, ...]:
 
 def _positions(prefix: IntArray, qo_lens: IntArray, qo_indptr: IntArray) -> IntArray:
     """int32 ``[total_q]``: ``prefix[i] + j`` for new token ``j`` of request ``i``."""
+    # In int32: prefix[i] + j < seq_len[i] and both terms of the shift are in
+    # [0, INT32_MAX], so nothing wraps (int64 temporaries would double the memory traffic
+    # of a long extend).
     total = int(qo_indptr[-1])
-    shift = np.repeat(prefix.astype(np.int64) - qo_indptr[:-1], qo_lens)
-    return seal_inplace(shift + np.arange(total, dtype=np.int64))
+    shift = np.repeat(prefix - qo_indptr[:-1], qo_lens)
+    shift += np.arange(total, dtype=np.int32)
+    return seal_inplace(shift)
 
 
 def _verify_positions(layout: BatchLayout) -> IntArray:
