@@ -330,3 +330,41 @@ def test_verify_writes_the_drafts_at_their_slots(
         pages = table.pages[int(table.rows[i]), torch.from_numpy(t // layout.page_size)].long()
         got = cache[pages, 0, torch.from_numpy(t % layout.page_size)]
         assert torch.equal(got, k[qo[i] : qo[i + 1]])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prefix=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    topk=st.sampled_from([1, 2, 3]),
+    steps=st.integers(1, 4),
+    page_size=st.sampled_from([1, 3, 16]),
+    groups=st.lists(
+        attention_groups(kinds=("full", "sliding"), max_window=9),
+        min_size=1,
+        max_size=2,
+        unique=True,
+    ),
+    window_pool=st.booleans(),
+)
+def test_all_steps_gather_jobs_equal_each_steps_jobs_end_to_end(
+    prefix: list[int],
+    topk: int,
+    steps: int,
+    page_size: int,
+    groups: list[fp.AttentionGroup],
+    window_pool: bool,
+) -> None:
+    """apply_steps builds every step's gather jobs in one table: the same table as each
+    step's own jobs laid end to end."""
+    from flashplan.executor.gathers import concat_jobs, gather_jobs, gather_jobs_steps
+
+    draft = fp.DraftDecode(prefix, topk, steps, page_size=page_size, groups=groups)
+    specs = fp.plan_steps(draft, HEADS)
+    rows = np.arange(len(prefix) * topk)[::-1]
+    prefixes = [f"s{k}/" for k in range(steps)]
+    want = concat_jobs([gather_jobs(s, rows, window_pool=window_pool) for s in specs], prefixes)
+    got = gather_jobs_steps(specs, rows, prefixes, window_pool=window_pool)
+    assert got.regions == want.regions and got.total == want.total
+    for a, b in zip(got.columns(), want.columns(), strict=True):
+        assert a.dtype == b.dtype == np.int32 and a.tolist() == b.tolist()
+        assert not a.flags.writeable

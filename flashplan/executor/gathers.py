@@ -19,18 +19,25 @@ of each purpose:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
-from flashplan.arrays import INT32_MAX, IntArray, seal_inplace
-from flashplan.errors import UnsupportedError
+from flashplan.arrays import INT32_MAX, IntArray
+from flashplan.errors import PlanMismatchError, UnsupportedError
 from flashplan.planning.spec import PlanSpec
 
-__all__ = ["GatherJobs", "Region", "concat_jobs", "gather_jobs", "pages_region"]
+__all__ = [
+    "GatherJobs",
+    "Region",
+    "concat_jobs",
+    "gather_jobs",
+    "gather_jobs_steps",
+    "pages_region",
+]
 
 
 class Region(NamedTuple):
@@ -112,10 +119,55 @@ def gather_jobs(
         encoder_writes: gather the encoder tokens' write slots (a CUDA-graph bucket,
             which writes no encoder K/V, leaves them out).
     """
+    r32 = np.asarray(rows, dtype=np.int32)
+    parts = _job_parts(spec, window_pool, spans, encoder_writes)
+    return _job_table(parts, r32, spec.batch_size)
+
+
+def gather_jobs_steps(
+    specs: Sequence[PlanSpec],
+    rows: npt.NDArray[np.integer],
+    prefixes: Sequence[str],
+    *,
+    window_pool: bool = False,
+    spans: Sequence[Mapping[int, tuple[IntArray, IntArray]] | None] | None = None,
+) -> GatherJobs:
+    """The gather jobs of several plans over one table (the steps of a multi-step draft
+    decode), end to end in one table: what :func:`concat_jobs` of each plan's
+    :func:`gather_jobs` gives, region names prefixed, built at once.
+
+    Args:
+        specs: the plans, all of one batch size (the table's).
+        rows: int ``[bs]`` table row per request.
+        prefixes: one region-name prefix per plan.
+        window_pool, spans: as :func:`gather_jobs` (``spans`` one per plan).
+    """
+    parts: list[_Part] = []
+    bs = specs[0].batch_size if specs else 0
+    for k, (spec, prefix) in enumerate(zip(specs, prefixes, strict=True)):
+        if spec.batch_size != bs:
+            raise PlanMismatchError(
+                f"gather_jobs_steps: plan {k} has {spec.batch_size} requests, plan 0 has {bs}"
+            )
+        own = _job_parts(spec, window_pool, spans[k] if spans else None, True)
+        parts += [(prefix + p[0], p[1], p[2], p[3], p[4]) for p in own]
+    return _job_table(parts, np.asarray(rows, dtype=np.int32), bs)
+
+
+#: One part of a job table: region name, first, counts, divisor, page-map flag.
+_Part = tuple[str, IntArray, IntArray, int, int]
+
+
+def _job_parts(
+    spec: PlanSpec,
+    window_pool: bool,
+    spans: Mapping[int, tuple[IntArray, IntArray]] | None,
+    encoder_writes: bool,
+) -> list[_Part]:
+    """The parts of :func:`gather_jobs`' table, in region order."""
     bs = spec.batch_size
     ps = spec.page_size
-    r32 = np.asarray(rows, dtype=np.int32)
-    parts: list[tuple[str, IntArray, IntArray, int, int]] = []  # name, first, counts, div, map
+    parts: list[_Part] = []
     windowed = False
     for index, gp in enumerate(spec.group_plans):
         uses_map = window_pool and gp.group.uses_window_pool
@@ -135,13 +187,10 @@ def gather_jobs(
         and any(gp.group.cross_attention for gp in spec.group_plans)
     ):
         parts.append(("encoder", np.zeros(bs, np.int32), np.diff(spec.encoder_indptr), ps, 0))
+    return parts
 
-    return _job_table(parts, r32, bs)
 
-
-def _job_table(
-    parts: list[tuple[str, IntArray, IntArray, int, int]], rows: IntArray, bs: int
-) -> GatherJobs:
+def _job_table(parts: list[_Part], rows: IntArray, bs: int) -> GatherJobs:
     """The job table of ``parts`` (name, first, counts, div, use_map), each ``[bs]``.
 
     Few numpy calls (this runs every step): the rows, divisors and map flags are
@@ -189,19 +238,22 @@ def concat_jobs(tables: list[GatherJobs], prefixes: list[str]) -> GatherJobs:
     A multi-step draft decode gathers every step's page ids in one launch.
     """
     shift = np.cumsum([0] + [t.total for t in tables])
-    columns = [
-        np.concatenate([c[k] for c in (t.columns() for t in tables)])
-        if tables
-        else np.zeros(0, np.int32)
-        for k in range(6)
-    ]
-    columns[3] = np.concatenate(
-        [t.dst.astype(np.int64) + int(shift[i]) for i, t in enumerate(tables)]
-    )
+    if int(shift[-1]) > INT32_MAX:
+        raise UnsupportedError(
+            f"jobs that gather {int(shift[-1])} page ids and slots exceed int32 offsets"
+        )
+    sizes = [t.rows.shape[0] for t in tables]
+    table = np.empty((6, sum(sizes)), dtype=np.int32)
+    at = 0
+    for t, size, base in zip(tables, sizes, shift.tolist(), strict=False):
+        table[:, at : at + size] = t.columns()
+        table[3, at : at + size] += base  # each table's outputs after the earlier ones
+        at += size
     regions = tuple(
         Region(prefix + r.name, r.lo + int(shift[i]), r.hi + int(shift[i]))
         for i, (t, prefix) in enumerate(zip(tables, prefixes, strict=True))
         for r in t.regions
     )
-    rows, first, counts, dst, div, use_map = (seal_inplace(c) for c in columns)
+    table.flags.writeable = False
+    rows, first, counts, dst, div, use_map = table
     return GatherJobs(rows, first, counts, dst, div, use_map, regions, int(shift[-1]))

@@ -58,7 +58,7 @@ from flashplan.executor.flashinfer.calls import (
 from flashplan.executor.flashinfer.compat import check_version
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import JOB_COLUMNS, DevicePlan, device_plan
-from flashplan.executor.gathers import Region, concat_jobs, gather_jobs
+from flashplan.executor.gathers import Region, gather_jobs, gather_jobs_steps
 from flashplan.kernels.custom_mask import build_custom_mask
 from flashplan.kernels.gather import NO_BAD_JOB, launch_gather_jobs, new_status
 from flashplan.kernels.merge_state import merge_state_triton
@@ -364,11 +364,7 @@ class FlashInferExecutor:
             calls = self._skeleton(spec)
             if any(gc.masked for gc in calls):
                 raise UnsupportedError("apply_steps() plans steps without custom masks")
-            inputs = call_inputs(spec, calls)
-            jobs = gather_jobs(
-                spec, table.rows, window_pool=self.page_map is not None, spans=inputs.spans
-            )
-            parts.append((spec, calls, inputs, jobs))
+            parts.append((spec, calls, call_inputs(spec, calls)))
         if table.pages.device != self.device:
             raise PageTableError(
                 "pages",
@@ -376,14 +372,18 @@ class FlashInferExecutor:
                 table_device=str(table.pages.device),
                 device=str(self.device),
             )
-        combined = concat_jobs([p[3] for p in parts], [f"s{k}/" for k in range(len(parts))])
+        prefixes = [f"s{k}/" for k in range(len(parts))]
+        combined = gather_jobs_steps(
+            [p[0] for p in parts], table.rows, prefixes,
+            window_pool=self.page_map is not None, spans=[p[2].spans for p in parts],
+        )  # fmt: skip
         host = {f"s{k}/{name}": a for k, p in enumerate(parts) for name, a in p[2].host.items()}
         dplan = device_plan((), combined, host, {})
         staged, slot = self._stage(dplan)
         page, offset = self._gather(dplan, staged, table)
         stream = torch.cuda.current_stream(self.device)
         views = []
-        for k, (spec, calls, inputs, _) in enumerate(parts):
+        for k, (spec, calls, inputs) in enumerate(parts):
             prefix = f"s{k}/"
             planned = self._plan_calls(calls, dplan, slot.host, staged, page, {}, stream, prefix)
             step_jobs = attrs.evolve(
