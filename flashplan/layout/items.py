@@ -169,7 +169,7 @@ class ItemDelimiters:
             flat = _concatenate(
                 [_entry_array(i, e) for i, e in enumerate(entries) if e is not None]
             )
-        lengths = [0 if e is None else len(e) for e in entries]
+        lengths = [_entry_length(e) for e in entries]
         indptr = np.zeros(len(entries) + 1, dtype=np.int64)
         np.cumsum(lengths, out=indptr[1:])
         try:
@@ -228,6 +228,16 @@ class ItemDelimiters:
     def to_lists(self) -> list[list[int]]:
         """One list of positions per request (for printing and tests)."""
         return [self.request(i).tolist() for i in range(self.batch_size)]
+
+
+def _entry_length(entry: object) -> int:
+    """Delimiters in one request's checked (1-D) entry: ``numel()`` of a tensor (its
+    ``len()`` or ``shape[0]`` costs several times more), ``len()`` of anything else."""
+    if entry is None:
+        return 0
+    if isinstance(entry, torch.Tensor):
+        return entry.numel()
+    return len(entry)  # type: ignore[arg-type]
 
 
 _LIST_TYPES = {list, tuple, type(None)}
