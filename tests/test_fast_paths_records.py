@@ -70,7 +70,14 @@ def _validated_layout(layout: BatchLayout) -> BatchLayout:
 
 
 def _validated_paged(part: PagedPart) -> PagedPart:
-    return PagedPart(**_fields(part))
+    fields = _fields(part)
+    if part.mask is not None:  # the planner builds tree masks without their converters
+        again = type(part.mask)(**_fields(part.mask))
+        assert part.mask == again and hash(part.mask) == hash(again)
+        for name, value in _fields(part.mask).items():
+            _same(value, getattr(again, name), f"mask.{name}")
+        fields["mask"] = again
+    return PagedPart(**fields)
 
 
 def _validated_group(gp: GroupPlan) -> GroupPlan:

@@ -169,6 +169,29 @@ class TreeMask:
         converter=lambda v: _tail_bits("tail_bits", v), eq=array_key
     )
 
+    @classmethod
+    def _from_checked(
+        cls,
+        qo_lens: IntArray,
+        kv_lens: IntArray,
+        first_visible: npt.NDArray[np.int64],
+        row_offsets: npt.NDArray[np.int32],
+        tail_start: npt.NDArray[np.int64],
+        tail_bits: npt.NDArray[np.bool_],
+    ) -> TreeMask:
+        """Internal (the planner): a mask from read-only arrays of the converters' dtypes
+        and shapes that pass ``__init__``'s checks; nothing is copied or checked again
+        (the ``[bs, N, N]`` bits of a large tree are not copied)."""
+        self = object.__new__(cls)
+        _set = object.__setattr__
+        _set(self, "qo_lens", qo_lens)
+        _set(self, "kv_lens", kv_lens)
+        _set(self, "first_visible", first_visible)
+        _set(self, "row_offsets", row_offsets)
+        _set(self, "tail_start", tail_start)
+        _set(self, "tail_bits", tail_bits)
+        return self
+
     def __attrs_post_init__(self) -> None:
         bs, n = self.row_offsets.shape
         sizes = {

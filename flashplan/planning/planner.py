@@ -345,8 +345,21 @@ def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
         else:
             first = first_key - span_first  # only the leading keys of the first page
             offsets = np.zeros_like(depth)
-        mask = TreeMask(layout.extend_lens, span.kv_lens, first, offsets, tail, bits)
-        paged = PagedPart(span.first_token, span.end_token, ps, False, -1, mask)
+        # Fresh arrays of the mask's dtypes (the bits: the draft's own sealed array, or
+        # a fresh one), which hold its checks by construction: no copy of the N x N bits.
+        mask = TreeMask._from_checked(
+            layout.extend_lens,
+            span.kv_lens,
+            seal_inplace(first, np.int64),
+            seal_inplace(offsets, np.int32),
+            seal_inplace(tail, np.int64),
+            bits if not bits.flags.writeable else seal_inplace(bits, np.bool_),
+        )
+        paged = PagedPart._from_checked(
+            span.first_token, span.end_token, ps, False, -1, mask, None,
+            start_page=span.start_page, kv_lens=span.kv_lens,
+            num_pages=span.num_pages, last_page_len=span.last_page_len,
+        )  # fmt: skip
     return GroupPlan(
         group=group,
         path=KernelPath.PAGED,

@@ -434,6 +434,10 @@ def flashinfer_mask_offsets(
 def bytes_as_int32(values: npt.NDArray[np.uint8]) -> IntArray:
     """uint8 bytes reinterpreted as int32 words (zero-padded to a multiple of 4), so that
     they travel in the int32 staging buffer; the device views them back as uint8."""
+    if values.shape[0] % 4 == 0 and values.flags.c_contiguous:  # a view, no copy
+        words = values.view(np.int32)
+        words.flags.writeable = False  # this view only (the staging copy only reads it)
+        return words
     padded = np.zeros((values.shape[0] + 3) // 4 * 4, dtype=np.uint8)
     padded[: values.shape[0]] = values
     return seal_inplace(padded.view(np.int32))
@@ -457,7 +461,8 @@ def _mask_recipe(index: int, mask: CustomMask, host: dict[str, IntArray]) -> Mas
         num_tokens = int(mask.row_offsets.shape[1])
         host[f"g{index}.mask.row_offsets"] = seal_inplace(mask.row_offsets.reshape(-1))
         host[f"g{index}.mask.tail_start"] = seal_inplace(mask.tail_start)
-        bits = np.ascontiguousarray(mask.tail_bits, dtype=np.uint8).reshape(-1)
+        # bool and uint8 share their bytes (0 / 1): a view of the mask's own bits
+        bits = np.ascontiguousarray(mask.tail_bits).reshape(-1).view(np.uint8)
         host[f"g{index}.mask.tail_bits"] = bytes_as_int32(bits)
     return MaskRecipe(
         max_bytes=int(n_bytes.max()) if n_bytes.size else 0,
