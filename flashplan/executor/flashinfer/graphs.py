@@ -182,7 +182,11 @@ class GraphExecutor(FlashInferExecutor):
 
     def _mask_out(self, group_index: int, size: int) -> torch.Tensor:
         fixed = self._fixed_masks[group_index]
-        assert size <= fixed.shape[0], (size, fixed.shape)  # check_fits bounds every mask
+        if size > fixed.shape[0]:  # check_fits bounds every mask: never reached
+            raise BucketError(
+                "max_pages", "a mask larger than the bucket's fixed mask buffer",
+                group=group_index, mask_bytes=size, capacity=int(fixed.shape[0]),
+            )  # fmt: skip
         return fixed[:size]
 
     def _gather_out(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
