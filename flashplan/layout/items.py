@@ -246,14 +246,13 @@ _TENSOR_TYPES = {torch.Tensor, type(None)}
 
 def _cat_host_tensors(parts: list[torch.Tensor]) -> torch.Tensor | None:
     """The concatenation of 1-D CPU tensors, or ``None`` when any part is not one (checked
-    on the result: one cat instead of a device and shape check per request)."""
-    if any(p.dim() != 1 for p in parts):
-        return None
+    on the result: one cat instead of a device and shape check per request — ``cat``
+    refuses 0-d parts and parts of different ranks, so a 1-D result means 1-D parts)."""
     try:
         flat = torch.cat(parts)
     except (RuntimeError, TypeError):
         return None
-    return flat if flat.device.type == "cpu" else None
+    return flat if flat.dim() == 1 and flat.device.type == "cpu" else None
 
 
 def _check_entry(request: int, entry: object) -> None:

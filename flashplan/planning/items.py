@@ -42,6 +42,7 @@ from flashplan.arrays import (
 from flashplan.errors import LayoutError
 from flashplan.layout.batch import BatchLayout
 from flashplan.layout.convert import as_int
+from flashplan.layout.items import ItemDelimiters
 
 __all__ = ["MultiItemTensors", "plan_items"]
 
@@ -113,6 +114,22 @@ class MultiItemTensors:
     max_item_len: U16 = attrs.field(
         converter=lambda v: _typed("max_item_len", v, np.uint16), eq=array_key
     )
+
+    @classmethod
+    def _from_checked(
+        cls, prefix_len_ptr: U32, token_pos_in_items: U16, token_pos_in_items_len: int,
+        max_item_len: U16,
+    ) -> MultiItemTensors:  # fmt: skip
+        """Internal (:func:`plan_items`): tensors from read-only arrays of FlashInfer's
+        dtypes that pass ``__init__``'s checks by construction (``max_item_len`` is each
+        row's largest position); nothing is copied or checked again."""
+        self = object.__new__(cls)
+        _set = object.__setattr__
+        _set(self, "prefix_len_ptr", prefix_len_ptr)
+        _set(self, "token_pos_in_items", token_pos_in_items)
+        _set(self, "token_pos_in_items_len", token_pos_in_items_len)
+        _set(self, "max_item_len", max_item_len)
+        return self
 
     def __attrs_post_init__(self) -> None:
         bs = self.prefix_len_ptr.shape[0]
@@ -207,16 +224,70 @@ def plan_items(layout: BatchLayout) -> tuple[MultiItemTensors, IntArray]:
     grid = np.where(in_row, cols - last, 0)  # int32 [bs, stride]
     longest = grid.max(axis=1, initial=0)  # the longest item (a delimiter is 0)
 
-    # Positions: P + j, then from the first delimiter on prefix_len + k - 1 (>= 0).
-    positions = np.arange(qo_ptr[-1], dtype=np.int32)
-    positions -= np.repeat(qo_ptr[:-1] - prefix, ext)
-    row_q = (qo_ptr[:-1] + first)[:, None] + cols  # where each row column sits in q
-    positions[row_q[in_row]] = np.maximum((prefix_len - 1)[:, None] + grid, 0)[in_row]
+    positions = _positions(items, owner, prefix, ext, first, prefix_len, qo_ptr)
     padded = grid.astype(np.uint16).reshape(-1)
-    tensors = MultiItemTensors(
+    # uint32 / uint16 hold every value: prefix_len <= seq_len fits int32 (so uint32),
+    # and no row is longer than MAX_ITEM_ROW (checked when the layout was built).
+    tensors = MultiItemTensors._from_checked(
         seal_inplace(prefix_len, np.uint32),
         seal_inplace(padded, np.uint16),
         stride,
         seal_inplace(longest, np.uint16),
     )
     return tensors, seal_inplace(positions)
+
+
+def _positions(
+    items: ItemDelimiters,
+    owner: IntArray,
+    prefix: IntArray,
+    ext: IntArray,
+    first: IntArray,
+    prefix_len: IntArray,
+    qo_ptr: IntArray,
+) -> IntArray:
+    """int32 ``[total_q]``: ``P + j`` before a request's first delimiter, then
+    ``max(prefix_len - 1 + k, 0)`` for the ``k``-th token from the last delimiter.
+
+    The new tokens split into *segments* along which the position grows by one: each
+    request's tokens before its first delimiter (starting at ``P``; all of them without
+    delimiters), then one per delimiter (starting at ``prefix_len - 1``, up to the next
+    delimiter). Laid out in q order — request ``i``'s first segment, then its
+    delimiters' — each segment's first token steps from the previous token's position to
+    the segment's start value and every other token by one: a running sum over one
+    array of the tokens, and no work per request or item beyond a few small arrays.
+    """
+    bs, n = prefix.shape[0], items.positions.shape[0]
+    starts = qo_ptr[:-1]
+    # Every segment's (start row in q, start value, length), request segments first.
+    seg_q = np.empty(bs + n, dtype=np.int32)
+    seg_value = np.empty(bs + n, dtype=np.int32)
+    seg_len = np.empty(bs + n, dtype=np.int32)
+    at_request = np.arange(bs, dtype=np.int32) + items.indptr[:-1]  # q order slots
+    at_delim = np.arange(n, dtype=np.int32) + owner + 1
+    seg_q[at_request] = starts
+    seg_value[at_request] = prefix
+    seg_len[at_request] = first  # ext where a request has no delimiter
+    delim_q = starts[owner] + items.positions
+    seg_q[at_delim] = delim_q
+    seg_value[at_delim] = prefix_len[owner] - 1
+    nxt = np.empty(n, dtype=np.int32)  # the next delimiter, or the request's end
+    if n:
+        nxt[:-1] = items.positions[1:]
+        last = items.indptr[1:][items.counts > 0] - 1  # each request's last delimiter
+        nxt[last] = ext[owner[last]]
+    seg_len[at_delim] = nxt - items.positions
+    # One fresh array of total_q: +1 per token, and at each segment's first token the
+    # step from the previous token's position to the segment's start value; a running
+    # sum in place then gives every position.
+    keep = seg_len > 0
+    q0, value, length = seg_q[keep], seg_value[keep], seg_len[keep]
+    positions = np.ones(int(qo_ptr[-1]), dtype=np.int32)
+    if q0.shape[0]:
+        positions[q0[0]] = value[0]
+        positions[q0[1:]] = value[1:] - (value[:-1] + length[:-1] - 1)
+    np.add.accumulate(positions, out=positions)
+    below = prefix_len[owner] == 0  # a delimiter at row 0 of a request without prefix
+    if below.any():
+        positions[delim_q[below]] = 0
+    return seal_inplace(positions)
