@@ -77,6 +77,12 @@ def _validated_paged(part: PagedPart) -> PagedPart:
         for name, value in _fields(part.mask).items():
             _same(value, getattr(again, name), f"mask.{name}")
         fields["mask"] = again
+    if part.items is not None:  # and multi-item tensors without theirs
+        items = type(part.items)(**_fields(part.items))
+        assert part.items == items and hash(part.items) == hash(items)
+        for name, value in _fields(part.items).items():
+            _same(value, getattr(items, name), f"items.{name}")
+        fields["items"] = items
     return PagedPart(**fields)
 
 
