@@ -516,3 +516,24 @@ def test_cli_bad_input_is_one_line_and_exit_2(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err and "\n" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint32, np.uint64])
+def test_plan_records_refuse_values_that_would_wrap_in_int32(dtype: Any) -> None:
+    """A hand-built PagedPart / PlanSpec whose wide-integer arrays hold values beyond
+    int32 is refused naming the field and the request, never wrapped into a wrong plan."""
+    big = np.array([3, 2**31 + 5], dtype=dtype)
+    with pytest.raises(fp.LayoutError) as err:
+        fp.PagedPart(first_token=np.array([0, 0], dtype=dtype), end_token=big, page_size=16,
+                     causal=True, window_left=-1)  # fmt: skip
+    assert (err.value.field, err.value.request) == ("end_token", 1)
+    ok = fp.PagedPart(
+        first_token=np.array([0, 1], dtype=dtype), end_token=np.array([3, 9], dtype=dtype),
+        page_size=4, causal=True, window_left=-1,
+    )  # fmt: skip
+    assert ok.end_token.dtype == np.int32 and ok.num_pages.tolist() == [1, 3]
+    if dtype is np.int64:
+        with pytest.raises(fp.LayoutError) as err:
+            fp.PagedPart(first_token=np.array([-(2**31) - 1, 0]), end_token=np.array([3, 4]),
+                         page_size=4, causal=True, window_left=-1)  # fmt: skip
+        assert (err.value.field, err.value.request) == ("first_token", 0)

@@ -22,7 +22,14 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from flashplan.arrays import IntArray, array_key, indptr, readonly_when_unpickled, seal_inplace
+from flashplan.arrays import (
+    INT32_MAX,
+    IntArray,
+    array_key,
+    indptr,
+    readonly_when_unpickled,
+    seal_inplace,
+)
 from flashplan.errors import LayoutError, PlanMismatchError
 from flashplan.layout.batch import Mode
 from flashplan.layout.convert import as_bool, as_int
@@ -40,6 +47,9 @@ __all__ = [
     "PlanSpec",
     "RaggedPart",
 ]
+
+#: Smallest int32 (signed arrays of a plan are int32).
+_INT32_MIN = -INT32_MAX - 1
 
 
 class KernelPath(enum.Enum):
@@ -106,6 +116,11 @@ def _int_array(field: str, value: object) -> IntArray:
         raise LayoutError(field, "must be a 1-D integer array", shape=getattr(value, "shape", None))
     if arr.dtype == np.int32 and not arr.flags.writeable:
         return arr
+    if arr.dtype.itemsize >= 4 and arr.dtype != np.int32 and arr.size:
+        outside = (arr < _INT32_MIN) | (arr > INT32_MAX)  # would wrap in the int32 cast
+        if outside.any():
+            i = int(np.flatnonzero(outside)[0])
+            raise LayoutError(field, "exceeds int32", request=i, value=int(arr[i]))
     return seal_inplace(np.array(arr, dtype=np.int32))
 
 
