@@ -243,13 +243,7 @@ class FlashInferExecutor:
                 ragged path), or one that needs more workspace than the executor has.
         """
         spec, table = check_apply_args(spec, table)
-        if table.pages.device != self.device:
-            raise PageTableError(
-                "pages",
-                "the page table must live on the executor's device",
-                table_device=str(table.pages.device),
-                device=str(self.device),
-            )
+        self._check_table_device(table)
         if self.policy.deterministic and any(
             p in (KernelPath.RAGGED, KernelPath.RAGGED_PAGED) for p in spec.key.paths
         ):
@@ -358,13 +352,59 @@ class FlashInferExecutor:
         specs = tuple(specs)
         if not specs:
             raise PlanMismatchError("apply_steps() needs at least one step's plan")
-        parts = []
+        steps = []
         for spec in specs:
             spec, table = check_apply_args(spec, table)
             calls = self._skeleton(spec)
             if any(gc.masked for gc in calls):
                 raise UnsupportedError("apply_steps() plans steps without custom masks")
-            parts.append((spec, calls, call_inputs(spec, calls)))
+            steps.append((spec, calls))
+        self._check_table_device(table)
+        prefixes = [f"s{k}/" for k in range(len(steps))]
+        dplan = self._steps_device_plan(steps, table, prefixes)
+        staged, slot = self._stage(dplan)
+        page, offset = self._gather(dplan, staged, table)
+        stream = torch.cuda.current_stream(self.device)
+        views = []
+        for prefix, (spec, calls) in zip(prefixes, steps, strict=True):
+            planned = self._plan_calls(calls, dplan, slot.host, staged, page, {}, stream, prefix)
+            step_jobs = attrs.evolve(
+                dplan.jobs,
+                regions=tuple(
+                    r._replace(name=r.name.removeprefix(prefix))
+                    for r in dplan.jobs.regions
+                    if r.name.startswith(prefix)
+                ),
+            )
+            view = copy.copy(self)
+            view._spec, view._table, view._planned = spec, table, planned
+            view._plan = DevicePlan(calls, step_jobs, dplan.manifest, dplan.parts, dplan.masks)
+            view._gathered = (page, offset)
+            views.append(view)
+        slot.mark_read(stream)
+        return tuple(views)
+
+    def _steps_device_plan(
+        self,
+        steps: list[tuple[PlanSpec, tuple[GroupCalls, ...]]],
+        table: PageTable,
+        prefixes: list[str],
+    ) -> DevicePlan:
+        """The device work of every step of ``apply_steps``, names under their prefixes:
+        all steps' gather jobs in one table and their ``plan()`` arrays in one staging
+        buffer (no masks: ``apply_steps`` refuses them)."""
+        inputs = [call_inputs(spec, calls) for spec, calls in steps]
+        combined = gather_jobs_steps(
+            [spec for spec, _ in steps], table.rows, prefixes,
+            window_pool=self.page_map is not None, spans=[i.spans for i in inputs],
+        )  # fmt: skip
+        host = {
+            p + name: a for p, i in zip(prefixes, inputs, strict=True) for name, a in i.host.items()
+        }
+        return device_plan((), combined, host, {})
+
+    def _check_table_device(self, table: PageTable) -> None:
+        """Refuse a page table on another device than the executor's."""
         if table.pages.device != self.device:
             raise PageTableError(
                 "pages",
@@ -372,35 +412,6 @@ class FlashInferExecutor:
                 table_device=str(table.pages.device),
                 device=str(self.device),
             )
-        prefixes = [f"s{k}/" for k in range(len(parts))]
-        combined = gather_jobs_steps(
-            [p[0] for p in parts], table.rows, prefixes,
-            window_pool=self.page_map is not None, spans=[p[2].spans for p in parts],
-        )  # fmt: skip
-        host = {f"s{k}/{name}": a for k, p in enumerate(parts) for name, a in p[2].host.items()}
-        dplan = device_plan((), combined, host, {})
-        staged, slot = self._stage(dplan)
-        page, offset = self._gather(dplan, staged, table)
-        stream = torch.cuda.current_stream(self.device)
-        views = []
-        for k, (spec, calls, inputs) in enumerate(parts):
-            prefix = f"s{k}/"
-            planned = self._plan_calls(calls, dplan, slot.host, staged, page, {}, stream, prefix)
-            step_jobs = attrs.evolve(
-                combined,
-                regions=tuple(
-                    r._replace(name=r.name.removeprefix(prefix))
-                    for r in combined.regions
-                    if r.name.startswith(prefix)
-                ),
-            )
-            view = copy.copy(self)
-            view._spec, view._table, view._planned = spec, table, planned
-            view._plan = DevicePlan(calls, step_jobs, dplan.manifest, dplan.parts, inputs.masks)
-            view._gathered = (page, offset)
-            views.append(view)
-        slot.mark_read(stream)
-        return tuple(views)
 
     def _device_plan(
         self, spec: PlanSpec, calls: tuple[GroupCalls, ...], table: PageTable

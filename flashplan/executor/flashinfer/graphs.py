@@ -30,7 +30,6 @@ step into its own fixed buffers with one staging copy and one gather launch, and
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -38,8 +37,8 @@ import attrs
 import torch
 
 from flashplan.arrays import INT32_MAX, IntArray
-from flashplan.errors import BucketError, PageTableError, PlanMismatchError, UnsupportedError
-from flashplan.executor.checks import RunArgs, check_apply_args, check_run_args
+from flashplan.errors import BucketError, PlanMismatchError, UnsupportedError
+from flashplan.executor.checks import RunArgs, check_run_args
 from flashplan.executor.flashinfer.bucket import (
     BucketLayout,
     GraphBucket,
@@ -308,58 +307,36 @@ class GraphExecutor(FlashInferExecutor):
             PageTableError: as :meth:`FlashInferExecutor.apply`.
         """
         specs = tuple(specs)
-        if not specs:
-            raise PlanMismatchError("apply_steps() needs at least one step's plan")
-        self._check_steps(len(specs))
-        steps = []
+        if specs:
+            self._check_steps(len(specs))
         for spec in specs:
             if isinstance(spec, PlanSpec):
                 check_fits(spec, self.bucket)
-            spec, table = check_apply_args(spec, table)
-            calls = self._skeleton(spec)
-            if any(gc.masked for gc in calls):
-                raise UnsupportedError("apply_steps() plans steps without custom masks")
-            steps.append((spec, calls, *self._bucket_parts(spec, calls, table)))
-        if table.pages.device != self.device:
-            raise PageTableError(
-                "pages",
-                "the page table must live on the executor's device",
-                table_device=str(table.pages.device),
-                device=str(self.device),
-            )
-        prefixes = [f"s{k}/" for k in range(len(steps))]
-        combined = concat_jobs([step[3] for step in steps], prefixes)  # step k at k layouts
+        views = super().apply_steps(specs, table)
+        first = views[0]
+        self._spec, self._table, self._planned = first._spec, first._table, first._planned
+        self._plan, self._gathered = first._plan, first._gathered
+        return views
+
+    def _steps_device_plan(
+        self,
+        steps: list[tuple[PlanSpec, tuple[GroupCalls, ...]]],
+        table: PageTable,
+        prefixes: list[str],
+    ) -> DevicePlan:
+        """Each step's jobs in its own copy of the bucket's fixed regions (step ``k``
+        ``k`` layouts on) and its padded ``plan()`` arrays; fixes the key and the number
+        of steps on the first apply."""
+        parts = [self._bucket_parts(spec, calls, table) for spec, calls in steps]
+        combined = concat_jobs([jobs for _, jobs, _, _ in parts], prefixes)
         host = {
             p + name: a
-            for p, step in zip(prefixes, steps, strict=True)
-            for name, a in step[4].items()
+            for p, (_, _, arrays, _) in zip(prefixes, parts, strict=True)
+            for name, a in arrays.items()
         }
         dplan = device_plan((), combined, host, {})
-        self._fix_key(specs[0].key, steps[0][2], steps[0][1], len(specs))
-        staged, slot = self._stage(dplan)
-        page, offset = self._gather(dplan, staged, table)
-        stream = torch.cuda.current_stream(self.device)
-        views = []
-        for prefix, (spec, calls, *_) in zip(prefixes, steps, strict=True):
-            planned = self._plan_calls(calls, dplan, slot.host, staged, page, {}, stream, prefix)
-            step_jobs = attrs.evolve(
-                combined,
-                regions=tuple(
-                    r._replace(name=r.name.removeprefix(prefix))
-                    for r in combined.regions
-                    if r.name.startswith(prefix)
-                ),
-            )
-            view = copy.copy(self)
-            view._spec, view._table, view._planned = spec, table, planned
-            view._plan = DevicePlan(calls, step_jobs, dplan.manifest, dplan.parts, {})
-            view._gathered = (page, offset)
-            views.append(view)
-        slot.mark_read(stream)
-        first = views[0]
-        self._spec, self._table, self._planned = first._spec, table, first._planned
-        self._plan, self._gathered = first._plan, first._gathered
-        return tuple(views)
+        self._fix_key(steps[0][0].key, parts[0][0], steps[0][1], len(steps))
+        return dplan
 
     def _check_run(
         self,
