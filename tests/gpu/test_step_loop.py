@@ -88,6 +88,16 @@ class Engine:
         torch.cuda.synchronize()
         return result
 
+    def check_replays(self, specs: list[fp.PlanSpec], tables: list[fp.PageTable]) -> None:
+        """Every plan replays as its eager step: outputs within bf16 tolerance, and the
+        whole cache equal (padding rows write nowhere)."""
+        for spec, table in zip(specs, tables, strict=True):
+            for group, (got, want, cache, eager_cache) in zip(
+                self.groups, self.replay_and_eager(spec, table), strict=True
+            ):
+                assert rel_err(got, want) <= 1e-2, (group, spec.batch_size)
+                assert torch.equal(cache, eager_cache), (group, spec.batch_size)
+
 
 def _decode_batches(rng: np.random.Generator, page_size: int) -> list[np.ndarray]:
     """Batches of 8 (full bucket), 3 and 1 requests, lengths across window edges."""
@@ -119,13 +129,7 @@ def test_decode_replay_equals_eager(page_size: int, swa_pool: bool) -> None:
     engine = Engine(
         groups, bucket, specs[0], tables[0], pool, policy=ExecutorPolicy(), page_map=page_map
     )
-    for spec, table in zip(specs, tables, strict=True):
-        for group, (got, want, cache, eager_cache) in zip(
-            groups, engine.replay_and_eager(spec, table), strict=True
-        ):
-            assert rel_err(got, want) <= 1e-2, (group, spec.batch_size)
-            # Padding rows write nowhere: the whole cache equals the eager step's.
-            assert torch.equal(cache, eager_cache), (group, spec.batch_size)
+    engine.check_replays(specs, tables)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -146,12 +150,7 @@ def test_fixed_token_extend_replay_equals_eager(page_size: int) -> None:
         tables.append(fp.PageTable.shuffled(spec.pages_needed, seed=bs, device=DEV))
     pool = max(int(t.num_pages or 0) for t in tables)
     engine = Engine(groups, bucket, specs[0], tables[0], pool, policy=ExecutorPolicy())
-    for spec, table in zip(specs, tables, strict=True):
-        for group, (got, want, cache, eager_cache) in zip(
-            groups, engine.replay_and_eager(spec, table), strict=True
-        ):
-            assert rel_err(got, want) <= 1e-2, (group, spec.batch_size)
-            assert torch.equal(cache, eager_cache), (group, spec.batch_size)
+    engine.check_replays(specs, tables)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -177,12 +176,7 @@ def test_tree_verify_replay_equals_eager(page_size: int) -> None:
         tables.append(fp.PageTable.shuffled(spec.pages_needed, seed=bs, device=DEV))
     pool = max(int(t.num_pages or 0) for t in tables)
     engine = Engine(groups, bucket, specs[0], tables[0], pool, policy=ExecutorPolicy())
-    for spec, table in zip(specs, tables, strict=True):
-        for group, (got, want, cache, eager_cache) in zip(
-            groups, engine.replay_and_eager(spec, table), strict=True
-        ):
-            assert rel_err(got, want) <= 1e-2, (group, spec.batch_size)
-            assert torch.equal(cache, eager_cache), (group, spec.batch_size)
+    engine.check_replays(specs, tables)
     chain = fp.plan(
         fp.BatchLayout.verify([9], fp.DraftTree.chain(1, n), page_size=page_size, groups=groups),
         HEADS,
