@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -53,6 +52,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     import flashinfer
 import triton
+from _timing import host_us, kernel_ms, synced_us
 
 import flashplan as fp
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
@@ -87,39 +87,6 @@ def save() -> None:
         json.dump(RESULTS, f, indent=1)
     with open(os.path.join(ARGS.out, "bench_multi_item.md"), "w") as f:
         f.write("\n".join(MD) + "\n")
-
-
-def kernel_ms(fn, rep: int = 100) -> float:
-    return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
-
-
-def synced_us(fn, n: int = 30, warmup: int = 5) -> float:
-    """Median wall time of ``fn`` from an idle GPU until the GPU is done (µs)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
-
-
-def host_us(fn, n: int = 30, warmup: int = 5) -> float:
-    """Median host time of ``fn`` alone (µs), GPU idle before each call."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 # ------------------------------------------------------------------------ the batch

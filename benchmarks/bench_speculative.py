@@ -22,10 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -37,6 +36,8 @@ with warnings.catch_warnings():
     import flashinfer
 import triton
 import triton.language as tl
+from _timing import host_us
+from _timing import kernel_ms as _kernel_ms
 
 import flashplan as fp
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
@@ -47,21 +48,8 @@ HEADS = fp.HeadConfig(32, 8, 128)
 PS = 16
 
 
-def host_us(fn, n: int = 30, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
-def kernel_ms(fn) -> float:
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
+def kernel_ms(fn: Callable[[], object]) -> float:
+    return _kernel_ms(fn, rep=50, warmup=10)
 
 
 def pinned(a: np.ndarray) -> torch.Tensor:

@@ -52,6 +52,8 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     import flashinfer
 
+from _timing import host_us
+
 import flashplan as fp
 import flashplan.executor.flashinfer.executor as executor_mod
 import flashplan.executor.flashinfer.graphs as graphs_mod
@@ -186,16 +188,7 @@ def report(title: str, timer: StageTimer) -> None:
 
 def idle_us(fn: Callable[[], object], n: int = 100) -> float:
     """Median time of ``fn`` alone on an idle GPU (synchronized before each call)."""
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    return host_us(fn, n, warmup=10)
 
 
 BARE_PLAN_ARGS = (

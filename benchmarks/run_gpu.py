@@ -67,6 +67,8 @@ with warnings.catch_warnings():
     import flashinfer
 import triton
 import triton.language as tl
+from _timing import host_us as _host_us
+from _timing import kernel_ms
 
 import flashplan as fp
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
@@ -139,22 +141,9 @@ def summary_md() -> list[str]:
 
 
 # ------------------------------------------------------------------------ timing helpers
-def kernel_ms(fn: Callable[[], object], rep: int = 100) -> float:
-    return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
-
-
 def host_us(fn: Callable[[], object], n: int = 100, warmup: int = 20) -> float:
     """Median host time of ``fn`` on an idle GPU (synchronized before each call)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    return _host_us(fn, n, warmup)
 
 
 def step_us(fn: Callable[[], object], steps: int, warmup: int = 5) -> tuple[float, float]:

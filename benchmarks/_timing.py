@@ -1,0 +1,46 @@
+"""Timing helpers the GPU benchmark scripts share (imported as ``_timing`` by the
+scripts in this folder, which Python puts first on ``sys.path`` when it runs one)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import triton
+
+
+def host_us(fn: Callable[[], object], n: int = 30, warmup: int = 5) -> float:
+    """Median host time of ``fn`` alone (µs), the GPU synchronized before each call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def synced_us(fn: Callable[[], object], n: int = 30, warmup: int = 5) -> float:
+    """Median wall time of ``fn`` from an idle GPU until the GPU is done (µs)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def kernel_ms(fn: Callable[[], object], rep: int = 100, warmup: int = 25) -> float:
+    """Median kernel time of ``fn`` (ms): ``triton.testing.do_bench`` (CUDA events, L2
+    flushed)."""
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
