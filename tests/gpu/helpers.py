@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -13,6 +15,19 @@ import flashplan as fp
 def stable_seed(*parts: object) -> int:
     """A seed that is the same in every process (``hash()`` of strings is not)."""
     return zlib.crc32(repr(parts).encode())
+
+
+@contextmanager
+def syncs_raise(active: bool = True) -> Iterator[None]:
+    """Wait for the GPU, then (when ``active``) make every synchronizing CUDA call inside
+    the block raise (``torch.cuda.set_sync_debug_mode("error")``); the default mode after."""
+    torch.cuda.synchronize()
+    if active:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

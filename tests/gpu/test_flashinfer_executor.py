@@ -8,7 +8,7 @@ import torch
 
 import flashplan as fp
 
-from .helpers import run_both, stable_seed
+from .helpers import run_both, stable_seed, syncs_raise
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -121,14 +121,9 @@ def test_apply_and_run_never_sync(mode):
         table = fp.PageTable.sequential(spec.pages_needed, device="cuda")
         q = torch.randn(spec.total_q, 8, 128, device="cuda").to(torch.bfloat16)
         k = torch.randn(spec.total_q, 2, 128, device="cuda").to(torch.bfloat16)
-        torch.cuda.synchronize()
-        if seed == 1:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
+        with syncs_raise(seed == 1):
             ex.apply(spec, table)
             ex.run(group, q, k, k, cache)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
 
 

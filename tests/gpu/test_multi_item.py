@@ -22,7 +22,7 @@ import torch
 
 import flashplan as fp
 
-from .helpers import rel_err, run_both
+from .helpers import rel_err, run_both, syncs_raise
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 FULL = fp.AttentionGroup()
@@ -286,12 +286,7 @@ def test_apply_and_run_never_sync():
         table = fp.PageTable.sequential(spec.pages_needed, device="cuda")
         q = torch.randn(spec.total_q, 8, 128, device="cuda").to(torch.bfloat16)
         k = torch.randn(spec.total_q, 2, 128, device="cuda").to(torch.bfloat16)
-        torch.cuda.synchronize()
-        if seed == 1:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
+        with syncs_raise(seed == 1):
             ex.apply(spec, table)  # type: ignore[attr-defined]
             ex.run(FULL, q, k, k, cache)  # type: ignore[attr-defined]
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()

@@ -11,7 +11,7 @@ import torch
 import flashplan as fp
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 
-from .helpers import rel_err, run_both, stable_seed
+from .helpers import rel_err, run_both, stable_seed, syncs_raise
 
 DEV = "cuda"
 HEADS = fp.HeadConfig(num_qo_heads=16, num_kv_heads=4, head_dim=128)
@@ -130,16 +130,11 @@ def test_verify_and_draft_steps_never_sync() -> None:
     qd = torch.randn(6, 16, 128, device=DEV).to(torch.bfloat16)
     kd = torch.randn(6, 4, 128, device=DEV).to(torch.bfloat16)
     for attempt in range(2):  # the first round loads modules
-        torch.cuda.synchronize()
-        if attempt:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
+        with syncs_raise(attempt == 1):
             ex.apply(verify, table)
             for g in GROUPS[:2]:
                 ex.run(g, q, k, k, cache)
             for view in ex.apply_steps(steps, branches):
                 for g in GROUPS[:2]:
                     view.run(g, qd, kd, kd, cache)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()

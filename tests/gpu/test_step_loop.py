@@ -17,7 +17,7 @@ from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 from flashplan.executor.flashinfer.bucket import GraphBucket
 from flashplan.executor.flashinfer.graphs import GraphExecutor, capture
 
-from .helpers import rel_err, stable_seed
+from .helpers import rel_err, stable_seed, syncs_raise
 
 DEV = "cuda"
 HEADS = fp.HeadConfig(num_qo_heads=16, num_kv_heads=4, head_dim=128)
@@ -297,13 +297,9 @@ def test_replay_planning_is_sync_free() -> None:
     ]
     engine = Engine((FULL, W5), bucket, specs[0], tables[0], 64, policy=ExecutorPolicy())
     engine.step.replay(specs[1], tables[1])
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with syncs_raise():
         for spec, table in zip(specs, tables, strict=True):
             engine.step.replay(spec, table)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
 
 
