@@ -28,7 +28,7 @@ import numpy as np
 
 from flashplan.arrays import INT32_MAX, IntArray, seal_inplace
 from flashplan.errors import BucketError
-from flashplan.executor.flashinfer.calls import MaskRecipe
+from flashplan.executor.flashinfer.calls import MaskRecipe, bytes_as_int32
 from flashplan.executor.gathers import GatherJobs, Region, pages_region
 from flashplan.layout.batch import Mode
 from flashplan.layout.convert import as_int
@@ -320,9 +320,7 @@ def _padded_mask_array(
         used = int(host[prefix + "qo_lens"].shape[0]) * n * n
         bits = np.zeros(used + pads * n * n, dtype=np.uint8)
         bits[:used] = values.view(np.uint8)[:used]
-        padded = np.zeros((bits.shape[0] + 3) // 4 * 4, dtype=np.uint8)
-        padded[: bits.shape[0]] = bits
-        return seal_inplace(padded.view(np.int32))
+        return bytes_as_int32(bits)
     if field == "qo_lens":
         value = n
     elif field in _MASK_PAD:
