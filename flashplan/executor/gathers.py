@@ -193,9 +193,10 @@ def _job_parts(
 def _job_table(parts: list[_Part], rows: IntArray, bs: int) -> GatherJobs:
     """The job table of ``parts`` (name, first, counts, div, use_map), each ``[bs]``.
 
-    Few numpy calls (this runs every step): the rows, divisors and map flags are
-    broadcast into the table at once, and ``dst`` is one running sum over every part's
-    counts, since the parts' outputs lie end to end.
+    Few numpy calls (this runs every step): the rows are broadcast into every part at
+    once, each part's columns are filled by slice (its divisor and map flag as scalars),
+    and ``dst`` is one running sum over every part's counts, since the parts' outputs
+    lie end to end.
     """
     n = len(parts)
     size = n * bs
