@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
+from functools import cached_property
 from typing import Any
 
 import attrs
@@ -156,6 +157,16 @@ class PlanCall:
     def as_dict(self) -> dict[str, Any]:
         """The keyword arguments, placeholders unresolved."""
         return dict(self.kwargs)
+
+    @cached_property
+    def constants(self) -> tuple[tuple[str, Any], ...]:
+        """The keyword arguments that are no placeholder (the same for every batch)."""
+        return tuple((n, v) for n, v in self.kwargs if not isinstance(v, PLACEHOLDERS))
+
+    @cached_property
+    def placeholders(self) -> tuple[tuple[str, Placeholder], ...]:
+        """The keyword arguments an executor resolves per batch."""
+        return tuple((n, v) for n, v in self.kwargs if isinstance(v, PLACEHOLDERS))
 
 
 @attrs.frozen

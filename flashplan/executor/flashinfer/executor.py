@@ -41,14 +41,11 @@ from flashplan.errors import LayoutError, PageTableError, PlanMismatchError, Uns
 from flashplan.executor.checks import RunArgs, check_apply_args, check_run_args
 from flashplan.executor.flashinfer.buffers import DeviceBuffer, PinnedRing, WrapperPool
 from flashplan.executor.flashinfer.calls import (
-    PLACEHOLDERS,
     BatchInt,
     BuiltMask,
     DeviceIndices,
     GroupCalls,
     HostArray,
-    Placeholder,
-    PlanCall,
     StagedArray,
     WrapperKey,
     call_inputs,
@@ -173,7 +170,6 @@ class FlashInferExecutor:
         self._pool = WrapperPool(grow=self._grow_wrappers)
         self._planned: dict[tuple[int, str], Any] = {}
         self._skeletons: dict[object, tuple[GroupCalls, ...]] = {}
-        self._splits: dict[int, tuple[PlanCall, dict[str, Any], tuple[Any, ...]]] = {}
         self._ring = PinnedRing()
         self._staged = DeviceBuffer(self.device, torch.int32)
         self._out_page = DeviceBuffer(self.device, torch.int32)
@@ -310,27 +306,13 @@ class FlashInferExecutor:
                 held = self._pool.acquire(
                     (prefix, key), partial(self._make_wrapper, key, index, prefix)
                 )
-                constants, placeholders = self._split_kwargs(call)
-                kwargs = dict(constants)
-                for name, value in placeholders:
+                kwargs = dict(call.constants)
+                for name, value in call.placeholders:
                     kwargs[name] = resolve(value)
                 self._call_plan(held.wrapper, kwargs)
                 self._pool.mark_planned(held, stream)
                 planned[(index, part)] = held.wrapper
         return planned
-
-    def _split_kwargs(
-        self, call: PlanCall
-    ) -> tuple[dict[str, Any], tuple[tuple[str, Placeholder], ...]]:
-        """``call``'s constant keyword arguments and its placeholders, split once per
-        skeleton call (skeletons are cached per key and live as long as the executor)."""
-        split = self._splits.get(id(call))
-        if split is None or split[0] is not call:
-            constants = {n: v for n, v in call.kwargs if not isinstance(v, PLACEHOLDERS)}
-            placeholders = tuple((n, v) for n, v in call.kwargs if isinstance(v, PLACEHOLDERS))
-            split = (call, constants, placeholders)
-            self._splits[id(call)] = split
-        return split[1], split[2]
 
     # -- multi-step draft decode ------------------------------------------------------
     def apply_steps(
