@@ -110,10 +110,23 @@ class DeviceBuffer:
 
 @attrs.define(eq=False)
 class WrapperSlot:
-    """One FlashInfer wrapper and the event after the copies of its last ``plan()``."""
+    """One FlashInfer wrapper and the event after the copies of its last ``plan()``.
+
+    Attributes:
+        wrapper: the FlashInfer wrapper.
+        event: recorded after the copies of its last ``plan()`` (``None``: never planned).
+        fixed: device buffers the wrapper was made with and reads at run time, by name
+            (a graph-mode decode wrapper's ``"indptr"`` int32 ``[bs + 1]`` and
+            ``"last_page_len"`` int32 ``[bs]``); empty for eager wrappers.
+        planned_with: the constant ``plan()`` arguments of its last full ``plan()``
+            (:attr:`~flashplan.executor.flashinfer.calls.PlanCall.constants`), which
+            fixed its compiled module; ``None`` before one, or after one that failed.
+    """
 
     wrapper: Any
     event: torch.cuda.Event | None = None
+    fixed: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    planned_with: tuple[tuple[str, Any], ...] | None = None
 
     def idle(self) -> bool:
         """The copies the wrapper's last ``plan()`` queued have run (never waits)."""
@@ -144,8 +157,8 @@ class WrapperPool:
         self.max_per_key = max_per_key if grow else 1
         self.slots: dict[Any, list[WrapperSlot]] = {}
 
-    def acquire(self, key: Any, make: Callable[[], Any]) -> WrapperSlot:
-        """An idle wrapper for ``key`` (made with ``make()`` when needed)."""
+    def acquire(self, key: Any, make: Callable[[], WrapperSlot]) -> WrapperSlot:
+        """An idle wrapper for ``key`` (``make()`` makes a new slot when needed)."""
         slots = self.slots.setdefault(key, [])
         for slot in slots:
             if slot.idle():
@@ -156,7 +169,7 @@ class WrapperPool:
             assert slot.event is not None
             slot.event.synchronize()  # documented: the host is max_per_key steps ahead
             return slot
-        slot = WrapperSlot(make())
+        slot = make()
         slots.append(slot)
         return slot
 

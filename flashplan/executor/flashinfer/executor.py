@@ -39,7 +39,12 @@ import torch
 
 from flashplan.errors import LayoutError, PageTableError, PlanMismatchError, UnsupportedError
 from flashplan.executor.checks import RunArgs, check_apply_args, check_run_args
-from flashplan.executor.flashinfer.buffers import DeviceBuffer, PinnedRing, WrapperPool
+from flashplan.executor.flashinfer.buffers import (
+    DeviceBuffer,
+    PinnedRing,
+    WrapperPool,
+    WrapperSlot,
+)
 from flashplan.executor.flashinfer.calls import (
     BatchInt,
     BuiltMask,
@@ -48,11 +53,17 @@ from flashplan.executor.flashinfer.calls import (
     HostArray,
     StagedArray,
     WrapperKey,
+    WrapperKind,
     call_inputs,
     call_skeleton,
     skeleton_key,
 )
 from flashplan.executor.flashinfer.compat import check_version
+from flashplan.executor.flashinfer.fast_plan import (
+    DecodeArrays,
+    fast_decode_available,
+    replan_decode,
+)
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import JOB_COLUMNS, DevicePlan, device_plan
 from flashplan.executor.gathers import Region, gather_jobs, gather_jobs_steps
@@ -127,6 +138,12 @@ class FlashInferExecutor:
             page ids of a separate sliding-window KV pool (a negative entry marks an
             evicted page); windowed groups' page ids and write slots go through it.
         check_pages: the checked mode above.
+        fast_plan: re-plan a decode wrapper whose last ``plan()`` had the same
+            constant arguments through FlashInfer's ``fast_decode_plan``, which skips
+            ``plan()``'s argument checks and copies (flashplan has staged the arrays
+            already); only with a flashinfer version it was checked against
+            (:mod:`~flashplan.executor.flashinfer.fast_plan`). ``False``: always
+            ``plan()``.
 
     Raises:
         UnsupportedError: no CUDA, or ``device`` is not a CUDA device.
@@ -141,6 +158,7 @@ class FlashInferExecutor:
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
         page_map: torch.Tensor | None = None,
         check_pages: bool = False,
+        fast_plan: bool = True,
     ) -> None:
         self.device = _cuda_device(device)
         self._fi = import_flashinfer()
@@ -150,6 +168,8 @@ class FlashInferExecutor:
         self.policy = policy or ExecutorPolicy()
         self.workspace_bytes = as_int("workspace_bytes", workspace_bytes, minimum=1 << 20)
         self.check_pages = as_bool("check_pages", check_pages)
+        self.fast_plan = as_bool("fast_plan", fast_plan)
+        self._fast_decode = self.fast_plan and fast_decode_available(self._fi)
         if page_map is not None and (
             not isinstance(page_map, torch.Tensor)
             or page_map.dtype != torch.int32
@@ -180,6 +200,9 @@ class FlashInferExecutor:
         self._plan: DevicePlan | None = None
         self._table: PageTable | None = None
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: FlashInfer planning calls made so far: full ``plan()`` calls and decode
+        #: re-plans through ``fast_decode_plan`` (see ``fast_plan``).
+        self.plan_counts = {"plan": 0, "fast_decode_plan": 0}
 
     # -- state --------------------------------------------------------------------------
     @property
@@ -211,10 +234,13 @@ class FlashInferExecutor:
     #: Eager executors make another wrapper rather than wait (see WrapperPool).
     _grow_wrappers = True
 
-    def _make_wrapper(self, key: WrapperKey, group_index: int, prefix: str = "") -> Any:
+    #: Whether the wrappers read fixed buffers (CUDA graphs) or the staged views.
+    _graph_wrappers = False
+
+    def _make_wrapper(self, key: WrapperKey, group_index: int, prefix: str = "") -> WrapperSlot:
         del group_index, prefix  # eager wrappers own no per-group or per-step buffers
         cls = getattr(self._fi, key.kind.value)
-        return cls(self._workspace, **key.constructor_kwargs())
+        return WrapperSlot(cls(self._workspace, **key.constructor_kwargs()))
 
     def _skeleton(self, spec: PlanSpec) -> tuple[GroupCalls, ...]:
         key = skeleton_key(spec, self.policy)
@@ -309,10 +335,44 @@ class FlashInferExecutor:
                 kwargs = dict(call.constants)
                 for name, value in call.placeholders:
                     kwargs[name] = resolve(value)
-                self._call_plan(held.wrapper, kwargs)
+                if (
+                    self._fast_decode
+                    and key.kind is WrapperKind.DECODE
+                    and held.planned_with is not None
+                    and (held.planned_with is call.constants or held.planned_with == call.constants)
+                ):
+                    arrays = self._decode_arrays(dplan, host, staged, index, prefix, kwargs)
+                    replan_decode(self._fi, held, kwargs, arrays, graph=self._graph_wrappers)
+                    self.plan_counts["fast_decode_plan"] += 1
+                else:
+                    held.planned_with = None  # until this plan() succeeds
+                    self._call_plan(held.wrapper, kwargs)
+                    held.planned_with = call.constants
+                    self.plan_counts["plan"] += 1
                 self._pool.mark_planned(held, stream)
                 planned[(index, part)] = held.wrapper
         return planned
+
+    @staticmethod
+    def _decode_arrays(
+        dplan: DevicePlan,
+        host: torch.Tensor,
+        staged: torch.Tensor,
+        index: int,
+        prefix: str,
+        kwargs: dict[str, Any],
+    ) -> DecodeArrays:
+        """A decode call's indptr and last-page lengths on both sides of the staging
+        copy (:func:`~flashplan.executor.flashinfer.fast_plan.replan_decode`)."""
+        ind = dplan.manifest[f"{prefix}g{index}.page_indptr"]
+        last = dplan.manifest[f"{prefix}g{index}.last_page_len"]
+        return DecodeArrays(
+            indptr_host=host[ind.offset : ind.end],
+            indptr_device=staged[ind.offset : ind.end],
+            last_page_len_host=host[last.offset : last.end],
+            last_page_len_device=staged[last.offset : last.end],
+            indices=kwargs["indices"],
+        )
 
     # -- multi-step draft decode ------------------------------------------------------
     def apply_steps(

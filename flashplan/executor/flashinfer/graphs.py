@@ -47,6 +47,7 @@ from flashplan.executor.flashinfer.bucket import (
     padded_inputs,
     padded_masks,
 )
+from flashplan.executor.flashinfer.buffers import WrapperSlot
 from flashplan.executor.flashinfer.calls import (
     GroupCalls,
     MaskRecipe,
@@ -100,6 +101,8 @@ class GraphExecutor(FlashInferExecutor):
         self.policy = parent.policy
         self.workspace_bytes = parent.workspace_bytes
         self.check_pages = parent.check_pages
+        self.fast_plan = parent.fast_plan
+        self._fast_decode = parent._fast_decode
         self.page_map = parent.page_map
         self._workspace = parent._workspace
         self._init_state()
@@ -230,8 +233,9 @@ class GraphExecutor(FlashInferExecutor):
 
     #: The graph reads one wrapper per key: wait rather than make another.
     _grow_wrappers = False
+    _graph_wrappers = True
 
-    def _make_wrapper(self, key: WrapperKey, group_index: int, prefix: str = "") -> Any:
+    def _make_wrapper(self, key: WrapperKey, group_index: int, prefix: str = "") -> WrapperSlot:
         assert self._layout is not None and self._fixed_page is not None
         bs = self.bucket.batch_size
         dev = self.device
@@ -247,15 +251,16 @@ class GraphExecutor(FlashInferExecutor):
         base = self._layout.total * _step_of(prefix)  # step k's regions: k layouts on
         indices = self._fixed_page[base + r.lo : base + r.hi]
         if key.kind is WrapperKind.DECODE:
+            fixed = {"indptr": ints(bs + 1), "last_page_len": ints(bs)}
             wrapper = cls(
                 self._workspace,
                 use_cuda_graph=True,
-                paged_kv_indptr_buffer=ints(bs + 1),
+                paged_kv_indptr_buffer=fixed["indptr"],
                 paged_kv_indices_buffer=indices,
-                paged_kv_last_page_len_buffer=ints(bs),
+                paged_kv_last_page_len_buffer=fixed["last_page_len"],
                 **kwargs,
             )
-        else:
+            return WrapperSlot(wrapper, fixed=fixed)
             mask = self._fixed_masks.get(group_index)
             if mask is not None:  # FlashInfer's plan() copies the built mask onto itself
                 kwargs["custom_mask_buf"] = mask
@@ -270,7 +275,7 @@ class GraphExecutor(FlashInferExecutor):
                 max_total_num_rows=self.bucket.total_q,
                 **kwargs,
             )
-        return wrapper
+        return WrapperSlot(wrapper)
 
     # -- apply / run --------------------------------------------------------------------
     def apply(self, spec: PlanSpec, table: PageTable) -> None:

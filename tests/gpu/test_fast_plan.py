@@ -1,0 +1,130 @@
+"""Decode re-plans through FlashInfer's ``fast_decode_plan`` equal full ``plan()`` calls.
+
+An executor with ``fast_plan=True`` (the default) and one with ``fast_plan=False`` run
+the same sequence of decode batches — the first with short requests, the later ones
+longer, so nothing the first plan left behind could pass for a later one — and must
+give bit-identical outputs and the same FlashInfer plan info, with no sync. Covered:
+CUDA-core decode (batch below 4) and tensor-core decode (pages 1 and 16), eager and
+CUDA-graph replay, windows and soft caps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import flashplan as fp
+from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
+from flashplan.executor.flashinfer.bucket import GraphBucket
+from flashplan.executor.flashinfer.graphs import GraphExecutor, capture
+
+from .helpers import stable_seed, syncs_raise
+
+DEV = "cuda"
+HEADS = fp.HeadConfig(num_qo_heads=16, num_kv_heads=4, head_dim=128)
+GROUPS = (fp.AttentionGroup.full(), fp.AttentionGroup.sliding(40, logits_soft_cap=30.0))
+
+
+def _batches(batch_size: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [
+        rng.integers(1, 20, batch_size),  # short first: the only full plan()
+        rng.integers(200, 900, batch_size),
+        rng.integers(1, 1200, batch_size),
+    ]
+
+
+def _plan_infos(ex: FlashInferExecutor) -> list[object]:
+    return [list(w._plan_info) for w in ex._planned.values()]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("batch_size", [2, 9])  # CUDA-core and tensor-core decode
+def test_fast_decode_plan_equals_plan_eager(page_size: int, batch_size: int) -> None:
+    seed = stable_seed("fast eager", page_size, batch_size)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    fast = FlashInferExecutor(fast_plan=True)
+    full = FlashInferExecutor(fast_plan=False)
+    hq, hkv, d = HEADS.num_qo_heads, HEADS.num_kv_heads, HEADS.head_dim
+    for step, seq in enumerate(_batches(batch_size, seed)):
+        spec = fp.plan(fp.BatchLayout.decode(seq, page_size=page_size, groups=GROUPS), HEADS)
+        table = fp.PageTable.shuffled(spec.pages_needed, seed=step, device=DEV)
+        assert table.num_pages is not None
+        caches = [
+            torch.randn(table.num_pages, 2, page_size, hkv, d, generator=gen, device=DEV).to(
+                torch.bfloat16
+            )
+            for _ in GROUPS
+        ]
+        q = torch.randn(batch_size, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
+        k = torch.randn(batch_size, hkv, d, generator=gen, device=DEV).to(torch.bfloat16)
+        v = torch.randn_like(k)
+        outs = {}
+        for name, ex in (("fast", fast), ("full", full)):
+            with syncs_raise():
+                ex.apply(spec, table)
+                outs[name] = [
+                    ex.run(g, q, k, v, c.clone(), return_lse=True)
+                    for g, c in zip(GROUPS, caches, strict=True)
+                ]
+        torch.cuda.synchronize()
+        for group, (o_fast, l_fast), (o_full, l_full) in zip(
+            GROUPS, outs["fast"], outs["full"], strict=True
+        ):
+            assert torch.equal(o_fast, o_full), (group, step)
+            assert torch.equal(l_fast, l_full), (group, step)
+        assert _plan_infos(fast) == _plan_infos(full), step
+    assert fast.plan_counts["fast_decode_plan"] > 0
+    assert full.plan_counts["fast_decode_plan"] == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("batch_size", [1, 8])  # CUDA-core and tensor-core decode
+def test_fast_decode_plan_equals_plan_in_graphs(page_size: int, batch_size: int) -> None:
+    seed = stable_seed("fast graph", page_size, batch_size)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    batches = _batches(batch_size, seed)
+    specs = [
+        fp.plan(fp.BatchLayout.decode(seq, page_size=page_size, groups=GROUPS), HEADS)
+        for seq in batches
+    ]
+    tables = [
+        fp.PageTable.shuffled(s.pages_needed, seed=i, device=DEV) for i, s in enumerate(specs)
+    ]
+    pool = max(int(t.num_pages or 0) for t in tables)
+    hq, hkv, d = HEADS.num_qo_heads, HEADS.num_kv_heads, HEADS.head_dim
+    bucket = GraphBucket.decode(batch_size=batch_size, max_pages=1300 // page_size + 2)
+    q = torch.randn(batch_size, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
+    k = torch.randn(batch_size, hkv, d, generator=gen, device=DEV).to(torch.bfloat16)
+    v = torch.randn_like(k)
+    base = [
+        torch.randn(pool, 2, page_size, hkv, d, generator=gen, device=DEV).to(torch.bfloat16)
+        for _ in GROUPS
+    ]
+    steps = {}
+    caches = {}
+    for name, fast in (("fast", True), ("full", False)):
+        gx = GraphExecutor(FlashInferExecutor(policy=ExecutorPolicy(), fast_plan=fast), bucket)
+        gx.apply(specs[0], tables[0])
+        caches[name] = [c.clone() for c in base]
+
+        def forward(gx: GraphExecutor = gx, cs: list[torch.Tensor] = caches[name]) -> object:
+            return [gx.run(g, q, k, v, c) for g, c in zip(GROUPS, cs, strict=True)]
+
+        steps[name] = capture(gx, forward)
+    for i, (spec, table) in enumerate(zip(specs, tables, strict=True)):
+        outs = {}
+        for name, step in steps.items():
+            for cache, b in zip(caches[name], base, strict=True):
+                cache.copy_(b)
+            with syncs_raise():
+                outs[name] = [o.clone() for o in step.replay(spec, table)]
+        torch.cuda.synchronize()
+        for group, got, want in zip(GROUPS, outs["fast"], outs["full"], strict=True):
+            assert torch.equal(got, want), (group, i)
+        assert _plan_infos(steps["fast"].executor) == _plan_infos(steps["full"].executor), i
+        for got_cache, want_cache in zip(caches["fast"], caches["full"], strict=True):
+            assert torch.equal(got_cache, want_cache), i
+    assert steps["fast"].executor.plan_counts["fast_decode_plan"] >= len(specs) * len(GROUPS)
+    assert steps["full"].executor.plan_counts["fast_decode_plan"] == 0
