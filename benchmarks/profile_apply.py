@@ -18,6 +18,7 @@ manual timers wrapped around the executor's own steps:
   masks              threshold-mask builds (none for decode)
   pool.acquire       picking an idle FlashInfer wrapper
   plan()             FlashInfer's own plan() calls (via ``_call_plan``)
+  fast_decode_plan   decode re-plans through FlashInfer's fast_decode_plan (``replan_decode``)
   mark events        events recorded after the plan copies and the staging slot
   other              the rest of apply (placeholder resolution, bookkeeping)
 
@@ -82,6 +83,7 @@ STAGES = [
     ("masks", 0),
     ("pool.acquire", 0),
     ("plan()", 0),
+    ("fast_decode_plan", 0),
     ("mark events", 0),
 ]
 
@@ -157,6 +159,7 @@ def instrument(timer: StageTimer, ex: FlashInferExecutor, graph: bool) -> None:
         timer.wrap(pool, "acquire", "pool.acquire")
         timer.wrap(pool, "mark_planned", "mark events")
     timer.wrap(ex, "_call_plan", "plan()")
+    timer.wrap(executor_mod, "replan_decode", "fast_decode_plan")
     timer.wrap(PinnedSlot, "mark_read", "mark events")
 
 
@@ -210,6 +213,9 @@ def isolated(timer: StageTimer) -> None:
             extra = sorted(set(kwargs) - set(bare))
             t = idle_us(lambda: wrapper.plan(**bare))
             print(f"  {'plan() without ' + ', '.join(extra):<34} {t:8.1f}")
+    if "fast_decode_plan" in timer.last_call:
+        fn, args, kwargs = timer.last_call["fast_decode_plan"]
+        print(f"  {'fast_decode_plan re-plan':<34} {idle_us(lambda: fn(*args, **kwargs)):8.1f}")
     if "gather launch" in timer.last_call:
         fn, args, kwargs = timer.last_call["gather launch"]
         print(f"  {'gather launch':<34} {idle_us(lambda: fn(*args, **kwargs)):8.1f}")
