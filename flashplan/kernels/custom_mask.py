@@ -25,9 +25,41 @@ from flashplan.kernels._triton import HAS_TRITON, device_guard, runs_on_triton, 
 
 __all__ = ["build_custom_mask", "build_custom_mask_torch"]
 
-_BLOCK = 1024
+_BLOCK = 2048
 
 if HAS_TRITON:
+
+    @triton.jit
+    def _bit_range(lo, hi):
+        """int32 byte with bits ``[lo, hi)`` set; ``lo``, ``hi`` in ``[0, 8]``, 0 if
+        ``hi <= lo`` (the two masks then share no bit)."""
+        return (0xFF << lo) & ((1 << hi) - 1)
+
+    @triton.jit
+    def _threshold_byte_wide(e0, kv, n_elem, first):
+        """The threshold mask byte starting at element ``e0`` (int32 ``[BLOCK]``, a
+        valid byte of the request) of a request with rows of ``kv >= 8`` columns, in
+        closed form, int32 throughout.
+
+        A byte covers at most two rows, and a row ``r`` sees the columns
+        ``c >= clamp(first + r, 0, kv)``, so each row's part is one run of bits:
+
+        * row ``row0`` holds bits ``[0, hi0)``, ``hi0 = min(kv - col0, 8)`` (column
+          ``col0 + j``); it sees ``[lo0, hi0)``, ``lo0 = clamp(thr0 - col0, 0, 8)``.
+          ``row0 <= q - 1``, so ``n_elem - e0 >= kv - col0``: no cut by the request end;
+        * row ``row0 + 1`` holds bits ``[hi0, 8)`` (column ``j - hi0 < 8 <= kv``); it sees
+          ``[min(hi0 + thr1, 8), left)``, ``left = clamp(n_elem - e0, 0, 8)`` the bits
+          inside the request (empty when ``row0`` fills the byte or is the last row).
+        """
+        row0 = e0 // kv
+        col0 = e0 - row0 * kv
+        thr0 = tl.minimum(tl.maximum(first + row0, 0), kv)
+        lo0 = tl.minimum(tl.maximum(thr0 - col0, 0), 8)
+        hi0 = tl.minimum(kv - col0, 8)
+        thr1 = tl.minimum(tl.maximum(first + row0 + 1, 0), kv)
+        lo1 = tl.minimum(hi0 + thr1, 8)
+        left = tl.minimum(tl.maximum(n_elem - e0, 0), 8)
+        return _bit_range(lo0, hi0) | _bit_range(lo1, left)
 
     @triton.jit
     def _mask_byte(
@@ -47,8 +79,10 @@ if HAS_TRITON:
         WIDE: tl.constexpr,
     ):
         """The 8 mask bits of the bytes starting at elements ``e0`` (row ``row0``,
-        column ``col0``), packed little-endian. ``WIDE``: rows of at least 8 columns, so
-        a byte crosses at most one row end (a compare, not a division, per bit)."""
+        column ``col0``), packed little-endian, one bit at a time. ``WIDE``: rows of at
+        least 8 columns, so a byte crosses at most one row end (a compare, not a
+        division, per bit). Threshold: int32 (``first``, ``kv`` int32); tree: rows and
+        columns in int64 (``first``, ``kv``, ``tail`` int64) for the table indices."""
         byte = (e0 * 0).to(tl.int32)
         for bit in tl.static_range(8):  # no tl.sum: it is a jit helper, not a builtin
             inside = e0 + bit < n_elem
@@ -57,9 +91,9 @@ if HAS_TRITON:
                 wrap = (c >= kv32).to(tl.int32)
             else:
                 wrap = c // kv32
-            row = (row0 + wrap).to(tl.int64)
-            col = (c - wrap * kv32).to(tl.int64)
             if TREE:
+                row = (row0 + wrap).to(tl.int64)
+                col = (c - wrap * kv32).to(tl.int64)
                 shift = tl.load(row_offsets_ptr + i * N + row, mask=inside, other=0).to(tl.int64)
                 thr = tl.minimum(tl.maximum(first + shift, 0), kv)
                 in_prefix = (col >= thr) & (col < tail)
@@ -70,6 +104,8 @@ if HAS_TRITON:
                 )
                 seen = inside & (in_prefix | (draft != 0))
             else:
+                row = row0 + wrap
+                col = c - wrap * kv32
                 thr = tl.minimum(tl.maximum(first + row, 0), kv)
                 seen = (col >= thr) & inside
             byte = byte | (seen.to(tl.int32) << bit)
@@ -91,37 +127,48 @@ if HAS_TRITON:
     ):
         # Grid (bs, byte blocks): one program writes BLOCK bytes of one request. A
         # request has fewer than 2**31 - 8 elements (checked on the host), so element
-        # indices fit int32: one int32 division per byte, none per bit in rows of 8+.
+        # indices fit int32: one int32 division per byte. Threshold masks are int32
+        # throughout; rows of 8+ columns take the closed form (_threshold_byte_wide),
+        # narrower rows and tree masks the per-bit loop (_mask_byte).
         i = tl.program_id(0)
         blk = tl.program_id(1)
-        q = tl.load(qo_lens_ptr + i)
+        q32 = tl.load(qo_lens_ptr + i).to(tl.int32)
         kv32 = tl.load(kv_lens_ptr + i).to(tl.int32)
-        kv = kv32.to(tl.int64)
-        first = tl.load(first_visible_ptr + i).to(tl.int64)
-        base = tl.load(byte_offsets_ptr + i).to(tl.int64)
-        n_elem = (q * kv32).to(tl.int32)
+        n_elem = q32 * kv32
         n_bytes = (n_elem + 7) // 8
         b = blk * BLOCK + tl.arange(0, BLOCK)
         if blk * BLOCK < n_bytes:
             valid = b < n_bytes
             kv_safe = tl.maximum(kv32, 1)
             e0 = tl.where(valid, b, 0) * 8
-            row0 = e0 // kv_safe
-            col0 = e0 - row0 * kv_safe
-            tail = 0
+            dst = out_ptr + tl.load(byte_offsets_ptr + i).to(tl.int64)
+            first_raw = tl.load(first_visible_ptr + i)
             if TREE:
+                first = first_raw.to(tl.int64)
+                kv = kv32.to(tl.int64)
                 tail = tl.load(tail_start_ptr + i).to(tl.int64)
-            if kv32 >= 8:
-                byte = _mask_byte(
-                    e0, row0, col0, kv_safe, n_elem, first, kv, i, N, tail,
-                    row_offsets_ptr, tail_bits_ptr, TREE=TREE, WIDE=True,
-                )  # fmt: skip
             else:
+                # Clamped to [-q, kv]: the thresholds of rows 0..q are unchanged and
+                # first + row stays int32 whatever the input dtype (q + kv <= q*kv + 1).
+                first = tl.minimum(tl.maximum(first_raw, -q32), kv32).to(tl.int32)
+                kv = kv32
+                tail = 0
+            if kv32 >= 8:
+                if TREE:
+                    row0 = e0 // kv_safe
+                    byte = _mask_byte(
+                        e0, row0, e0 - row0 * kv_safe, kv_safe, n_elem, first, kv, i, N,
+                        tail, row_offsets_ptr, tail_bits_ptr, TREE=True, WIDE=True,
+                    )  # fmt: skip
+                else:
+                    byte = _threshold_byte_wide(e0, kv32, n_elem, first)
+            else:
+                row0 = e0 // kv_safe
                 byte = _mask_byte(
-                    e0, row0, col0, kv_safe, n_elem, first, kv, i, N, tail,
+                    e0, row0, e0 - row0 * kv_safe, kv_safe, n_elem, first, kv, i, N, tail,
                     row_offsets_ptr, tail_bits_ptr, TREE=TREE, WIDE=False,
                 )  # fmt: skip
-            tl.store(out_ptr + base + b, byte.to(tl.uint8), mask=valid)
+            tl.store(dst + b, byte.to(tl.uint8), mask=valid)
 
 
 def _check(

@@ -227,35 +227,81 @@ def test_kernels_on_gpu() -> None:
 
 
 # --------------------------------------------------------------------------- threshold masks
+def _threshold_firsts(q: int, k: int) -> st.SearchStrategy[int]:
+    """First visible columns: negative (to below -q), zero, positive, beyond kv_len."""
+    return st.one_of(
+        st.integers(-q - 3, k + q + 3),
+        st.sampled_from([-q - 1, -q, -1, 0, 1, k - 1, k, k + 1, k + q, -(2**31), 2**31 - 1]),
+    )
+
+
 @st.composite
-def threshold_cases(draw: st.DrawFn) -> tuple[torch.Tensor, ...]:
-    bs = draw(st.integers(0, 5))
-    qo = draw(st.lists(st.integers(0, 9), min_size=bs, max_size=bs))
-    kv = draw(st.lists(st.integers(0, 40), min_size=bs, max_size=bs))
-    first = draw(st.lists(st.integers(-50, 50), min_size=bs, max_size=bs))
+def threshold_cases(draw: st.DrawFn) -> dict[str, object]:
+    """Requests of 0..20 rows x 0..40 columns (kv < 8: the per-bit path, 8+: the
+    closed form) placed in a shuffled order with gaps, int32 or int64 arrays, an
+    optional kernel block (several programs per request) and spare grid blocks."""
+    bs = draw(st.integers(0, 6))
+    qo = draw(st.lists(st.integers(0, 20), min_size=bs, max_size=bs))
+    kv = draw(st.lists(st.one_of(st.integers(0, 8), st.integers(9, 40)), min_size=bs, max_size=bs))
+    first = [draw(_threshold_firsts(q, k)) for q, k in zip(qo, kv, strict=True)]
     n_bytes = [(q * k + 7) // 8 for q, k in zip(qo, kv, strict=True)]
-    gaps = draw(st.lists(st.integers(0, 3), min_size=bs, max_size=bs))
-    offsets, at = [], 0
-    for n, g in zip(n_bytes, gaps, strict=True):
-        offsets.append(at + g)
-        at += g + n
-    arrays = (torch.tensor(x, dtype=torch.int32) for x in (first, qo, kv, offsets))
-    return (*arrays, torch.tensor(at + 2))
+    order = draw(st.permutations(range(bs)))
+    offsets, at = [0] * bs, draw(st.integers(0, 3))
+    for index in order:
+        offsets[index] = at
+        at += n_bytes[index] + draw(st.integers(0, 3))
+    dtypes = draw(st.lists(st.sampled_from([torch.int32, torch.int64]), min_size=4, max_size=4))
+    arrays = tuple(
+        torch.tensor(x, dtype=d) for x, d in zip((first, qo, kv, offsets), dtypes, strict=True)
+    )
+    return {
+        "arrays": arrays,
+        "size": at + 2,
+        "max_bytes": max(n_bytes, default=0) + draw(st.sampled_from([0, 0, 1, 9])),
+        "block": draw(st.sampled_from([None, None, 8, 32])),
+    }
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(threshold_cases())
-def test_threshold_mask_kernel_matches_torch_twin(case: tuple[torch.Tensor, ...]) -> None:
+def test_threshold_mask_kernel_matches_torch_twin(case: dict[str, object]) -> None:
+    """Byte for byte vs the torch twin; bytes outside the requests keep their 0xA5."""
     if triton_mode() != "interpret":
         pytest.skip("needs Triton's interpreter (CPU)")
+    from unittest import mock
+
+    import flashplan.kernels.custom_mask as custom_mask
     from flashplan.kernels import build_custom_mask, build_custom_mask_torch
 
-    first, qo, kv, offsets, size = case
-    want = torch.full((int(size),), 0xA5, dtype=torch.uint8)
+    arrays = case["arrays"]
+    assert isinstance(arrays, tuple) and isinstance(case["size"], int)
+    assert isinstance(case["max_bytes"], int)
+    want = torch.full((case["size"],), 0xA5, dtype=torch.uint8)
+    got = want.clone()
+    build_custom_mask_torch(*arrays, want)
+    block = case["block"] or custom_mask._BLOCK
+    with mock.patch.object(custom_mask, "_BLOCK", block):
+        build_custom_mask(*arrays, got, case["max_bytes"])
+    assert torch.equal(got, want)
+
+
+def test_threshold_mask_kernel_row_boundaries() -> None:
+    """Every column offset of a byte against a row end (kv 1..17 around 8), one
+    request spanning several kernel blocks, offsets not byte-aligned to anything."""
+    if triton_mode() != "interpret":
+        pytest.skip("needs Triton's interpreter (CPU)")
+    import flashplan.kernels.custom_mask as custom_mask
+    from flashplan.kernels import build_custom_mask, build_custom_mask_torch
+
+    shapes = [(q, k, f) for k in range(1, 18) for q, f in ((3, -1), (5, k // 2 - 2))]
+    shapes.append((custom_mask._BLOCK // 4 + 3, 37, 5))  # > 1 block of bytes
+    qo, kv, first = (torch.tensor(c, dtype=torch.int32) for c in zip(*shapes, strict=True))
+    n_bytes = (qo.long() * kv.long() + 7) // 8
+    offsets = (torch.cumsum(n_bytes + 1, 0) - n_bytes).to(torch.int32)
+    want = torch.full((int(n_bytes.sum()) + len(shapes) + 3,), 0xA5, dtype=torch.uint8)
     got = want.clone()
     build_custom_mask_torch(first, qo, kv, offsets, want)
-    n_bytes = (qo.long() * kv.long() + 7) // 8
-    build_custom_mask(first, qo, kv, offsets, got, int(n_bytes.max()) if qo.numel() else 0)
+    build_custom_mask(first, qo, kv, offsets, got, int(n_bytes.max()))
     assert torch.equal(got, want)
 
 
