@@ -8,7 +8,7 @@
 #
 # PHASES: comma-separated subset of tests,sanitize,bench (default: all three).
 # Caps (seconds) and run_gpu.py's parts can be lowered to fit the device time left:
-# CAP_TESTS, CAP_SAN_EAGER, CAP_SAN_GRAPHS, CAP_RUN_GPU, CAP_SPEC, CAP_ITEMS, CAP_PROFILE,
+# CAP_TESTS, CAP_SAN_EAGER, CAP_SAN_FAST, CAP_SAN_GRAPHS, CAP_RUN_GPU, CAP_SPEC, CAP_ITEMS, CAP_PROFILE,
 # CAP_HOST_CPU, RUN_GPU_PARTS.
 # The FlashInfer wheels and module cache come from the git-ignored .whl/ folder that
 # ../shared/tools/device/prepare.sh fills on the CPU machine (see docs/benchmarks.md).
@@ -48,6 +48,9 @@ if [[ $PHASES == *,sanitize,* ]]; then
        --error-exitcode 99 python3 -m pytest -q -p no:cacheprovider)
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 phase sanitizer_eager "${CAP_SAN_EAGER:-80}" "${SAN[@]}" \
     tests/gpu/test_flashinfer_executor.py -k "test_matches_reference and 128-16-4-30"
+  # eager decode re-planned through fast_decode_plan (wrappers then read staged views)
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 phase sanitizer_fast_plan "${CAP_SAN_FAST:-60}" "${SAN[@]}" \
+    tests/gpu/test_fast_plan.py -k eager
   phase sanitizer_graphs "${CAP_SAN_GRAPHS:-60}" "${SAN[@]}" tests/gpu/test_step_loop.py -k "not busy"
 fi
 
