@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from flashplan.arrays import (
     INT32_MAX,
@@ -255,7 +256,8 @@ def _positions(
     delimiter). Laid out in q order — request ``i``'s first segment, then its
     delimiters' — each segment's first token steps from the previous token's position to
     the segment's start value and every other token by one: a running sum over one
-    array of the tokens, and no work per request or item beyond a few small arrays.
+    array of the tokens (torch's CPU scan, in place), and no work per request or item
+    beyond a few small arrays.
     """
     bs, n = prefix.shape[0], items.positions.shape[0]
     starts = qo_ptr[:-1]
@@ -286,7 +288,9 @@ def _positions(
     if q0.shape[0]:
         positions[q0[0]] = value[0]
         positions[q0[1:]] = value[1:] - (value[:-1] + length[:-1] - 1)
-    np.add.accumulate(positions, out=positions)
+    # The running sum in place, through torch's CPU scan (a view of the same memory):
+    # numpy's add.accumulate is ~3x slower on a scoring batch's 10^5+ tokens.
+    torch.from_numpy(positions).cumsum_(0)
     below = prefix_len[owner] == 0  # a delimiter at row 0 of a request without prefix
     if below.any():
         positions[delim_q[below]] = 0
