@@ -220,7 +220,7 @@ def plan_items(layout: BatchLayout) -> tuple[MultiItemTensors, IntArray]:
     last = np.zeros((bs, stride), dtype=np.int32)
     owner = np.repeat(np.arange(bs, dtype=np.int32), items.counts)
     at = items.positions - first[owner]
-    last[owner, at] = at
+    last.reshape(-1)[owner * stride + at] = at  # flat: one index array, not two
     np.maximum.accumulate(last, axis=1, out=last)
     grid = np.where(in_row, cols - last, 0)  # int32 [bs, stride]
     longest = grid.max(axis=1, initial=0)  # the longest item (a delimiter is 0)
