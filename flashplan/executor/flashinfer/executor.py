@@ -108,7 +108,8 @@ def _cuda_device(device: torch.device | str | None) -> torch.device:
     if not torch.cuda.is_available():
         raise UnsupportedError("FlashInferExecutor needs CUDA, which is not available here")
     if dev.index is None:  # "cuda" means the current device; tensors say cuda:N
-        dev = torch.device("cuda", torch.cuda.current_device())
+        # (torch's stubs type index as int; it is None for a bare "cuda")
+        dev = torch.device("cuda", torch.cuda.current_device())  # type: ignore[unreachable]
     return dev
 
 

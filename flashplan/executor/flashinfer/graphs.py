@@ -261,20 +261,20 @@ class GraphExecutor(FlashInferExecutor):
                 **kwargs,
             )
             return WrapperSlot(wrapper, fixed=fixed)
-            mask = self._fixed_masks.get(group_index)
-            if mask is not None:  # FlashInfer's plan() copies the built mask onto itself
-                kwargs["custom_mask_buf"] = mask
-                kwargs["mask_indptr_buf"] = ints(bs + 1)
-            wrapper = cls(
-                self._workspace,
-                use_cuda_graph=True,
-                qo_indptr_buf=ints(bs + 1),
-                paged_kv_indptr_buf=ints(bs + 1),
-                paged_kv_indices_buf=indices,
-                paged_kv_last_page_len_buf=ints(bs),
-                max_total_num_rows=self.bucket.total_q,
-                **kwargs,
-            )
+        mask = self._fixed_masks.get(group_index)
+        if mask is not None:  # FlashInfer's plan() copies the built mask onto itself
+            kwargs["custom_mask_buf"] = mask
+            kwargs["mask_indptr_buf"] = ints(bs + 1)
+        wrapper = cls(
+            self._workspace,
+            use_cuda_graph=True,
+            qo_indptr_buf=ints(bs + 1),
+            paged_kv_indptr_buf=ints(bs + 1),
+            paged_kv_indices_buf=indices,
+            paged_kv_last_page_len_buf=ints(bs),
+            max_total_num_rows=self.bucket.total_q,
+            **kwargs,
+        )
         return WrapperSlot(wrapper)
 
     # -- apply / run --------------------------------------------------------------------
