@@ -279,8 +279,11 @@ def padded_inputs(
         field = name.rsplit(".", 1)[-1]
         if name == "qo_indptr" or field == "page_indptr":
             step = n if name == "qo_indptr" else 1
-            tail = int(values[-1]) + step * np.arange(1, pads + 1, dtype=np.int64)
-            out[name] = seal_inplace(np.concatenate([values.astype(np.int64), tail]))
+            last = int(values[-1])  # the padded end fits int32: the bucket's sizes do
+            padded = np.empty(values.shape[0] + pads, dtype=np.int32)
+            padded[: values.shape[0]] = values
+            padded[values.shape[0] :] = last + step * np.arange(1, pads + 1, dtype=np.int32)
+            out[name] = seal_inplace(padded)
         elif ".mask." in name:
             out[name] = _padded_mask_array(name, field, values, host, pads, n)
         elif field == "last_page_len":
