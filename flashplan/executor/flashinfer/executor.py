@@ -149,6 +149,11 @@ class FlashInferExecutor:
     Raises:
         UnsupportedError: no CUDA, or ``device`` is not a CUDA device.
         LayoutError: an argument of the wrong type or range.
+
+    Attributes:
+        plan_counts: FlashInfer planning calls made so far, by route: ``"plan"`` (full
+            ``plan()`` calls) and ``"fast_decode_plan"`` (decode re-plans, see
+            ``fast_plan``).
     """
 
     def __init__(
