@@ -317,11 +317,14 @@ class RefWay:
         ref_kv_indices(self.pages, self.rows, npages, self.indptr, self.indices)
         self.npages = npages
 
-    def plan_device(self) -> None:
+    def last_page_len(self) -> torch.Tensor:
+        """Device last-page lengths [bs] of the pages ``fill`` counted."""
         assert self.npages is not None
-        last = self.lens - (self.npages - 1) * 16
+        return self.lens - (self.npages - 1) * 16
+
+    def plan_device(self) -> None:
         self.w.plan(
-            self.indptr, self.indices, last, HQ, HKV, D, 16,
+            self.indptr, self.indices, self.last_page_len(), HQ, HKV, D, 16,
             q_data_type=DT, kv_data_type=DT, non_blocking=True,
         )  # fmt: skip
 
@@ -349,16 +352,9 @@ class RefWay:
         )  # fmt: skip
 
     def plan_host(self) -> None:
-        buf = self.ring[self.turn]
-        self.turn = (self.turn + 1) % len(self.ring)
-        bs = self.lens_cpu.shape[0]
-        host = buf.numpy()
-        npages = (self.lens_cpu + 15) // 16
-        host[0] = 0
-        np.cumsum(npages, out=host[1 : bs + 1])
-        host[bs + 1 :] = self.lens_cpu - (npages - 1) * 16
+        indptr, last = self.host_arrays()
         self.w.plan(
-            buf[: bs + 1], self.indices, buf[bs + 1 :], HQ, HKV, D, 16,
+            indptr, self.indices, last, HQ, HKV, D, 16,
             q_data_type=DT, kv_data_type=DT, non_blocking=True,
         )  # fmt: skip
 
@@ -614,8 +610,7 @@ class RawCapturedDecode:
     def plan(self) -> None:
         self.ref.fill()
         if self.fast:
-            assert self.ref.npages is not None
-            self.last_buf.copy_(self.ref.lens - (self.ref.npages - 1) * 16)
+            self.last_buf.copy_(self.ref.last_page_len())
             self.ref.plan_fast()
         else:
             self.ref.plan_host()
