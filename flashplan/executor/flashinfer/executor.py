@@ -344,8 +344,7 @@ class FlashInferExecutor:
                 if (
                     self._fast_decode
                     and key.kind is WrapperKind.DECODE
-                    and held.planned_with is not None
-                    and (held.planned_with is call.constants or held.planned_with == call.constants)
+                    and held.planned_with == call.constants  # None before a full plan()
                 ):
                     arrays = self._decode_arrays(dplan, host, staged, index, prefix, kwargs)
                     replan_decode(self._fi, held, kwargs, arrays, graph=self._graph_wrappers)
