@@ -58,7 +58,7 @@ from _timing import host_us
 import flashplan as fp
 import flashplan.executor.flashinfer.executor as executor_mod
 import flashplan.executor.flashinfer.graphs as graphs_mod
-from flashplan.executor.flashinfer import FlashInferExecutor
+from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 from flashplan.executor.flashinfer.bucket import GraphBucket
 from flashplan.executor.flashinfer.buffers import PinnedSlot
 from flashplan.executor.flashinfer.graphs import GraphExecutor
@@ -257,6 +257,30 @@ def run(title: str, ex: FlashInferExecutor, make: Callable[[], fp.PlanSpec], tab
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
+def _case_layout(case: str) -> tuple[fp.BatchLayout, str]:
+    """The layouts of the speculative and multi-item benchmarks (same seeds)."""
+    rng = np.random.default_rng(0)
+    if case == "verify":
+        bs, n = 64, 64
+        parents = np.full((bs, n), -1, dtype=np.int64)
+        for j in range(1, n):
+            parents[:, j] = rng.integers(max(0, j - 8), j, bs)
+        tree = fp.DraftTree.from_parents(parents)
+        layout = fp.BatchLayout.verify([4096] * bs, tree, page_size=16)
+        return layout, "verify 64 x 64-token trees over 4096, page 16"
+    ext, delims = [], []
+    for _ in range(256):
+        at, row = 512, []
+        for n_tokens in rng.integers(1, 9, 32).tolist():
+            row.append(at)
+            at += 1 + n_tokens
+        row.append(at)
+        ext.append(at + 1)
+        delims.append(row)
+    layout = fp.BatchLayout.extend(ext, item_delimiters=delims)
+    return layout, "multi-item 256 x (512 + 32 items of 1-8), page 1"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=256)
@@ -265,22 +289,37 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=200, help="applies per measurement")
     parser.add_argument("--no-graph", action="store_true", help="skip GraphExecutor.apply")
     parser.add_argument("--no-cprofile", action="store_true")
+    parser.add_argument(
+        "--case", choices=("decode", "verify", "multi_item"), default="decode",
+        help="decode (the default); verify: bench_speculative's 64 x 64-token trees over "
+        "4096 (page 16); multi_item: bench_multi_item's 256 x (512 + 32 items), page 1",
+    )  # fmt: skip
     args = parser.parse_args()
     ps = args.page_size
     lens = np.full(args.batch, args.kv)
+    policy = ExecutorPolicy()
+    if args.case == "decode":
 
-    def make() -> fp.PlanSpec:
-        return fp.plan(fp.BatchLayout.decode(lens, page_size=ps), HEADS)
+        def make() -> fp.PlanSpec:
+            return fp.plan(fp.BatchLayout.decode(lens, page_size=ps), HEADS)
+
+        what = f"decode batch {args.batch}, kv {args.kv}, page {ps}"
+    else:
+        layout, what = _case_layout(args.case)
+        policy = ExecutorPolicy(prefill_backend="fa2")  # as the benchmarks run them
+
+        def make() -> fp.PlanSpec:
+            return fp.plan(layout, HEADS)
 
     spec = make()
     table = fp.PageTable.shuffled(spec.pages_needed, seed=0, device="cuda")
     print(
-        f"decode batch {args.batch}, kv {args.kv}, page {ps}, heads 32/8 x 128, "
+        f"{what}, heads 32/8 x 128, "
         f"{torch.cuda.get_device_name()}, flashinfer {flashinfer.__version__}"
     )
-    run("FlashInferExecutor.apply", FlashInferExecutor(), make, table, args.n,
+    run("FlashInferExecutor.apply", FlashInferExecutor(policy=policy), make, table, args.n,
         not args.no_cprofile)  # fmt: skip
-    if not args.no_graph:
+    if args.case == "decode" and not args.no_graph:
         max_pages = -(-args.kv // ps)
         gx = GraphExecutor(FlashInferExecutor(), GraphBucket.decode(args.batch, max_pages))
         run("GraphExecutor.apply (replay planning)", gx, make, table, args.n,
