@@ -167,7 +167,8 @@ def test_flashinfer_docstring_example_3_2_4() -> None:
     """Items of lengths 3, 2, 4, each after a delimiter, and a closing delimiter."""
     # prompt of 5 tokens, then <d> a a a <d> b b <d> c c c c <d>
     layout = BatchLayout.extend([18], item_delimiters=[[5, 9, 12, 17]])
-    it, positions = plan_items(layout)
+    it, runs = plan_items(layout)
+    positions = runs.positions()
     assert it.rows.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4, 0]]
     assert it.token_pos_in_items_len == 13
     assert it.prefix_len_ptr.tolist() == [5] and it.max_item_len.tolist() == [4]

@@ -46,6 +46,11 @@ class Executor(Protocol):
         """Prepare ``spec`` for running on ``table``'s pages."""
         ...
 
+    def positions(self) -> torch.Tensor:
+        """int32 ``[total_q]`` on the applied device: the applied plan's RoPE
+        positions (:attr:`~flashplan.PlanSpec.positions`)."""
+        ...
+
     def apply_steps(
         self, specs: tuple[PlanSpec, ...] | list[PlanSpec], table: PageTable
     ) -> tuple[Executor, ...]:

@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from flashplan.errors import LayoutError, PageTableError
+from flashplan.errors import LayoutError, PageTableError, PlanMismatchError
 from flashplan.executor.checks import check_apply_args, check_run_args
 from flashplan.executor.gathers import GatherJobs, gather_jobs, pages_region
 from flashplan.kernel_rules import kernel_visibility
@@ -161,6 +161,19 @@ class ReferenceExecutor:
     def spec(self) -> PlanSpec | None:
         """The plan applied last, or ``None``."""
         return None if self._applied is None else self._applied.spec
+
+    def positions(self) -> torch.Tensor:
+        """int32 ``[total_q]``: the applied plan's RoPE positions
+        (:attr:`~flashplan.PlanSpec.positions`) on the table's device (a fresh tensor,
+        copied from the host plan).
+
+        Raises:
+            PlanMismatchError: nothing applied yet.
+        """
+        if self._applied is None:
+            raise PlanMismatchError("positions() before apply(): apply a PlanSpec first")
+        host = torch.from_numpy(self._applied.spec.positions.copy())
+        return host.to(self._applied.device)
 
     # -- apply --------------------------------------------------------------------------
     def apply(self, spec: PlanSpec, table: PageTable) -> None:

@@ -158,18 +158,22 @@ class ItemDelimiters:
         entries = list(per_request)
         types = set(map(type, entries))
         flat: object = None
+        lengths: list[int] | None = None
         if types <= _LIST_TYPES:  # one pass over Python ints
             flat = list(itertools.chain.from_iterable(e for e in entries if e is not None))
         elif types <= _TENSOR_TYPES:  # one concatenation (sglang hands over CPU tensors)
             present = [e for e in entries if e is not None]
             flat = _cat_host_tensors(present) if present else []
+            if flat is not None:  # 1-D parts: numel() inline (len(), shape[0] cost more)
+                lengths = [0 if e is None else e.numel() for e in entries]
         if flat is None:  # anything else, entry by entry (naming the first bad request)
             for i, e in enumerate(entries):
                 _check_entry(i, e)
             flat = _concatenate(
                 [_entry_array(i, e) for i, e in enumerate(entries) if e is not None]
             )
-        lengths = [_entry_length(e) for e in entries]
+        if lengths is None:
+            lengths = [_entry_length(e) for e in entries]
         indptr = np.zeros(len(entries) + 1, dtype=np.int64)
         np.cumsum(lengths, out=indptr[1:])
         try:

@@ -5,6 +5,7 @@ from flashplan.planning.masks import CustomMask, ThresholdMask, TreeMask
 from flashplan.planning.materialize import PlanIntegrityError, materialize
 from flashplan.planning.planner import plan, plan_steps, planned_groups
 from flashplan.planning.policy import default_extend_path
+from flashplan.planning.positions import PositionRuns
 from flashplan.planning.spec import (
     ExtendPath,
     GroupPlan,
@@ -25,6 +26,7 @@ __all__ = [
     "PlanIntegrityError",
     "PlanKey",
     "PlanSpec",
+    "PositionRuns",
     "RaggedPart",
     "ThresholdMask",
     "TreeMask",

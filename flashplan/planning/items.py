@@ -36,7 +36,6 @@ from flashplan.arrays import (
     INT32_MAX,
     IntArray,
     array_key,
-    indptr,
     readonly_when_unpickled,
     seal_inplace,
 )
@@ -44,6 +43,7 @@ from flashplan.errors import LayoutError
 from flashplan.layout.batch import BatchLayout
 from flashplan.layout.convert import as_int
 from flashplan.layout.items import ItemDelimiters
+from flashplan.planning.positions import PositionRuns
 
 __all__ = ["MultiItemTensors", "plan_items"]
 
@@ -181,13 +181,14 @@ class MultiItemTensors:
         )
 
 
-def plan_items(layout: BatchLayout) -> tuple[MultiItemTensors, IntArray]:
+def plan_items(layout: BatchLayout) -> tuple[MultiItemTensors, PositionRuns]:
     """The multi-item tensors of ``layout`` and its new tokens' RoPE positions.
 
     Returns:
-        ``(tensors, positions)``: :class:`MultiItemTensors` for the keys of the
-        request's decoder (the paged call's own key coordinates when it reads from the
-        first decoder page), and int32 ``[total_q]`` positions (module docstring).
+        ``(tensors, runs)``: :class:`MultiItemTensors` for the keys of the request's
+        decoder (the paged call's own key coordinates when it reads from the first
+        decoder page), and the positions (module docstring) as
+        :class:`~flashplan.planning.positions.PositionRuns`.
 
     Raises:
         LayoutError: ``layout`` is not a multi-item batch.
@@ -208,25 +209,31 @@ def plan_items(layout: BatchLayout) -> tuple[MultiItemTensors, IntArray]:
             token_pos_in_items_len=stride,
         )
     prefix_len = np.where(has, prefix + first, layout.seq_lens)
-    qo_ptr = indptr(ext, "extend_lens")
 
     # Everything from a request's first delimiter on is its *row*: column c is new token
-    # first + c. On the [bs, stride] grid of rows (FlashInfer's padded layout itself) the
-    # in-item position of column c is c minus the column of the last delimiter at or
-    # before it (column 0 is always one); columns past the row's end are padding.
+    # first + c. On the [bs, stride] grid of rows (FlashInfer's padded layout itself,
+    # flat) the in-item position of a cell is its index minus the index of the last
+    # delimiter cell at or before it (a row's column 0 is always one). Delimiter cells
+    # ascend, so that index is a running sum of the gaps between them (torch's in-place
+    # CPU scan over a view: numpy's accumulate is several times slower). Cells past a
+    # row's end are padding.
+    n = items.positions.shape[0]
     row_len = ext - first  # 0 for a request without delimiters
-    cols = np.arange(stride, dtype=np.int32)
-    in_row = cols < row_len[:, None]
-    last = np.zeros((bs, stride), dtype=np.int32)
     owner = np.repeat(np.arange(bs, dtype=np.int32), items.counts)
-    at = items.positions - first[owner]
-    last.reshape(-1)[owner * stride + at] = at  # flat: one index array, not two
-    np.maximum.accumulate(last, axis=1, out=last)
-    grid = np.where(in_row, cols - last, 0)  # int32 [bs, stride]
-    longest = grid.max(axis=1, initial=0)  # the longest item (a delimiter is 0)
+    cell = owner * stride + (items.positions - first[owner])  # int32: bs * stride fits
+    grid = np.arange(bs * stride, dtype=np.int32)
+    if n:
+        last = np.zeros(bs * stride, dtype=np.int32)
+        last[cell[0]] = cell[0]
+        last[cell[1:]] = np.diff(cell)
+        torch.from_numpy(last).cumsum_(0)
+        grid -= last
+    rows = grid.reshape(bs, stride)
+    rows[np.arange(stride, dtype=np.int32) >= row_len[:, None]] = 0  # padding
+    longest = rows.max(axis=1, initial=0)  # the longest item (a delimiter is 0)
 
-    positions = _positions(items, owner, prefix, ext, first, prefix_len, qo_ptr)
-    padded = grid.astype(np.uint16).reshape(-1)
+    runs = _position_runs(items, owner, prefix, ext, first, prefix_len)
+    padded = grid.astype(np.uint16)
     # uint32 / uint16 hold every value: prefix_len <= seq_len fits int32 (so uint32),
     # and no row is longer than MAX_ITEM_ROW (checked when the layout was built).
     tensors = MultiItemTensors._from_checked(
@@ -235,63 +242,37 @@ def plan_items(layout: BatchLayout) -> tuple[MultiItemTensors, IntArray]:
         stride,
         seal_inplace(longest, np.uint16),
     )
-    return tensors, seal_inplace(positions)
+    return tensors, runs
 
 
-def _positions(
+def _position_runs(
     items: ItemDelimiters,
     owner: IntArray,
     prefix: IntArray,
     ext: IntArray,
     first: IntArray,
     prefix_len: IntArray,
-    qo_ptr: IntArray,
-) -> IntArray:
-    """int32 ``[total_q]``: ``P + j`` before a request's first delimiter, then
-    ``max(prefix_len - 1 + k, 0)`` for the ``k``-th token from the last delimiter.
+) -> PositionRuns:
+    """The new tokens' positions as runs: ``P + j`` before a request's first delimiter,
+    then ``max(prefix_len - 1 + k, 0)`` for the ``k``-th token from the last delimiter.
 
-    The new tokens split into *segments* along which the position grows by one: each
-    request's tokens before its first delimiter (starting at ``P``; all of them without
-    delimiters), then one per delimiter (starting at ``prefix_len - 1``, up to the next
-    delimiter). Laid out in q order — request ``i``'s first segment, then its
-    delimiters' — each segment's first token steps from the previous token's position to
-    the segment's start value and every other token by one: a running sum over one
-    array of the tokens (torch's CPU scan, in place), and no work per request or item
-    beyond a few small arrays.
+    The runs, in q order: each request's tokens before its first delimiter (from ``P``;
+    all of them without delimiters), then one per delimiter (from ``prefix_len - 1``, up
+    to the next delimiter or the request's end; the runs clamp the ``-1`` of a delimiter
+    over an empty prefix at 0). ``bs + n`` runs for ``n`` delimiters: nothing per token.
     """
     bs, n = prefix.shape[0], items.positions.shape[0]
-    starts = qo_ptr[:-1]
-    # Every segment's (start row in q, start value, length), request segments first.
-    seg_q = np.empty(bs + n, dtype=np.int32)
-    seg_value = np.empty(bs + n, dtype=np.int32)
-    seg_len = np.empty(bs + n, dtype=np.int32)
+    run_first = np.empty(bs + n, dtype=np.int32)
+    run_len = np.empty(bs + n, dtype=np.int32)
     at_request = np.arange(bs, dtype=np.int32) + items.indptr[:-1]  # q order slots
     at_delim = np.arange(n, dtype=np.int32) + owner + 1
-    seg_q[at_request] = starts
-    seg_value[at_request] = prefix
-    seg_len[at_request] = first  # ext where a request has no delimiter
-    delim_q = starts[owner] + items.positions
-    seg_q[at_delim] = delim_q
-    seg_value[at_delim] = prefix_len[owner] - 1
+    run_first[at_request] = prefix
+    run_len[at_request] = first  # ext where a request has no delimiter
+    run_first[at_delim] = prefix_len[owner] - 1
     nxt = np.empty(n, dtype=np.int32)  # the next delimiter, or the request's end
     if n:
         nxt[:-1] = items.positions[1:]
         last = items.indptr[1:][items.counts > 0] - 1  # each request's last delimiter
         nxt[last] = ext[owner[last]]
-    seg_len[at_delim] = nxt - items.positions
-    # One fresh array of total_q: +1 per token, and at each segment's first token the
-    # step from the previous token's position to the segment's start value; a running
-    # sum in place then gives every position.
-    keep = seg_len > 0
-    q0, value, length = seg_q[keep], seg_value[keep], seg_len[keep]
-    positions = np.ones(int(qo_ptr[-1]), dtype=np.int32)
-    if q0.shape[0]:
-        positions[q0[0]] = value[0]
-        positions[q0[1:]] = value[1:] - (value[:-1] + length[:-1] - 1)
-    # The running sum in place, through torch's CPU scan (a view of the same memory):
-    # numpy's add.accumulate is ~3x slower on a scoring batch's 10^5+ tokens.
-    torch.from_numpy(positions).cumsum_(0)
-    below = prefix_len[owner] == 0  # a delimiter at row 0 of a request without prefix
-    if below.any():
-        positions[delim_q[below]] = 0
-    return seal_inplace(positions)
+    run_len[at_delim] = nxt - items.positions
+    return PositionRuns._from_checked(seal_inplace(run_first), seal_inplace(run_len))

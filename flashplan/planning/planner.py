@@ -15,6 +15,7 @@ from flashplan.layout.heads import HeadConfig
 from flashplan.planning.items import MultiItemTensors, plan_items
 from flashplan.planning.masks import ThresholdMask, TreeMask
 from flashplan.planning.policy import default_extend_path
+from flashplan.planning.positions import PositionRuns
 from flashplan.planning.spec import (
     ExtendPath,
     GroupPlan,
@@ -97,12 +98,15 @@ def plan(
     qo_lens = layout.extend_lens
     qo_indptr = indptr(qo_lens, "extend_lens")
     items: MultiItemTensors | None = None
+    positions: IntArray | None = None  # preset when it is cheaper than the runs
     if layout.draft is not None:
         positions = _verify_positions(layout)
+        runs = PositionRuns._from_checked(positions, _ones(positions.shape[0]))
     elif layout.is_multi_item:
-        items, positions = plan_items(layout)
+        items, runs = plan_items(layout)
     else:
-        positions = _positions(layout.prefix_lens, qo_lens, qo_indptr)
+        # P, P + 1, ... for each request's new tokens: one run per request
+        runs = PositionRuns._from_checked(layout.prefix_lens, qo_lens)
     given, resolved = planned_groups(layout.groups, heads.head_dim)
     group_plans = tuple(_plan_group(layout, g, choice, qo_lens, qo_indptr, items) for g in given)
     # Every array below is a read-only int32 array the layout or the planner made, of
@@ -112,10 +116,11 @@ def plan(
         qo_indptr,
         layout.prefix_lens,
         layout.decoder_start,
-        positions,
+        runs,
         _encoder_indptr(layout),
         layout.pages_needed,
         group_plans,
+        positions=positions,
     )
 
 
@@ -150,22 +155,31 @@ def _plan_decode(layout: BatchLayout, heads: HeadConfig) -> PlanSpec:
     qo_indptr = seal_inplace(np.arange(bs + 1, dtype=np.int32))  # no sum, no overflow
     given, key = _decode_statics(layout.groups, heads, layout.page_size)
     group_plans = tuple(_decode_group(layout, g) for g in given)
-    qo_lens = np.empty(bs, dtype=np.int32)
-    qo_lens.fill(1)  # cheaper than np.ones
-    qo_lens.setflags(write=False)
+    qo_lens = _ones(bs)
+    # one new token each, at the position after its prefix: a run of one per request
+    runs = PositionRuns._from_checked(layout.prefix_lens, qo_lens)
     return PlanSpec._from_checked(
         key,
         qo_indptr,
         layout.prefix_lens,
         layout.decoder_start,
-        layout.prefix_lens,  # one new token each, at the position after its prefix
+        runs,
         _encoder_indptr(layout),
         layout.pages_needed,
         group_plans,
         qo_lens=qo_lens,
         # decoder_start + prefix_lens, and decoder_start is 0 without encoder
         write_start=layout.prefix_lens if layout.encoder_lens is None else None,
+        positions=layout.prefix_lens,
     )
+
+
+def _ones(n: int) -> IntArray:
+    """A fresh read-only int32 ``[n]`` of ones."""
+    out = np.empty(n, dtype=np.int32)
+    out.fill(1)  # cheaper than np.ones
+    out.setflags(write=False)
+    return out
 
 
 @functools.lru_cache(maxsize=1024)
@@ -242,17 +256,6 @@ def plan_steps(draft: DraftDecode, heads: HeadConfig) -> tuple[PlanSpec, ...]:
     if not isinstance(draft, DraftDecode):
         raise LayoutError("draft", "must be a DraftDecode", value=type(draft).__name__)
     return tuple(plan(draft.step(s), heads) for s in range(draft.steps))
-
-
-def _positions(prefix: IntArray, qo_lens: IntArray, qo_indptr: IntArray) -> IntArray:
-    """int32 ``[total_q]``: ``prefix[i] + j`` for new token ``j`` of request ``i``."""
-    # In int32: prefix[i] + j < seq_len[i] and both terms of the shift are in
-    # [0, INT32_MAX], so nothing wraps (int64 temporaries would double the memory traffic
-    # of a long extend).
-    total = int(qo_indptr[-1])
-    shift = np.repeat(prefix - qo_indptr[:-1], qo_lens)
-    shift += np.arange(total, dtype=np.int32)
-    return seal_inplace(shift)
 
 
 def _verify_positions(layout: BatchLayout) -> IntArray:

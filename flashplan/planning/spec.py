@@ -37,6 +37,7 @@ from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
 from flashplan.planning.items import MultiItemTensors
 from flashplan.planning.masks import CustomMask
+from flashplan.planning.positions import PositionRuns
 
 __all__ = [
     "ExtendPath",
@@ -450,10 +451,12 @@ class PlanSpec:
             rows) are ``q[qo_indptr[i]:qo_indptr[i+1]]``.
         prefix_lens: int32 ``[bs]`` (tokens) decoder tokens cached before the step.
         decoder_start: int32 ``[bs]`` (row tokens) where decoder position 0 lives.
-        positions: int32 ``[total_q]``: each new token's decoder position (for RoPE):
-            ``P + j`` for new token ``j``, except in a multi-item batch from a request's
-            first delimiter on (``prefix_len + pos_in_item - 1``:
-            :mod:`flashplan.planning.items`).
+        position_runs: each new token's decoder position (for RoPE) as runs
+            (:class:`~flashplan.planning.positions.PositionRuns`): ``P + j`` for new
+            token ``j``, except in a multi-item batch from a request's first delimiter
+            on (``prefix_len + pos_in_item - 1``: :mod:`flashplan.planning.items`) and
+            in a verify batch (``P + depth``). :attr:`positions` is the same as one
+            int32 array.
         encoder_indptr: int32 ``[bs + 1]`` (tokens) into the encoder K/V rows a cross
             group's ``run`` writes (requests whose encoder is cached have none), or
             ``None`` without encoder.
@@ -469,7 +472,7 @@ class PlanSpec:
     decoder_start: IntArray = attrs.field(
         converter=lambda v: _int_array("decoder_start", v), eq=array_key
     )
-    positions: IntArray = attrs.field(converter=lambda v: _int_array("positions", v), eq=array_key)
+    position_runs: PositionRuns = attrs.field(validator=attrs.validators.instance_of(PositionRuns))
     encoder_indptr: IntArray | None = attrs.field(
         converter=lambda v: _encoder_indptr("encoder_indptr", v), eq=array_key
     )
@@ -485,13 +488,14 @@ class PlanSpec:
         qo_indptr: IntArray,
         prefix_lens: IntArray,
         decoder_start: IntArray,
-        positions: IntArray,
+        position_runs: PositionRuns,
         encoder_indptr: IntArray | None,
         pages_needed: IntArray,
         group_plans: tuple[GroupPlan, ...],
         *,
         qo_lens: IntArray | None = None,
         write_start: IntArray | None = None,
+        positions: IntArray | None = None,
     ) -> PlanSpec:
         """Internal (the planner): a plan from values that already pass ``__init__``'s
         converters and checks (read-only int32 arrays of consistent sizes, a tuple of
@@ -504,7 +508,7 @@ class PlanSpec:
         _set(self, "qo_indptr", qo_indptr)
         _set(self, "prefix_lens", prefix_lens)
         _set(self, "decoder_start", decoder_start)
-        _set(self, "positions", positions)
+        _set(self, "position_runs", position_runs)
         _set(self, "encoder_indptr", encoder_indptr)
         _set(self, "pages_needed", pages_needed)
         _set(self, "group_plans", group_plans)
@@ -512,6 +516,8 @@ class PlanSpec:
             _set(self, "qo_lens", qo_lens)
         if write_start is not None:
             _set(self, "write_start", write_start)
+        if positions is not None:
+            _set(self, "positions", positions)
         return self
 
     def __attrs_post_init__(self) -> None:
@@ -521,8 +527,11 @@ class PlanSpec:
         _same_length("plan", self.prefix_lens, self.decoder_start, self.pages_needed)
         if self.prefix_lens.shape[0] != bs:
             raise LayoutError("prefix_lens", "must have one entry per request", batch_size=bs)
-        if self.positions.shape[0] != self.total_q:
-            raise LayoutError("positions", "must have one entry per query", total_q=self.total_q)
+        if self.position_runs.total != self.total_q:
+            raise LayoutError(
+                "position_runs", "must cover one position per query", total_q=self.total_q,
+                covered=self.position_runs.total,
+            )  # fmt: skip
         if len(self.group_plans) != len(self.key.groups):
             raise LayoutError("group_plans", "must have one plan per group of the key")
 
@@ -540,6 +549,13 @@ class PlanSpec:
     def total_q(self) -> int:
         """Rows of ``q`` (tokens)."""
         return int(self.qo_indptr[-1])
+
+    @cached_property
+    def positions(self) -> IntArray:
+        """int32 ``[total_q]``: each new token's decoder position (for RoPE), from
+        :attr:`position_runs` (materialized on first read; the FlashInfer executor
+        builds them on the device instead: ``executor.positions``)."""
+        return self.position_runs.positions()
 
     @cached_property
     def max_q_len(self) -> int:
