@@ -175,6 +175,7 @@ def part_host(heads: fp.HeadConfig) -> None:
     ex = FlashInferExecutor(policy=ExecutorPolicy(prefill_backend="fa2"))
     first = fp.plan(fp.BatchLayout.extend(ext, item_delimiters=delims_cpu), heads)
     table, _ = random_table(first.pages_needed.astype(np.int64), rng)
+    table_pages = table.pages.cpu().numpy()  # set-up, not timed
     pinned = torch.empty(total_q, dtype=torch.int32, pin_memory=True)
     positions_dev = torch.empty(total_q, dtype=torch.int32, device=DEV)
 
@@ -185,11 +186,43 @@ def part_host(heads: fp.HeadConfig) -> None:
     def ours() -> None:
         spec = ours_plan()
         ex.apply(spec, table)
+        ex.positions()  # built on the device from the plan's position runs
+
+    def ours_host_positions() -> None:  # the positions materialized on the host instead
+        spec = ours_plan()
+        ex.apply(spec, table)
         pinned.numpy()[:] = spec.positions
         positions_dev.copy_(pinned, non_blocking=True)
 
     spec = ours_plan()
     ex.apply(spec, table)
+    assert np.array_equal(ex.positions().cpu().numpy(), spec.positions)  # set-up check
+
+    # What the reference file does next with its tensors: the paged wrapper's plan()
+    # (given ready host indptrs and device page ids here, which spares it the
+    # reference's own index kernel and device-to-host reads).
+    part = spec.group_plans[0].paged
+    assert part is not None
+    raw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+        torch.zeros(256 << 20, dtype=torch.uint8, device=DEV), "NHD", backend="fa2"
+    )
+    pin = {
+        name: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).pin_memory()
+        for name, a in (
+            ("qo", spec.qo_indptr), ("kv", part.page_indptr), ("last", part.last_page_len),
+        )
+    }  # fmt: skip
+    page_ids = torch.from_numpy(
+        np.concatenate([table_pages[i, : int(part.num_pages[i])] for i in range(bs)])
+    ).to(DEV)
+
+    def ref_plan(ref: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]) -> None:
+        raw.plan(
+            pin["qo"], pin["kv"], page_ids, pin["last"], heads.num_qo_heads,
+            heads.num_kv_heads, heads.head_dim, 1, causal=True, q_data_type=DT,
+            prefix_len_ptr=ref[0], token_pos_in_items_ptr=ref[1],
+            token_pos_in_items_len=ref[2], max_item_len_ptr=ref[3], non_blocking=True,
+        )  # fmt: skip
 
     def apply_only() -> None:
         ex.apply(spec, table)
@@ -201,10 +234,19 @@ def part_host(heads: fp.HeadConfig) -> None:
         ref_positions.copy_(base)
         reference_multi_item(delims_cpu, prefix_cpu, ext, ref_positions)
 
+    def theirs_and_plan() -> None:
+        ref_positions.copy_(base)
+        ref = reference_multi_item(delims_cpu, prefix_cpu, ext, ref_positions)
+        assert ref is not None
+        ref_plan(ref)
+
     t_plan = host_us(ours_plan)
     t_apply = host_us(apply_only)
+    t_positions = host_us(lambda: (ex.apply(spec, table), ex.positions())) - host_us(apply_only)
     t_ours = synced_us(ours)
+    t_ours_host = synced_us(ours_host_positions)
     t_theirs = synced_us(theirs, n=10, warmup=2)
+    t_theirs_plan = synced_us(theirs_and_plan, n=10, warmup=2)
 
     # the same tensors
     ref = reference_multi_item(delims_cpu, prefix_cpu, ext, ref_positions)
@@ -235,9 +277,13 @@ def part_host(heads: fp.HeadConfig) -> None:
         "total_q": total_q,
         "flashplan_layout_plan_us": t_plan,
         "flashplan_apply_host_us": t_apply,
+        "flashplan_positions_on_device_host_us": t_positions,
         "flashplan_layout_plan_apply_positions_synced_us": t_ours,
+        "flashplan_with_host_positions_upload_synced_us": t_ours_host,
         "reference_loop_synced_us": t_theirs,
+        "reference_loop_and_plan_synced_us": t_theirs_plan,
         "speedup": t_theirs / t_ours,
+        "speedup_with_plan_on_both_sides": t_theirs_plan / t_ours,
         "same_tensors": bool(same),
         "mixed_batch_rows_reference": rows_ref,
         "mixed_batch_rows_flashplan": ours_items.batch_size,
@@ -259,11 +305,18 @@ def part_host(heads: fp.HeadConfig) -> None:
             f"| flashplan: layout + plan (host only) | {t_plan:.0f} µs |",
             f"| flashplan: apply (host issue: stage, 1 copy, gather, FlashInfer plan()) | "
             f"{t_apply:.0f} µs |",
-            "| flashplan: layout + plan + apply + positions upload, synced | "
+            f"| flashplan: `executor.positions()` (runs copied, one fill launch) | "
+            f"{t_positions:.0f} µs |",
+            "| **flashplan: layout + plan + apply + positions on the device, synced** | "
             f"**{t_ours:.0f} µs** |",
+            "| flashplan, the positions materialized on the host and uploaded instead, "
+            f"synced | {t_ours_host:.0f} µs |",
             f"| reference file's per-request loop (multi-item tensors + positions only), "
             f"synced | **{t_theirs:.0f} µs** |",
-            f"| speedup | **{t_theirs / t_ours:.1f}x** |",
+            "| reference file's loop + FlashInfer plan() with its tensors (flashplan's "
+            f"apply plans too), synced | {t_theirs_plan:.0f} µs |",
+            f"| speedup: loop / flashplan | **{t_theirs / t_ours:.1f}x** |",
+            f"| speedup: loop + plan() / flashplan | **{t_theirs_plan / t_ours:.1f}x** |",
             "",
             f"Identical tensors and positions: {same}. With request {bs // 2} made plain (no "
             f"delimiter), the reference loop returns {rows_ref} rows for {bs} requests, so "

@@ -233,7 +233,7 @@ class Engine:
         keep = np.arange(spec.total_q) if self.keep_all_logits else last
         logits = self.adapter.decode(
             torch.tensor(ids, device=self.device),
-            torch.tensor(spec.positions, dtype=torch.int64, device=self.device),  # RoPE
+            self.executor.positions().long(),  # RoPE, built on the device from the plan
             torch.from_numpy(keep).to(self.device, torch.int64),
             self.ctx,
             encoder_states,
@@ -274,5 +274,4 @@ class Engine:
         # Nothing is read or written, but apply wants a table covering the encoder's pages.
         self.executor.apply(spec, fp.PageTable(pages, rows=[r.row for r in joining]))
         ids = torch.tensor([t for r in joining for t in r.encoder_prompt or ()], device=self.device)
-        positions = torch.tensor(spec.positions, dtype=torch.int64, device=self.device)
-        return self.adapter.encode(ids, positions, self.ctx)
+        return self.adapter.encode(ids, self.executor.positions().long(), self.ctx)

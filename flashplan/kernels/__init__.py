@@ -6,6 +6,8 @@
   slots marked unusable.
 * :func:`build_custom_mask` / :func:`build_custom_mask_torch`: packed custom
   masks expanded on the device from one integer per request.
+* :func:`fill_runs` / :func:`fill_runs_torch`: runs of values that grow by one (a
+  plan's RoPE positions from its position runs) written in one launch.
 * :func:`merge_state_triton` / :func:`merge_state_torch`: merge two partial attention
   states whose log-sum-exp is in base 2 (FlashInfer's convention).
 
@@ -21,12 +23,15 @@ from flashplan.kernels._triton import triton_mode
 from flashplan.kernels.custom_mask import build_custom_mask, build_custom_mask_torch
 from flashplan.kernels.gather import NO_BAD_JOB, gather_slots, gather_slots_torch, new_status
 from flashplan.kernels.merge_state import merge_state_torch, merge_state_triton
+from flashplan.kernels.runs import fill_runs, fill_runs_torch
 from flashplan.kernels.write_kv import write_kv, write_kv_torch
 
 __all__ = [
     "NO_BAD_JOB",
     "build_custom_mask",
     "build_custom_mask_torch",
+    "fill_runs",
+    "fill_runs_torch",
     "gather_slots",
     "gather_slots_torch",
     "merge_state_torch",

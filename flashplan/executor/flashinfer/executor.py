@@ -70,6 +70,7 @@ from flashplan.executor.gathers import Region, gather_jobs, gather_jobs_steps
 from flashplan.kernels.custom_mask import build_custom_mask
 from flashplan.kernels.gather import NO_BAD_JOB, launch_gather_jobs, new_status
 from flashplan.kernels.merge_state import merge_state_triton
+from flashplan.kernels.runs import fill_runs
 from flashplan.kernels.write_kv import write_kv
 from flashplan.layout.convert import as_bool, as_int
 from flashplan.layout.group import AttentionGroup
@@ -206,6 +207,10 @@ class FlashInferExecutor:
         self._plan: DevicePlan | None = None
         self._table: PageTable | None = None
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._runs_staged = DeviceBuffer(self.device, torch.int32)
+        self._positions_buf = DeviceBuffer(self.device, torch.int32)
+        self._positions: torch.Tensor | None = None  # built by positions() for _spec
+        self._step_positions: list[DeviceBuffer] = []  # apply_steps' views: one per step
         #: FlashInfer planning calls made so far: full ``plan()`` calls and decode
         #: re-plans through ``fast_decode_plan`` (see ``fast_plan``).
         self.plan_counts = {"plan": 0, "fast_decode_plan": 0}
@@ -225,6 +230,38 @@ class FlashInferExecutor:
     def device_plan(self) -> DevicePlan | None:
         """The device work of the applied plan (jobs, staging manifest, calls)."""
         return self._plan
+
+    def positions(self) -> torch.Tensor:
+        """int32 ``[total_q]`` device tensor: the applied plan's RoPE positions
+        (:attr:`~flashplan.PlanSpec.positions`), built on the device.
+
+        The first call after an ``apply`` sends the plan's position runs
+        (:class:`~flashplan.PositionRuns`: three int32 per run, far fewer than the
+        tokens of an extend) in one host-to-device copy and fills the positions with one
+        kernel launch; later calls return the same tensor. Sync-free: nothing is read
+        back, and nothing is computed per token on the host. The tensor is this
+        executor's buffer: valid until ``positions()`` is called after the next apply.
+
+        Raises:
+            PlanMismatchError: nothing applied yet.
+        """
+        if self._positions is not None:
+            return self._positions
+        spec = self._spec
+        if spec is None:
+            raise PlanMismatchError("positions() before apply(): apply a PlanSpec first")
+        runs = spec.position_runs
+        n = runs.num_runs
+        slot = self._ring.acquire(max(3 * n, 1))
+        for k, values in enumerate((runs.start, runs.first, runs.length)):
+            slot.array[k * n : (k + 1) * n] = values
+        staged = self._runs_staged.get(max(3 * n, 1))
+        staged.copy_(slot.host[: staged.shape[0]], non_blocking=True)
+        out = self._positions_buf.get(spec.total_q)
+        fill_runs(staged[:n], staged[n : 2 * n], staged[2 * n : 3 * n], out, runs.max_length)
+        slot.mark_read(torch.cuda.current_stream(self.device))
+        self._positions = out
+        return out
 
     def page_errors(self) -> torch.Tensor:
         """int32 ``[2]`` device tensor: bad page ids met so far, and the index of the
@@ -294,6 +331,7 @@ class FlashInferExecutor:
         self._spec, self._plan, self._table = spec, dplan, table
         self._planned = planned
         self._gathered = (page, offset)
+        self._positions = None
 
     def _plan_calls(
         self,
@@ -413,7 +451,9 @@ class FlashInferExecutor:
         page, offset = self._gather(dplan, staged, table)
         stream = torch.cuda.current_stream(self.device)
         views = []
-        for prefix, (spec, calls) in zip(prefixes, steps, strict=True):
+        while len(self._step_positions) < len(steps):
+            self._step_positions.append(DeviceBuffer(self.device, torch.int32))
+        for k, (prefix, (spec, calls)) in enumerate(zip(prefixes, steps, strict=True)):
             planned = self._plan_calls(calls, dplan, slot.host, staged, page, {}, stream, prefix)
             step_jobs = attrs.evolve(
                 dplan.jobs,
@@ -427,6 +467,8 @@ class FlashInferExecutor:
             view._spec, view._table, view._planned = spec, table, planned
             view._plan = DevicePlan(calls, step_jobs, dplan.manifest, dplan.parts, dplan.masks)
             view._gathered = (page, offset)
+            view._positions = None
+            view._positions_buf = self._step_positions[k]  # each step's positions stay
             views.append(view)
         slot.mark_read(stream)
         return tuple(views)

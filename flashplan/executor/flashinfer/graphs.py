@@ -321,6 +321,7 @@ class GraphExecutor(FlashInferExecutor):
         first = views[0]
         self._spec, self._table, self._planned = first._spec, first._table, first._planned
         self._plan, self._gathered = first._plan, first._gathered
+        self._positions = None
         return views
 
     def _steps_device_plan(

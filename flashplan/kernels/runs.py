@@ -1,0 +1,112 @@
+"""Fill runs of values that grow by one: a plan's RoPE positions, built on the device.
+
+``out[start[s] + j] = max(first[s] + j, 0)`` for ``0 <= j < length[s]``, for every run
+``s`` (:class:`~flashplan.planning.positions.PositionRuns`; its ``start``, ``first`` and
+``length`` arrays, three int32 per run, are all the host sends). One launch writes every
+run; nothing is read back to the host. A store that would land outside ``out`` is
+dropped, so wrong runs can never write past the buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashplan.errors import FlashplanError
+from flashplan.kernels._triton import HAS_TRITON, device_guard, runs_on_triton, tl, triton
+
+__all__ = ["fill_runs", "fill_runs_torch"]
+
+_BLOCK = 256
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _fill_runs_kernel(start_ptr, first_ptr, length_ptr, out_ptr, out_size, BLOCK: tl.constexpr):
+        s = tl.program_id(0)
+        blk = tl.program_id(1)
+        length = tl.load(length_ptr + s)
+        if blk * BLOCK < length:
+            j = blk * BLOCK + tl.arange(0, BLOCK)
+            # int32: first + j <= the run's last position, which fits int32 (PositionRuns)
+            value = tl.maximum(tl.load(first_ptr + s) + j, 0)
+            dst = tl.load(start_ptr + s).to(tl.int64) + j
+            ok = (j < length) & (dst >= 0) & (dst < out_size)
+            tl.store(out_ptr + dst, value.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _check(
+    start: torch.Tensor, first: torch.Tensor, length: torch.Tensor, out: torch.Tensor
+) -> None:
+    runs = start.shape[0] if start.dim() == 1 else -1
+    for name, t in (("start", start), ("first", first), ("length", length)):
+        if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] != runs or not t.is_contiguous():
+            raise FlashplanError(
+                f"fill_runs: {name} must be a contiguous int32 [runs] tensor like start "
+                f"({runs} runs); got {t.dtype} {tuple(t.shape)}"
+            )
+        if t.device != out.device:
+            raise FlashplanError(f"fill_runs: {name} is on {t.device}, out on {out.device}")
+    if out.dim() != 1 or not out.is_contiguous() or out.dtype not in (torch.int32, torch.uint16):
+        raise FlashplanError(
+            f"fill_runs: out must be a contiguous int32 or uint16 1-D tensor; got {out.dtype} "
+            f"{tuple(out.shape)}"
+        )
+
+
+def fill_runs(
+    start: torch.Tensor,
+    first: torch.Tensor,
+    length: torch.Tensor,
+    out: torch.Tensor,
+    max_length: int,
+) -> None:
+    """Write every run into ``out`` (module docstring); one launch, sync-free.
+
+    Args:
+        start: int32 ``[runs]`` (entries of ``out``): where each run begins.
+        first: int32 ``[runs]``: each run's first value (clamped at 0 when negative).
+        length: int32 ``[runs]`` (entries): each run's length, ``>= 0``.
+        out: int32 or uint16 ``[n]``, on the same device; entries no run covers are left
+            as they are.
+        max_length: a host bound ``>= max(length)`` (sets the grid; never read from the
+            device).
+
+    Raises:
+        FlashplanError: tensors of the wrong dtype, shape or device.
+    """
+    _check(start, first, length, out)
+    runs = start.shape[0]
+    if runs == 0 or max_length <= 0 or out.numel() == 0:
+        return
+    if not runs_on_triton(out.device, "fill_runs_torch"):
+        fill_runs_torch(start, first, length, out, max_length)
+        return
+    grid = (runs, triton.cdiv(max_length, _BLOCK))
+    with device_guard(out.device):
+        _fill_runs_kernel[grid](start, first, length, out, out.numel(), BLOCK=_BLOCK)
+
+
+def fill_runs_torch(
+    start: torch.Tensor,
+    first: torch.Tensor,
+    length: torch.Tensor,
+    out: torch.Tensor,
+    max_length: int,
+) -> None:
+    """:func:`fill_runs` in plain torch (any device; vectorized, sync-free: the
+    ``[runs, max_length]`` grid of candidate entries, masked)."""
+    _check(start, first, length, out)
+    runs = start.shape[0]
+    if runs == 0 or max_length <= 0 or out.numel() == 0:
+        return
+    j = torch.arange(max_length, device=out.device, dtype=torch.int64)
+    dst = start.to(torch.int64)[:, None] + j
+    value = (first.to(torch.int64)[:, None] + j).clamp_min(0)
+    ok = (j < length.to(torch.int64)[:, None]) & (dst >= 0) & (dst < out.numel())
+    # masked-out entries go to a scratch slot past the end, then are dropped; the
+    # scratch is int32 (torch has no index_put_ for uint16)
+    dst = torch.where(ok, dst, out.numel())
+    scratch = torch.empty(out.numel() + 1, dtype=torch.int32, device=out.device)
+    scratch[: out.numel()] = out.to(torch.int32)
+    scratch.index_put_((dst.reshape(-1),), value.reshape(-1).to(torch.int32))
+    out.copy_(scratch[: out.numel()].to(out.dtype))
