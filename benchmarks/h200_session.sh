@@ -8,8 +8,8 @@
 #
 # PHASES: comma-separated subset of tests,sanitize,bench (default: all three).
 # Caps (seconds) and run_gpu.py's parts can be lowered to fit the device time left:
-# CAP_TESTS, CAP_SAN_EAGER, CAP_SAN_FAST, CAP_SAN_GRAPHS, CAP_RUN_GPU, CAP_SPEC, CAP_ITEMS, CAP_PROFILE,
-# CAP_HOST_CPU, RUN_GPU_PARTS.
+# CAP_TESTS, CAP_SAN_EAGER, CAP_SAN_FAST, CAP_SAN_POS, CAP_SAN_GRAPHS, CAP_RUN_GPU,
+# CAP_SPEC, CAP_ITEMS, CAP_PROFILE, CAP_PROFILE_CASES, CAP_HOST_CPU, RUN_GPU_PARTS.
 # The FlashInfer wheels and module cache come from the git-ignored .whl/ folder that
 # ../shared/tools/device/prepare.sh fills on the CPU machine (see docs/benchmarks.md).
 set -uo pipefail
@@ -51,6 +51,9 @@ if [[ $PHASES == *,sanitize,* ]]; then
   # eager decode re-planned through fast_decode_plan (wrappers then read staged views)
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 phase sanitizer_fast_plan "${CAP_SAN_FAST:-60}" "${SAN[@]}" \
     tests/gpu/test_fast_plan.py -k eager
+  # positions built on the device (fill_runs) from the staged runs, every mode
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 phase sanitizer_positions "${CAP_SAN_POS:-40}" "${SAN[@]}" \
+    tests/gpu/test_positions_gpu.py -k "not graph"
   phase sanitizer_graphs "${CAP_SAN_GRAPHS:-60}" "${SAN[@]}" tests/gpu/test_step_loop.py -k "not busy"
 fi
 
@@ -60,6 +63,10 @@ if [[ $PHASES == *,bench,* ]]; then
   phase bench_speculative "${CAP_SPEC:-40}" python3 benchmarks/bench_speculative.py --out "$OUT"
   phase bench_multi_item "${CAP_ITEMS:-50}" python3 benchmarks/bench_multi_item.py --out "$OUT" --no-full
   phase profile_apply "${CAP_PROFILE:-60}" python3 benchmarks/profile_apply.py --batch 256 --n 100 --no-cprofile
+  phase profile_apply_verify "${CAP_PROFILE_CASES:-30}" python3 benchmarks/profile_apply.py \
+    --case verify --n 100 --no-cprofile
+  phase profile_apply_multi_item "${CAP_PROFILE_CASES:-30}" python3 benchmarks/profile_apply.py \
+    --case multi_item --n 40 --no-cprofile
   phase host_cpu "${CAP_HOST_CPU:-40}" python3 benchmarks/host_cpu.py --reps 500
 fi
 echo "::: done in $((SECONDS - START))s" | tee -a "$OUT/summary.log"

@@ -79,3 +79,18 @@ def test_each_step_keeps_its_positions() -> None:
         outs = [v.positions() for v in views]
     for spec, out in zip(specs, outs, strict=True):
         assert out.cpu().numpy().tolist() == spec.positions.tolist()
+
+
+def test_graph_executor_positions() -> None:
+    """A CUDA-graph executor gives the applied (unpadded) plan's positions too."""
+    from flashplan.executor.flashinfer import FlashInferExecutor
+    from flashplan.executor.flashinfer.bucket import GraphBucket
+    from flashplan.executor.flashinfer.graphs import GraphExecutor
+
+    gx = GraphExecutor(FlashInferExecutor(), GraphBucket.decode(batch_size=8, max_pages=40))
+    for seq in ([5, 9, 30], [1, 2, 3, 4, 5, 6, 7]):
+        spec = fp.plan(fp.BatchLayout.decode(seq, page_size=16), HEADS)
+        gx.apply(spec, fp.PageTable.sequential(spec.pages_needed, device="cuda"))
+        with syncs_raise():
+            out = gx.positions()
+        assert out.cpu().numpy().tolist() == spec.positions.tolist() == [s - 1 for s in seq]
