@@ -65,6 +65,8 @@ if [[ $PHASES == *,bench,* ]]; then
   phase profile_apply "${CAP_PROFILE:-60}" python3 benchmarks/profile_apply.py --batch 256 --n 100 --no-cprofile
   phase profile_apply_verify "${CAP_PROFILE_CASES:-30}" python3 benchmarks/profile_apply.py \
     --case verify --n 100 --no-cprofile
+  phase profile_apply_extend "${CAP_PROFILE_CASES:-30}" python3 benchmarks/profile_apply.py \
+    --case extend --n 100 --no-cprofile
   phase profile_apply_multi_item "${CAP_PROFILE_CASES:-30}" python3 benchmarks/profile_apply.py \
     --case multi_item --n 40 --no-cprofile
   phase host_cpu "${CAP_HOST_CPU:-40}" python3 benchmarks/host_cpu.py --reps 500

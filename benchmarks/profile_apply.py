@@ -194,6 +194,28 @@ def idle_us(fn: Callable[[], object], n: int = 100) -> float:
     return host_us(fn, n, warmup=10)
 
 
+def behind_us(fn: Callable[[], object], ms: float, n: int = 5) -> float:
+    """Median host time of ``fn`` issued right after a ``ms``-long kernel: about ``ms``
+    when ``fn`` waits for the GPU (a sync, or a copy from pageable memory), else its own
+    cost."""
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    torch.cuda._sleep(10_000_000)
+    e1.record()
+    torch.cuda.synchronize()
+    cycles = int(10_000_000 / e0.elapsed_time(e1) * ms)
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 BARE_PLAN_ARGS = (
     "indptr", "indices", "last_page_len", "num_qo_heads", "num_kv_heads", "head_dim",
     "page_size", "q_data_type", "kv_data_type", "non_blocking",
@@ -245,6 +267,12 @@ def run(title: str, ex: FlashInferExecutor, make: Callable[[], fp.PlanSpec], tab
     report(title, timer)
     isolated(timer)
     print(f"  (uninstrumented, {n} applies back to back, no sync: {back_to_back:.1f} µs each)")
+    spec = make()
+    idle = idle_us(lambda: ex.apply(spec, table), n=20)
+    behind = behind_us(lambda: ex.apply(spec, table), ms=20.0)
+    verdict = "waits for the GPU" if behind > 10_000 else "does not wait"
+    print(f"  apply issued right after a 20 ms kernel: {behind:.1f} µs (idle GPU: {idle:.1f}): "
+          f"{verdict}")  # fmt: skip
     if cprofile:
         specs = [make() for _ in range(n)]
         prof = cProfile.Profile()
@@ -260,6 +288,9 @@ def run(title: str, ex: FlashInferExecutor, make: Callable[[], fp.PlanSpec], tab
 def _case_layout(case: str) -> tuple[fp.BatchLayout, str]:
     """The layouts of the speculative and multi-item benchmarks (same seeds)."""
     rng = np.random.default_rng(0)
+    if case == "extend":
+        layout = fp.BatchLayout.extend([2560] * 64, [2048] * 64, page_size=16)
+        return layout, "extend 64 x 512 new tokens over 2048 cached, page 16"
     if case == "verify":
         bs, n = 64, 64
         parents = np.full((bs, n), -1, dtype=np.int64)
@@ -290,9 +321,10 @@ def main() -> None:
     parser.add_argument("--no-graph", action="store_true", help="skip GraphExecutor.apply")
     parser.add_argument("--no-cprofile", action="store_true")
     parser.add_argument(
-        "--case", choices=("decode", "verify", "multi_item"), default="decode",
-        help="decode (the default); verify: bench_speculative's 64 x 64-token trees over "
-        "4096 (page 16); multi_item: bench_multi_item's 256 x (512 + 32 items), page 1",
+        "--case", choices=("decode", "extend", "verify", "multi_item"), default="decode",
+        help="decode (the default); extend: 64 x 512 new tokens over 2048 cached (page "
+        "16); verify: bench_speculative's 64 x 64-token trees over 4096 (page 16); "
+        "multi_item: bench_multi_item's 256 x (512 + 32 items), page 1",
     )  # fmt: skip
     args = parser.parse_args()
     ps = args.page_size
