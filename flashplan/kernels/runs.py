@@ -63,7 +63,8 @@ def fill_runs(
     """Write every run into ``out`` (module docstring); one launch, sync-free.
 
     Args:
-        start: int32 ``[runs]`` (entries of ``out``): where each run begins.
+        start: int32 ``[runs]`` (entries of ``out``): where each run begins, ascending
+            (the kernel does not need the order; the torch twin's search does).
         first: int32 ``[runs]``: each run's first value (clamped at 0 when negative).
         length: int32 ``[runs]`` (entries): each run's length, ``>= 0``.
         out: int32 or uint16 ``[n]``, on the same device; entries no run covers are left
@@ -93,20 +94,23 @@ def fill_runs_torch(
     out: torch.Tensor,
     max_length: int,
 ) -> None:
-    """:func:`fill_runs` in plain torch (any device; vectorized, sync-free: the
-    ``[runs, max_length]`` grid of candidate entries, masked)."""
+    """:func:`fill_runs` in plain torch (any device; vectorized, sync-free, memory
+    proportional to ``out``). ``start`` must ascend (runs in order, as a plan's are).
+
+    Each entry finds its run by a binary search of ``start`` (the last run starting at
+    or before it, which skips empty runs sharing its start) and is written only if that
+    run covers it, so wrong runs never reach outside ``out``. ``max_length`` sizes
+    nothing here.
+    """
     _check(start, first, length, out)
-    runs = start.shape[0]
-    if runs == 0 or max_length <= 0 or out.numel() == 0:
+    n = out.numel()
+    if start.shape[0] == 0 or max_length <= 0 or n == 0:
         return
-    j = torch.arange(max_length, device=out.device, dtype=torch.int64)
-    dst = start.to(torch.int64)[:, None] + j
-    value = (first.to(torch.int64)[:, None] + j).clamp_min(0)
-    ok = (j < length.to(torch.int64)[:, None]) & (dst >= 0) & (dst < out.numel())
-    # masked-out entries go to a scratch slot past the end, then are dropped; the
-    # scratch is int32 (torch has no index_put_ for uint16)
-    dst = torch.where(ok, dst, out.numel())
-    scratch = torch.empty(out.numel() + 1, dtype=torch.int32, device=out.device)
-    scratch[: out.numel()] = out.to(torch.int32)
-    scratch.index_put_((dst.reshape(-1),), value.reshape(-1).to(torch.int32))
-    out.copy_(scratch[: out.numel()].to(out.dtype))
+    t = torch.arange(n, device=out.device, dtype=torch.int64)
+    begin = start.to(torch.int64)
+    run = (torch.searchsorted(begin, t, right=True) - 1).clamp_min(0)
+    j = t - begin[run]
+    covered = (j >= 0) & (j < length.to(torch.int64)[run])
+    value = (first.to(torch.int64)[run] + j).clamp_min(0).to(torch.int32)
+    # in int32: torch has few uint16 ops
+    out.copy_(torch.where(covered, value, out.to(torch.int32)).to(out.dtype))
