@@ -243,15 +243,23 @@ def isolated(timer: StageTimer) -> None:
         print(f"  {'gather launch':<34} {idle_us(lambda: fn(*args, **kwargs)):8.1f}")
 
 
-def run(title: str, ex: FlashInferExecutor, make: Callable[[], fp.PlanSpec], table: fp.PageTable,
+def apply_any(ex: FlashInferExecutor, spec: Any, table: fp.PageTable) -> None:
+    """``apply`` for a plan, ``apply_steps`` for a multi-step draft's tuple of plans."""
+    if isinstance(spec, tuple):
+        ex.apply_steps(spec, table)
+    else:
+        ex.apply(spec, table)
+
+
+def run(title: str, ex: FlashInferExecutor, make: Callable[[], Any], table: fp.PageTable,
         n: int, cprofile: bool) -> None:  # fmt: skip
     for _ in range(20):
-        ex.apply(make(), table)
+        apply_any(ex, make(), table)
     torch.cuda.synchronize()
     specs = [make() for _ in range(n)]
     t0 = time.perf_counter()
     for spec in specs:
-        ex.apply(spec, table)
+        apply_any(ex, spec, table)
     back_to_back = (time.perf_counter() - t0) / n * 1e6
     torch.cuda.synchronize()
     timer = StageTimer()
@@ -260,7 +268,7 @@ def run(title: str, ex: FlashInferExecutor, make: Callable[[], fp.PlanSpec], tab
         for spec in [make() for _ in range(n)]:
             torch.cuda.synchronize()
             with timer.apply():
-                ex.apply(spec, table)
+                apply_any(ex, spec, table)
     finally:
         timer.restore()
         torch.cuda.synchronize()
@@ -268,8 +276,8 @@ def run(title: str, ex: FlashInferExecutor, make: Callable[[], fp.PlanSpec], tab
     isolated(timer)
     print(f"  (uninstrumented, {n} applies back to back, no sync: {back_to_back:.1f} µs each)")
     spec = make()
-    idle = idle_us(lambda: ex.apply(spec, table), n=20)
-    behind = behind_us(lambda: ex.apply(spec, table), ms=20.0)
+    idle = idle_us(lambda: apply_any(ex, spec, table), n=20)
+    behind = behind_us(lambda: apply_any(ex, spec, table), ms=20.0)
     verdict = "waits for the GPU" if behind > 10_000 else "does not wait"
     print(f"  apply issued right after a 20 ms kernel: {behind:.1f} µs (idle GPU: {idle:.1f}): "
           f"{verdict}")  # fmt: skip
@@ -278,7 +286,7 @@ def run(title: str, ex: FlashInferExecutor, make: Callable[[], fp.PlanSpec], tab
         prof = cProfile.Profile()
         prof.enable()
         for spec in specs:
-            ex.apply(spec, table)
+            apply_any(ex, spec, table)
         prof.disable()
         torch.cuda.synchronize()
         print(f"\n-- cProfile of {n} applies ({title}), by own time --")
@@ -321,10 +329,13 @@ def main() -> None:
     parser.add_argument("--no-graph", action="store_true", help="skip GraphExecutor.apply")
     parser.add_argument("--no-cprofile", action="store_true")
     parser.add_argument(
-        "--case", choices=("decode", "extend", "verify", "multi_item"), default="decode",
+        "--case", choices=("decode", "extend", "verify", "multi_item", "draft"),
+        default="decode",
         help="decode (the default); extend: 64 x 512 new tokens over 2048 cached (page "
         "16); verify: bench_speculative's 64 x 64-token trees over 4096 (page 16); "
-        "multi_item: bench_multi_item's 256 x (512 + 32 items), page 1",
+        "multi_item: bench_multi_item's 256 x (512 + 32 items), page 1; draft: "
+        "bench_speculative's multi-step draft (256 requests, topk 8, 5 steps, page 1: "
+        "plan_steps + apply_steps)",
     )  # fmt: skip
     args = parser.parse_args()
     ps = args.page_size
@@ -336,6 +347,14 @@ def main() -> None:
             return fp.plan(fp.BatchLayout.decode(lens, page_size=ps), HEADS)
 
         what = f"decode batch {args.batch}, kv {args.kv}, page {ps}"
+    elif args.case == "draft":
+        prefix = np.random.default_rng(1).integers(500, 4000, 256)
+        draft = fp.DraftDecode(prefix, 8, 5, page_size=1)
+
+        def make() -> Any:
+            return fp.plan_steps(draft, HEADS)
+
+        what = "multi-step draft 256 x topk 8 x 5 steps over 500-4000, page 1"
     else:
         layout, what = _case_layout(args.case)
         policy = ExecutorPolicy(prefill_backend="fa2")  # as the benchmarks run them
@@ -343,8 +362,15 @@ def main() -> None:
         def make() -> fp.PlanSpec:
             return fp.plan(layout, HEADS)
 
-    spec = make()
-    table = fp.PageTable.shuffled(spec.pages_needed, seed=0, device="cuda")
+    if args.case == "draft":
+        prompt = fp.PageTable.sequential(prefix, device="cuda")
+        pool = int(prompt.num_pages or 0)
+        slots = torch.arange(pool, pool + 256 * 8 * 5, dtype=torch.int32, device="cuda")
+        table = fp.PageTable.draft_branches(
+            prompt, prefix, 8, slots.reshape(256, 8, 5), page_size=1
+        )
+    else:
+        table = fp.PageTable.shuffled(make().pages_needed, seed=0, device="cuda")
     print(
         f"{what}, heads 32/8 x 128, "
         f"{torch.cuda.get_device_name()}, flashinfer {flashinfer.__version__}"
