@@ -44,3 +44,28 @@ def kernel_ms(fn: Callable[[], object], rep: int = 100, warmup: int = 25) -> flo
     """Median kernel time of ``fn`` (ms): ``triton.testing.do_bench`` (CUDA events, L2
     flushed)."""
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def sleep_cycles(ms: float) -> int:
+    """Cycles of ``torch.cuda._sleep`` that keep the GPU busy for about ``ms``."""
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    torch.cuda._sleep(10_000_000)
+    e1.record()
+    torch.cuda.synchronize()
+    return int(10_000_000 / e0.elapsed_time(e1) * ms)
+
+
+def blocked_us(fn: Callable[[], object], cycles: int, n: int = 5) -> float:
+    """Median host time of ``fn`` issued right after a ``cycles``-long kernel."""
+    fn()
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)

@@ -36,6 +36,7 @@ with warnings.catch_warnings():
     import flashinfer
 import triton
 import triton.language as tl
+from _ref_kernels import ref_kv_indices_kernel
 from _timing import host_us
 from _timing import kernel_ms as _kernel_ms
 
@@ -134,7 +135,7 @@ def part_verify(out: dict[str, object]) -> list[str]:
         kv = torch.zeros(bs + 1, dtype=torch.int32, device=DEV)
         kv[1:] = torch.cumsum(pages, 0)
         ids = torch.empty(bs * max_pages, dtype=torch.int32, device=DEV)
-        _ref_kv_indices_kernel[(bs,)](
+        ref_kv_indices_kernel[(bs,)](
             table.pages, rows_dev, pages, kv, ids, table.pages.stride(0), BLOCK=512
         )
         last_dev = seq_dev - (pages - 1) * PS
@@ -177,22 +178,6 @@ def part_verify(out: dict[str, object]) -> list[str]:
         "time (idle GPU; the reference way's read-back also waits for any queued work).",
         "",
     ]
-
-
-@triton.jit
-def _ref_kv_indices_kernel(
-    table_ptr, rows_ptr, pages_ptr, indptr_ptr, out_ptr, stride, BLOCK: tl.constexpr
-):
-    # The reference file's create_flashinfer_kv_indices_triton: one program per request
-    # copies its page-table row's first pages[b] ids to out[indptr[b]:].
-    b = tl.program_id(0)
-    row = tl.load(rows_ptr + b).to(tl.int64)
-    num = tl.load(pages_ptr + b)
-    base = tl.load(indptr_ptr + b).to(tl.int64)
-    for i in range(tl.cdiv(num, BLOCK)):
-        k = i * BLOCK + tl.arange(0, BLOCK)
-        m = k < num
-        tl.store(out_ptr + base + k, tl.load(table_ptr + row * stride + k, mask=m), mask=m)
 
 
 @triton.jit

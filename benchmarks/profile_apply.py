@@ -53,7 +53,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     import flashinfer
 
-from _timing import host_us
+from _timing import blocked_us, host_us, sleep_cycles
 
 import flashplan as fp
 import flashplan.executor.flashinfer.executor as executor_mod
@@ -194,28 +194,6 @@ def idle_us(fn: Callable[[], object], n: int = 100) -> float:
     return host_us(fn, n, warmup=10)
 
 
-def behind_us(fn: Callable[[], object], ms: float, n: int = 5) -> float:
-    """Median host time of ``fn`` issued right after a ``ms``-long kernel: about ``ms``
-    when ``fn`` waits for the GPU (a sync, or a copy from pageable memory), else its own
-    cost."""
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    torch.cuda._sleep(10_000_000)
-    e1.record()
-    torch.cuda.synchronize()
-    cycles = int(10_000_000 / e0.elapsed_time(e1) * ms)
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(cycles)
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
 BARE_PLAN_ARGS = (
     "indptr", "indices", "last_page_len", "num_qo_heads", "num_kv_heads", "head_dim",
     "page_size", "q_data_type", "kv_data_type", "non_blocking",
@@ -277,7 +255,7 @@ def run(title: str, ex: FlashInferExecutor, make: Callable[[], Any], table: fp.P
     print(f"  (uninstrumented, {n} applies back to back, no sync: {back_to_back:.1f} µs each)")
     spec = make()
     idle = idle_us(lambda: apply_any(ex, spec, table), n=20)
-    behind = behind_us(lambda: apply_any(ex, spec, table), ms=20.0)
+    behind = blocked_us(lambda: apply_any(ex, spec, table), sleep_cycles(20.0))
     verdict = "waits for the GPU" if behind > 10_000 else "does not wait"
     print(f"  apply issued right after a 20 ms kernel: {behind:.1f} µs (idle GPU: {idle:.1f}): "
           f"{verdict}")  # fmt: skip

@@ -66,9 +66,9 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     import flashinfer
 import triton
-import triton.language as tl
+from _ref_kernels import ref_kv_indices_kernel
+from _timing import blocked_us, kernel_ms, sleep_cycles
 from _timing import host_us as _host_us
-from _timing import kernel_ms
 
 import flashplan as fp
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
@@ -164,30 +164,6 @@ def step_us(fn: Callable[[], object], steps: int, warmup: int = 5) -> tuple[floa
     return statistics.median(times), (time.perf_counter() - t0) * 1e6 / steps
 
 
-def sleep_cycles(ms: float) -> int:
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    torch.cuda._sleep(10_000_000)
-    e1.record()
-    torch.cuda.synchronize()
-    return int(10_000_000 / e0.elapsed_time(e1) * ms)
-
-
-def blocked_us(fn: Callable[[], object], cycles: int, n: int = 5) -> float:
-    """Median host time of ``fn`` issued right after a ``cycles``-long kernel."""
-    fn()
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(cycles)
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
-
-
 def count_syncs(fn: Callable[[], object]) -> int:
     """Syncs torch sees in one call of ``fn`` (``set_sync_debug_mode("warn")``)."""
     fn()
@@ -256,23 +232,6 @@ def raw_decode_inputs(
     return pinned(part.page_indptr), idx.to(DEV), pinned(part.last_page_len)
 
 
-# The reference file's index kernel (sglang's create_flashinfer_kv_indices_triton, with
-# kv_start_idx = 0): one program per request copies its row's first page ids.
-@triton.jit
-def _ref_kv_indices_kernel(
-    table_ptr, rows_ptr, npages_ptr, indptr_ptr, out_ptr, table_stride, BLOCK: tl.constexpr
-):
-    pid = tl.program_id(0)
-    row = tl.load(rows_ptr + pid).to(tl.int64)
-    n = tl.load(npages_ptr + pid)
-    dst = tl.load(indptr_ptr + pid).to(tl.int64)
-    for i in range(tl.cdiv(n, BLOCK)):
-        k = i * BLOCK + tl.arange(0, BLOCK)
-        m = k < n
-        v = tl.load(table_ptr + row * table_stride + k, mask=m)
-        tl.store(out_ptr + dst + k, v, mask=m)
-
-
 def ref_kv_indices(
     pages: torch.Tensor,
     rows: torch.Tensor,
@@ -280,7 +239,7 @@ def ref_kv_indices(
     indptr: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
-    _ref_kv_indices_kernel[(rows.shape[0],)](
+    ref_kv_indices_kernel[(rows.shape[0],)](
         pages, rows, npages, indptr, out, pages.stride(0), BLOCK=512
     )
 
