@@ -53,6 +53,19 @@ def _check(
         )
 
 
+def _has_work(
+    start: torch.Tensor,
+    first: torch.Tensor,
+    length: torch.Tensor,
+    out: torch.Tensor,
+    max_length: int,
+) -> bool:
+    """Check the arguments (raising as :func:`fill_runs` says); whether any run has a
+    token to write."""
+    _check(start, first, length, out)
+    return start.shape[0] > 0 and max_length > 0 and out.numel() > 0
+
+
 def fill_runs(
     start: torch.Tensor,
     first: torch.Tensor,
@@ -75,14 +88,12 @@ def fill_runs(
     Raises:
         FlashplanError: tensors of the wrong dtype, shape or device.
     """
-    _check(start, first, length, out)
-    runs = start.shape[0]
-    if runs == 0 or max_length <= 0 or out.numel() == 0:
+    if not _has_work(start, first, length, out, max_length):
         return
     if not runs_on_triton(out.device, "fill_runs_torch"):
-        fill_runs_torch(start, first, length, out, max_length)
+        _fill_runs_torch(start, first, length, out)
         return
-    grid = (runs, triton.cdiv(max_length, _BLOCK))
+    grid = (start.shape[0], triton.cdiv(max_length, _BLOCK))
     with device_guard(out.device):
         _fill_runs_kernel[grid](start, first, length, out, out.numel(), BLOCK=_BLOCK)
 
@@ -102,10 +113,15 @@ def fill_runs_torch(
     run covers it, so wrong runs never reach outside ``out``. ``max_length`` sizes
     nothing here.
     """
-    _check(start, first, length, out)
+    if _has_work(start, first, length, out, max_length):
+        _fill_runs_torch(start, first, length, out)
+
+
+def _fill_runs_torch(
+    start: torch.Tensor, first: torch.Tensor, length: torch.Tensor, out: torch.Tensor
+) -> None:
+    """:func:`fill_runs_torch` on checked arguments with work to do."""
     n = out.numel()
-    if start.shape[0] == 0 or max_length <= 0 or n == 0:
-        return
     t = torch.arange(n, device=out.device, dtype=torch.int64)
     begin = start.to(torch.int64)
     run = (torch.searchsorted(begin, t, right=True) - 1).clamp_min(0)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from functools import partial
 from typing import Any, Literal, overload
 
@@ -252,11 +253,10 @@ class FlashInferExecutor:
             raise PlanMismatchError("positions() before apply(): apply a PlanSpec first")
         runs = spec.position_runs
         n = runs.num_runs
-        slot = self._ring.acquire(max(3 * n, 1))
-        for k, values in enumerate((runs.start, runs.first, runs.length)):
-            slot.array[k * n : (k + 1) * n] = values
-        staged = self._runs_staged.get(max(3 * n, 1))
-        staged.copy_(slot.host[: staged.shape[0]], non_blocking=True)
+        columns = (runs.start, runs.first, runs.length)
+        staged, slot = self._upload(
+            self._runs_staged, max(3 * n, 1), lambda a: np.concatenate(columns, out=a[: 3 * n])
+        )
         out = self._positions_buf.get(spec.total_q)
         fill_runs(staged[:n], staged[n : 2 * n], staged[2 * n : 3 * n], out, runs.max_length)
         slot.mark_read(torch.cuda.current_stream(self.device))
@@ -519,10 +519,16 @@ class FlashInferExecutor:
 
     def _stage(self, dplan: DevicePlan) -> tuple[torch.Tensor, Any]:
         """Copy the staging data into a pinned slot and send it to the device at once."""
-        total = dplan.manifest.total
+        return self._upload(self._staged, dplan.manifest.total, dplan.write_into)
+
+    def _upload(
+        self, target: DeviceBuffer, total: int, write: Callable[[np.ndarray], object]
+    ) -> tuple[torch.Tensor, Any]:
+        """``write`` ``total`` int32 entries into an idle pinned slot, then one
+        non-blocking copy of them into ``target``; the caller marks the slot read."""
         slot = self._ring.acquire(total)
-        dplan.write_into(slot.array)
-        staged = self._staged.get(total)
+        write(slot.array)
+        staged = target.get(total)
         staged.copy_(slot.host[:total], non_blocking=True)
         return staged, slot
 
