@@ -39,6 +39,7 @@ from flashplan.executor.flashinfer.calls import (
     DeviceIndices,
     GroupCalls,
     HostArray,
+    ItemPositions,
     PlanCall,
     StagedArray,
     WrapperKind,
@@ -55,6 +56,7 @@ from flashplan.executor.flashinfer.policy import (
 from flashplan.executor.flashinfer.staging import JOB_COLUMNS, device_plan
 from flashplan.executor.gathers import gather_jobs, pages_region
 from flashplan.kernels.custom_mask import build_custom_mask_torch
+from flashplan.kernels.runs import fill_runs_torch
 from flashplan.planning.masks import TreeMask, unpack_request
 from flashplan.testing import (
     attention_groups,
@@ -147,6 +149,19 @@ def _staged_view(words: np.ndarray, placeholder: StagedArray, inputs: CallInputs
     return words.view(_VIEWS[placeholder.dtype])[: inputs.elements[placeholder.name]]
 
 
+def _filled_items(placeholder: ItemPositions, inputs: CallInputs) -> np.ndarray:
+    """What the executor hands to plan() for ItemPositions: a zeroed uint16 array of
+    ``<name>.size`` entries with every staged item filled with 1, 2, … (here by
+    fill_runs' torch twin, which the kernel tests hold equal to the Triton kernel)."""
+    name = placeholder.name
+    out = torch.zeros(inputs.ints[f"{name}.size"], dtype=torch.uint16)
+    start, length = (
+        torch.from_numpy(inputs.host[f"{name}.{k}"].copy()) for k in ("start", "length")
+    )
+    fill_runs_torch(start, 1, length, out, inputs.ints[f"{name}.longest"])
+    return out.numpy()
+
+
 def _resolved(call: PlanCall, inputs: CallInputs) -> dict[str, Any]:
     """The call's keyword arguments with host placeholders replaced by their arrays."""
     out = {}
@@ -157,6 +172,8 @@ def _resolved(call: PlanCall, inputs: CallInputs) -> dict[str, Any]:
             value = _staged_view(inputs.host[value.name], value, inputs)
         elif isinstance(value, BatchInt):
             value = inputs.ints[value.name]
+        elif isinstance(value, ItemPositions):
+            value = _filled_items(value, inputs)
         out[name] = value
     return out
 
@@ -444,7 +461,14 @@ def check_translation(
         if isinstance(v, (HostArray, StagedArray))
     }
     extra = {n for n in inputs.host if ".mask." in n}
-    assert set(inputs.host) == named | extra
+    items = {
+        f"{v.name}.{k}"
+        for gc in calls
+        for _, v in (gc.paged.kwargs if gc.paged is not None else ())
+        if isinstance(v, ItemPositions)
+        for k in ("start", "length")
+    }
+    assert set(inputs.host) == named | extra | items
     _check_staging(spec, translation)
     return calls
 
@@ -464,7 +488,8 @@ def _check_items(spec: PlanSpec, gp: GroupPlan, call: PlanCall, kw: dict[str, An
     assert "packed_custom_mask" not in kw
     raw = dict(call.kwargs)
     assert raw["prefix_len_ptr"].dtype == "uint32"
-    assert raw["token_pos_in_items_ptr"].dtype == raw["max_item_len_ptr"].dtype == "uint16"
+    assert raw["max_item_len_ptr"].dtype == "uint16"
+    assert isinstance(raw["token_pos_in_items_ptr"], ItemPositions)  # filled on the device
     assert isinstance(raw["token_pos_in_items_len"], BatchInt)
     for name, want in (
         ("prefix_len_ptr", items.prefix_len_ptr),
@@ -521,7 +546,6 @@ def _check_staging(spec: PlanSpec, translation: Any) -> None:
                 got = _staged_view(dplan.data[s.offset : s.end], value, inputs)
                 want = {
                     "prefix_len_ptr": items.prefix_len_ptr,
-                    "token_pos_in_items_ptr": items.token_pos_in_items,
                     "max_item_len_ptr": items.max_item_len,
                 }[name]
                 assert got.dtype == want.dtype
@@ -820,11 +844,17 @@ def test_multi_item_call(page_size: int, policy: ExecutorPolicy) -> None:
     assert resolved["prefix_len_ptr"].tolist() == [5, 3, 2, 3]  # the plain request: seq_len
     assert resolved["max_item_len_ptr"].tolist() == [0, 2, 3, 6]
     assert resolved["token_pos_in_items_len"] == 11
-    # 4 * 11 uint16 = 22 int32 words; 4 uint16 = 2 words; 4 uint32 = 4 words
+    # 4 uint16 = 2 int32 words; 4 uint32 = 4 words
     words = {
         name: inputs.host[v.name].shape[0] for name, v in kw.items() if isinstance(v, StagedArray)
     }
-    assert words == {"prefix_len_ptr": 4, "token_pos_in_items_ptr": 22, "max_item_len_ptr": 2}
+    assert words == {"prefix_len_ptr": 4, "max_item_len_ptr": 2}
+    # token_pos_in_items (4 x 11 entries) travels as its 6 non-empty items, 2 words each
+    tpos = kw["token_pos_in_items_ptr"]
+    assert isinstance(tpos, ItemPositions)
+    assert inputs.host[f"{tpos.name}.length"].tolist() == [2, 1, 1, 3, 2, 6]
+    assert inputs.host[f"{tpos.name}.start"].tolist() == [12, 15, 23, 25, 29, 38]
+    assert inputs.ints[f"{tpos.name}.size"] == 44 and inputs.ints[f"{tpos.name}.longest"] == 6
 
 
 def test_multi_item_skeleton_key() -> None:

@@ -13,6 +13,7 @@ import itertools
 import math
 import pickle
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -174,10 +175,12 @@ def test_flashinfer_docstring_example_3_2_4() -> None:
     assert it.prefix_len_ptr.tolist() == [5] and it.max_item_len.tolist() == [4]
     assert positions.tolist() == [0, 1, 2, 3, 4, 4, 5, 6, 7, 4, 5, 6, 4, 5, 6, 7, 8, 4]
     # Padded to 20 as in FlashInfer's plan() docstring: 7 more zeros (8 at the end).
-    padded = MultiItemTensors(
+    padded = MultiItemTensors.from_rows(
         it.prefix_len_ptr, np.concatenate([it.rows[0], np.zeros(7, np.uint16)]), 20, it.max_item_len
     )
     assert padded.rows[0].tolist()[-8:] == [0] * 8
+    assert it.item_start.tolist() == padded.item_start.tolist() == [1, 5, 8]
+    assert it.item_length.tolist() == padded.item_length.tolist() == [3, 2, 4]
 
 
 def test_reference_case_1_single_sequence() -> None:
@@ -355,33 +358,84 @@ def test_other_refusals() -> None:
 
 def test_multi_item_tensors_refuse_a_short_max_item_len() -> None:
     with pytest.raises(LayoutError, match="max_item_len") as err:
-        MultiItemTensors([3, 2], [0, 1, 2, 0, 0, 1], 3, [2, 0])
+        MultiItemTensors.from_rows([3, 2], [0, 1, 2, 0, 0, 1], 3, [2, 0])
     assert err.value.request == 1
     with pytest.raises(LayoutError, match="uint16"):
-        MultiItemTensors([3], [0, 70000], 2, [1])
+        MultiItemTensors.from_rows([3], [0, 70000], 2, [1])
     with pytest.raises(LayoutError, match="entries"):
-        MultiItemTensors([3], [0, 1, 2], 2, [2])
-    items = MultiItemTensors([3], [0, 1, 0], 3, [1])
+        MultiItemTensors.from_rows([3], [0, 1, 2], 2, [2])
+    items = MultiItemTensors.from_rows([3], [0, 1, 0], 3, [1])
     with pytest.raises(LayoutError, match="cover"):  # 5 keys from prefix_len 3 need 2, not 6
         fp.PagedPart([0], [10], 4, True, -1, items=items)
+
+
+@settings(max_examples=60)
+@given(multi_item_layouts())
+def test_items_form_round_trips(layout: BatchLayout) -> None:
+    """The items and the dense array say the same thing: the dense array built from the
+    items has 1, 2, … over each item and 0 elsewhere, and parsing it gives the items."""
+    it = plan_items(layout)[0]
+    dense = it.token_pos_in_items
+    want = np.zeros(dense.shape[0], dtype=np.int64)
+    for s0, n in zip(it.item_start.tolist(), it.item_length.tolist(), strict=True):
+        assert n >= 1 and all(want[s0 : s0 + n] == 0)
+        want[s0 : s0 + n] = np.arange(1, n + 1)
+    assert dense.tolist() == want.tolist()
+    again = MultiItemTensors.from_rows(
+        it.prefix_len_ptr, dense, it.token_pos_in_items_len, it.max_item_len
+    )
+    assert again == it and hash(pickle.dumps(again)) is not None
+    for i in range(layout.batch_size):
+        alone = it.request(i)
+        assert alone.rows.tolist() == [it.rows[i].tolist()]
+
+
+def test_multi_item_tensors_refuse_bad_items() -> None:
+    """Items that overlap, leave their row, sit on a delimiter column or are empty are
+    refused naming the item and its request; a dense array not of the multi-item form is
+    refused naming the request and column."""
+    ok = MultiItemTensors([3, 2], 4, [3, 2], [1, 5], [3, 2])
+    assert ok.rows.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0]] and ok.max_length == 3
+    bad = [
+        (([3, 2], 4, [3, 2], [1, 5], [3, 0]), "item_length", 1, 1),  # empty
+        (([3, 2], 4, [3, 2], [1, 5], [4, 2]), "item_length", 0, 0),  # runs past its row
+        (([3, 2], 4, [3, 2], [1, 4], [3, 2]), "item_start", 1, 1),  # on column 0
+        (([3, 2], 4, [3, 2], [1, 9], [3, 2]), "item_start", 1, None),  # past the rows
+        (([3, 2], 4, [3, 2], [2, 1], [2, 1]), "item_start", 1, 0),  # overlap, descending
+        (([3, 2], 4, [3, 1], [1, 5], [3, 2]), "max_item_len", 1, 1),  # too short
+        (([3, 2], 0, [3, 2], [1], [1]), "item_start", 0, None),  # rows of length 0
+    ]
+    for args, field, item, request in bad:
+        with pytest.raises(LayoutError) as err:
+            MultiItemTensors(*args)
+        assert err.value.field == field, args
+        assert err.value.request == request, args
+        if field != "max_item_len":
+            assert err.value.values["item"] == item, args
+    with pytest.raises(LayoutError, match="one entry per item"):
+        MultiItemTensors([3], 4, [3], [1, 2], [1])
+    with pytest.raises(LayoutError, match="int32"):
+        MultiItemTensors([3] * 2, 2**30 + 1, [3] * 2, [], [])
+    for dense, request, column in (
+        ([0, 1, 3, 0, 0, 0, 0, 0], 0, 2),  # 3 after 1
+        ([0, 1, 2, 0, 1, 0, 0, 0], 1, 0),  # column 0 must be a delimiter
+        ([0, 1, 2, 0, 0, 0, 0, 2], 1, 3),  # 2 after 0
+    ):
+        with pytest.raises(LayoutError, match="one more than") as err:
+            MultiItemTensors.from_rows([3, 2], dense, 4, [3, 3])
+        assert (err.value.request, err.value.values["column"]) == (request, column)
 
 
 def test_kernel_rule_hides_keys_a_short_max_item_len_would_skip() -> None:
     """With max_item_len too small, FlashInfer skips tiles holding visible keys; the rule
     says so (which is why the planner's max_item_len is never below the row's largest)."""
     qo, kv = np.array([6]), np.array([6])
-    right = MultiItemTensors.__new__(MultiItemTensors)  # bypass the check on purpose
-    for name, value in (
-        ("prefix_len_ptr", np.array([1], np.uint32)),
-        ("token_pos_in_items", np.array([0, 1, 2, 3, 4], np.uint16)),
-        ("token_pos_in_items_len", 5),
-        ("max_item_len", np.array([4], np.uint16)),
-    ):
-        object.__setattr__(right, name, value)
+    right = MultiItemTensors.from_rows([1], [0, 1, 2, 3, 4], 5, [4])
     full = kernel_visibility(qo, kv, 6, 6, causal=True, window_left=-1, items=right)[0]
     assert full[5].nonzero()[0].tolist() == [0, 2, 3, 4, 5]
-    object.__setattr__(right, "max_item_len", np.array([1], np.uint16))
-    short = kernel_visibility(qo, kv, 6, 6, causal=True, window_left=-1, items=right)[0]
+    short = attrs.evolve(right)  # bypass the check on purpose
+    object.__setattr__(short, "max_item_len", np.array([1], np.uint16))
+    short = kernel_visibility(qo, kv, 6, 6, causal=True, window_left=-1, items=short)[0]
     assert short[5].nonzero()[0].tolist() == [0, 4, 5]
 
 

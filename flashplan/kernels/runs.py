@@ -1,10 +1,13 @@
-"""Fill runs of values that grow by one: a plan's RoPE positions, built on the device.
+"""Fill runs of values that grow by one, on the device: a plan's RoPE positions, and the
+in-item positions of a multi-item batch.
 
 ``out[start[s] + j] = max(first[s] + j, 0)`` for ``0 <= j < length[s]``, for every run
-``s`` (:class:`~flashplan.planning.positions.PositionRuns`; its ``start``, ``first`` and
-``length`` arrays, three int32 per run, are all the host sends). One launch writes every
-run; nothing is read back to the host. A store that would land outside ``out`` is
-dropped, so wrong runs can never write past the buffer.
+``s``. For positions (:class:`~flashplan.planning.positions.PositionRuns`) the host sends
+``start``, ``first`` and ``length``, three int32 per run; for FlashInfer's
+``token_pos_in_items`` (:class:`~flashplan.planning.items.MultiItemTensors`: every item
+counts 1, 2, …) ``first`` is the one integer 1 and the host sends two int32 per item.
+One launch writes every run; nothing is read back to the host. A store that would land
+outside ``out`` is dropped, so wrong runs can never write past the buffer.
 """
 
 from __future__ import annotations
@@ -21,24 +24,33 @@ _BLOCK = 256
 if HAS_TRITON:
 
     @triton.jit
-    def _fill_runs_kernel(start_ptr, first_ptr, length_ptr, out_ptr, out_size, BLOCK: tl.constexpr):
+    def _fill_runs_kernel(
+        start_ptr, first_ptr, first_value, length_ptr, out_ptr, out_size,
+        BLOCK: tl.constexpr, PER_RUN_FIRST: tl.constexpr,
+    ):  # fmt: skip
         s = tl.program_id(0)
         blk = tl.program_id(1)
         length = tl.load(length_ptr + s)
         if blk * BLOCK < length:
             j = blk * BLOCK + tl.arange(0, BLOCK)
-            # int32: first + j <= the run's last position, which fits int32 (PositionRuns)
-            value = tl.maximum(tl.load(first_ptr + s) + j, 0)
+            first = tl.load(first_ptr + s) if PER_RUN_FIRST else first_value
+            # int32: first + j <= the run's last value, which fits int32 (PositionRuns)
+            value = tl.maximum(first + j, 0)
             dst = tl.load(start_ptr + s).to(tl.int64) + j
             ok = (j < length) & (dst >= 0) & (dst < out_size)
             tl.store(out_ptr + dst, value.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _check(
-    start: torch.Tensor, first: torch.Tensor, length: torch.Tensor, out: torch.Tensor
+    start: torch.Tensor, first: torch.Tensor | int, length: torch.Tensor, out: torch.Tensor
 ) -> None:
     runs = start.shape[0] if start.dim() == 1 else -1
-    for name, t in (("start", start), ("first", first), ("length", length)):
+    arrays = [("start", start), ("length", length)]
+    if isinstance(first, torch.Tensor):
+        arrays.insert(1, ("first", first))
+    elif not isinstance(first, int) or not -(2**31) <= first < 2**31:
+        raise FlashplanError(f"fill_runs: first must be an int32 tensor or an int; got {first!r}")
+    for name, t in arrays:
         if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] != runs or not t.is_contiguous():
             raise FlashplanError(
                 f"fill_runs: {name} must be a contiguous int32 [runs] tensor like start "
@@ -55,7 +67,7 @@ def _check(
 
 def _has_work(
     start: torch.Tensor,
-    first: torch.Tensor,
+    first: torch.Tensor | int,
     length: torch.Tensor,
     out: torch.Tensor,
     max_length: int,
@@ -68,7 +80,7 @@ def _has_work(
 
 def fill_runs(
     start: torch.Tensor,
-    first: torch.Tensor,
+    first: torch.Tensor | int,
     length: torch.Tensor,
     out: torch.Tensor,
     max_length: int,
@@ -78,7 +90,8 @@ def fill_runs(
     Args:
         start: int32 ``[runs]`` (entries of ``out``): where each run begins, ascending
             (the kernel does not need the order; the torch twin's search does).
-        first: int32 ``[runs]``: each run's first value (clamped at 0 when negative).
+        first: int32 ``[runs]``: each run's first value (clamped at 0 when negative),
+            or one int for every run.
         length: int32 ``[runs]`` (entries): each run's length, ``>= 0``.
         out: int32 or uint16 ``[n]``, on the same device; entries no run covers are left
             as they are.
@@ -94,13 +107,18 @@ def fill_runs(
         _fill_runs_torch(start, first, length, out)
         return
     grid = (start.shape[0], triton.cdiv(max_length, _BLOCK))
+    per_run = isinstance(first, torch.Tensor)
+    first_ptr, first_value = (first, 0) if per_run else (start, first)
     with device_guard(out.device):
-        _fill_runs_kernel[grid](start, first, length, out, out.numel(), BLOCK=_BLOCK)
+        _fill_runs_kernel[grid](
+            start, first_ptr, first_value, length, out, out.numel(),
+            BLOCK=_BLOCK, PER_RUN_FIRST=per_run,
+        )  # fmt: skip
 
 
 def fill_runs_torch(
     start: torch.Tensor,
-    first: torch.Tensor,
+    first: torch.Tensor | int,
     length: torch.Tensor,
     out: torch.Tensor,
     max_length: int,
@@ -118,7 +136,7 @@ def fill_runs_torch(
 
 
 def _fill_runs_torch(
-    start: torch.Tensor, first: torch.Tensor, length: torch.Tensor, out: torch.Tensor
+    start: torch.Tensor, first: torch.Tensor | int, length: torch.Tensor, out: torch.Tensor
 ) -> None:
     """:func:`fill_runs_torch` on checked arguments with work to do."""
     n = out.numel()
@@ -127,6 +145,7 @@ def _fill_runs_torch(
     run = (torch.searchsorted(begin, t, right=True) - 1).clamp_min(0)
     j = t - begin[run]
     covered = (j >= 0) & (j < length.to(torch.int64)[run])
-    value = (first.to(torch.int64)[run] + j).clamp_min(0).to(torch.int32)
+    base = first.to(torch.int64)[run] if isinstance(first, torch.Tensor) else first
+    value = (base + j).clamp_min(0).to(torch.int32)
     # in int32: torch has few uint16 ops
     out.copy_(torch.where(covered, value, out.to(torch.int32)).to(out.dtype))

@@ -115,11 +115,13 @@ class ItemDelimiters:
         if negative.any():
             k = int(np.flatnonzero(negative)[0])
             self._raise_at(k, "must be >= 0 (positions count the request's new tokens from 0)")
-        # Within a request, each position must exceed the one before it.
-        starts = np.zeros(pos.shape[0], dtype=bool)
-        starts[self.indptr[:-1][self.counts > 0]] = True
-        step = np.diff(pos.astype(np.int64))
-        bad = ~starts[1:] & (step <= 0)
+        # Within a request, each position must exceed the one before it (int32 steps
+        # cannot overflow: positions are >= 0). A step into the next request is no step.
+        step = np.diff(pos)
+        bad = step <= 0
+        if bad.any():
+            opens = self.indptr[1:-1]  # each later request's first delimiter
+            bad[opens[(opens > 0) & (opens < pos.shape[0])] - 1] = False
         if bad.any():
             k = int(np.flatnonzero(bad)[0]) + 1
             what = "must not repeat a position" if step[k - 1] == 0 else "must be sorted"
@@ -162,10 +164,14 @@ class ItemDelimiters:
         if types <= _LIST_TYPES:  # one pass over Python ints
             flat = list(itertools.chain.from_iterable(e for e in entries if e is not None))
         elif types <= _TENSOR_TYPES:  # one concatenation (sglang hands over CPU tensors)
-            present = [e for e in entries if e is not None]
+            present = entries if _NONE not in types else [e for e in entries if e is not None]
             flat = _cat_host_tensors(present) if present else []
-            if flat is not None:  # 1-D parts: numel() inline (len(), shape[0] cost more)
-                lengths = [0 if e is None else e.numel() for e in entries]
+            if flat is not None:  # 1-D parts: numel() (len(), shape[0] cost more)
+                lengths = (
+                    list(map(torch.Tensor.numel, entries))
+                    if _NONE not in types
+                    else [0 if e is None else e.numel() for e in entries]
+                )
         if flat is None:  # anything else, entry by entry (naming the first bad request)
             for i, e in enumerate(entries):
                 _check_entry(i, e)
@@ -175,7 +181,7 @@ class ItemDelimiters:
         if lengths is None:
             lengths = [_entry_length(e) for e in entries]
         indptr = np.zeros(len(entries) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=indptr[1:])
+        np.cumsum(np.array(lengths, dtype=np.int64), out=indptr[1:])
         try:
             positions = as_lengths(FIELD, flat, minimum=_INT32_MIN)
         except LayoutError as exc:
@@ -186,7 +192,15 @@ class ItemDelimiters:
             raise LayoutError(
                 FIELD, exc.message, request=i, delimiter=k - int(indptr[i]), **exc.values
             ) from None
-        return cls(seal_inplace(indptr), positions)
+        if indptr[-1] > INT32_MAX:
+            raise LayoutError(FIELD, "more delimiters than int32 counts", total=int(indptr[-1]))
+        # indptr (from lengths: 0, non-decreasing) and positions (int32, sealed) are what
+        # the converters would return; the positions' own rules are checked below.
+        self = object.__new__(cls)
+        object.__setattr__(self, "indptr", seal_inplace(indptr))
+        object.__setattr__(self, "positions", positions)
+        self.__attrs_post_init__()
+        return self
 
     @classmethod
     def none(cls, batch_size: int) -> ItemDelimiters:
@@ -244,8 +258,9 @@ def _entry_length(entry: object) -> int:
     return len(entry)  # type: ignore[arg-type]
 
 
-_LIST_TYPES = {list, tuple, type(None)}
-_TENSOR_TYPES = {torch.Tensor, type(None)}
+_NONE = type(None)
+_LIST_TYPES = {list, tuple, _NONE}
+_TENSOR_TYPES = {torch.Tensor, _NONE}
 
 
 def _cat_host_tensors(parts: list[torch.Tensor]) -> torch.Tensor | None:

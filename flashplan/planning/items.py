@@ -15,6 +15,14 @@ A request without delimiters gets ``prefix_len_ptr = seq_len`` (every query is t
 "prefix" query: plain causal), a zero row and ``max_item_len = 0``: one row per request,
 never skipped (the reference file skips such requests and misaligns the batch).
 
+``token_pos_in_items`` is zero except inside the items, where it counts 1, 2, …, so
+:class:`MultiItemTensors` keeps it as its **items**: where each non-empty item starts in
+the padded rows and how long it is (two int32 per item). The dense array is built from
+them when read on the host (:attr:`MultiItemTensors.token_pos_in_items`), and the
+FlashInfer executor builds it on the device from the items (one memset and one
+:func:`~flashplan.kernels.fill_runs` launch), so planning never touches the
+``batch_size * token_pos_in_items_len`` entries.
+
 RoPE positions: prefix tokens keep ``P + j``; from the first delimiter on, a token at
 in-item position ``t`` sits at ``prefix_len + t - 1`` — each item is positioned as if it
 directly followed the prefix, and a delimiter shares the last prefix token's position
@@ -30,7 +38,6 @@ from typing import Any
 import attrs
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from flashplan.arrays import (
     INT32_MAX,
@@ -50,9 +57,13 @@ __all__ = ["MultiItemTensors", "plan_items"]
 U16 = npt.NDArray[np.uint16]
 U32 = npt.NDArray[np.uint32]
 
+#: The largest value a uint16 entry of ``token_pos_in_items`` holds (an item's length).
+MAX_ITEM_LEN = int(np.iinfo(np.uint16).max)
 
-def _typed(field: str, value: object, dtype: Any) -> npt.NDArray[Any]:
-    """A read-only 1-D array of ``dtype``, from any integer array whose values fit it."""
+
+def _typed(field: str, value: object, dtype: Any, index: str = "request") -> npt.NDArray[Any]:
+    """A read-only 1-D array of ``dtype``, from any integer array whose values fit it
+    (an error names the offending entry as ``index``)."""
     arr = np.asarray(value)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise LayoutError(
@@ -64,10 +75,17 @@ def _typed(field: str, value: object, dtype: Any) -> npt.NDArray[Any]:
     if arr.size and (int(arr.min()) < info.min or int(arr.max()) > info.max):
         i = int(np.flatnonzero((arr < info.min) | (arr > info.max))[0])
         raise LayoutError(
-            field, f"does not fit {np.dtype(dtype).name}", request=i, value=int(arr[i])
+            field, f"does not fit {np.dtype(dtype).name}", **{index: i}, value=int(arr[i])
         )
     out = np.array(arr, dtype=dtype, copy=True, order="C")
     out.flags.writeable = False
+    return out
+
+
+def _exclusive_cumsum(lengths: IntArray) -> npt.NDArray[np.int64]:
+    out = np.zeros(lengths.shape[0], dtype=np.int64)
+    if lengths.shape[0] > 1:
+        np.cumsum(lengths[:-1], out=out[1:])
     return out
 
 
@@ -75,6 +93,12 @@ def _typed(field: str, value: object, dtype: Any) -> npt.NDArray[Any]:
 @attrs.frozen
 class MultiItemTensors:
     """The multi-item arguments of one paged prefill call, in FlashInfer's dtypes.
+
+    ``token_pos_in_items`` is held as its items (module docstring): item ``k`` covers
+    entries ``item_start[k] … item_start[k] + item_length[k] - 1`` of it, which hold
+    ``1, 2, …, item_length[k]``; every other entry (a delimiter, padding, the row of a
+    request without delimiters) is 0. Build it from the planner (:func:`plan_items`),
+    from the items, or from a dense array (:meth:`from_rows`).
 
     Example — the reference file's two-request batch: items of lengths 2, 1 after a
     3-token prompt, and items of lengths 1, 3, 2 after a 2-token prompt, each item after
@@ -87,27 +111,27 @@ class MultiItemTensors:
     ([3, 2], 10, [2, 3])
     >>> items.rows.tolist()
     [[0, 1, 2, 0, 1, 0, 0, 0, 0, 0], [0, 1, 0, 1, 2, 3, 0, 1, 2, 0]]
+    >>> items.item_start.tolist(), items.item_length.tolist()
+    ([1, 4, 11, 13, 17], [2, 1, 1, 3, 2])
 
     Attributes:
         prefix_len_ptr: uint32 ``[bs]`` (keys of the call): keys before it are the
             shared prefix; queries before it are plain causal.
-        token_pos_in_items: uint16 ``[bs * token_pos_in_items_len]`` (tokens): per
-            request, from the query at ``prefix_len_ptr`` on, the query's position in its
-            item (0 = delimiter), zero-padded.
         token_pos_in_items_len: row length of ``token_pos_in_items`` (tokens).
-        max_item_len: uint16 ``[bs]`` (tokens): at least the largest value of each row.
+        max_item_len: uint16 ``[bs]`` (tokens): at least the longest item of each row.
+        item_start: int32 ``[items]`` (entries of ``token_pos_in_items``): where each
+            non-empty item's first token sits, ascending.
+        item_length: int32 ``[items]`` (tokens): each item's length, 1 … 65535.
 
     Raises:
-        LayoutError: arrays of the wrong shape or sizes, values outside the dtypes, or a
-            ``max_item_len`` below its row's largest position (FlashInfer would silently
-            skip visible keys).
+        LayoutError: arrays of the wrong shape or sizes, values outside the dtypes, items
+            that overlap, leave their row or are empty (naming the item and its
+            request), or a ``max_item_len`` below its row's longest item (FlashInfer
+            would silently skip visible keys).
     """
 
     prefix_len_ptr: U32 = attrs.field(
         converter=lambda v: _typed("prefix_len_ptr", v, np.uint32), eq=array_key
-    )
-    token_pos_in_items: U16 = attrs.field(
-        converter=lambda v: _typed("token_pos_in_items", v, np.uint16), eq=array_key
     )
     token_pos_in_items_len: int = attrs.field(
         converter=lambda v: as_int("token_pos_in_items_len", v, minimum=0)
@@ -115,55 +139,173 @@ class MultiItemTensors:
     max_item_len: U16 = attrs.field(
         converter=lambda v: _typed("max_item_len", v, np.uint16), eq=array_key
     )
+    item_start: IntArray = attrs.field(
+        converter=lambda v: _typed("item_start", v, np.int32, "item"), eq=array_key
+    )
+    item_length: IntArray = attrs.field(
+        converter=lambda v: _typed("item_length", v, np.int32, "item"), eq=array_key
+    )
 
     @classmethod
     def _from_checked(
-        cls, prefix_len_ptr: U32, token_pos_in_items: U16, token_pos_in_items_len: int,
-        max_item_len: U16,
+        cls, prefix_len_ptr: U32, token_pos_in_items_len: int, max_item_len: U16,
+        item_start: IntArray, item_length: IntArray,
     ) -> MultiItemTensors:  # fmt: skip
-        """Internal (:func:`plan_items`): tensors from read-only arrays of FlashInfer's
-        dtypes that pass ``__init__``'s checks by construction (``max_item_len`` is each
-        row's largest position); nothing is copied or checked again."""
+        """Internal (:func:`plan_items`): tensors from read-only arrays of the fields'
+        dtypes that pass ``__init__``'s checks by construction; nothing is copied or
+        checked again."""
         self = object.__new__(cls)
         _set = object.__setattr__
         _set(self, "prefix_len_ptr", prefix_len_ptr)
-        _set(self, "token_pos_in_items", token_pos_in_items)
         _set(self, "token_pos_in_items_len", token_pos_in_items_len)
         _set(self, "max_item_len", max_item_len)
+        _set(self, "item_start", item_start)
+        _set(self, "item_length", item_length)
         return self
 
+    @classmethod
+    def from_rows(
+        cls, prefix_len_ptr: object, token_pos_in_items: object, token_pos_in_items_len: object,
+        max_item_len: object,
+    ) -> MultiItemTensors:  # fmt: skip
+        """From FlashInfer's four arguments as they are (``token_pos_in_items`` dense:
+        uint16-valued ``[bs * token_pos_in_items_len]``).
+
+        Raises:
+            LayoutError: besides ``__init__``'s refusals, a dense array of the wrong size
+                or one that is not of the multi-item form: an entry that is neither 0
+                nor one more than the entry before it in its row (naming the request
+                and the column).
+        """
+        bs = _typed("prefix_len_ptr", prefix_len_ptr, np.uint32).shape[0]
+        stride = as_int("token_pos_in_items_len", token_pos_in_items_len, minimum=0)
+        dense = _typed("token_pos_in_items", token_pos_in_items, np.uint16, "entry")
+        if dense.shape[0] != bs * stride:
+            raise LayoutError(
+                "token_pos_in_items",
+                "must hold batch_size * token_pos_in_items_len entries",
+                batch_size=bs,
+                token_pos_in_items_len=stride,
+                size=dense.shape[0],
+            )
+        values = dense.astype(np.int64)
+        before = np.empty_like(values)
+        if values.size:
+            before[0] = -1
+            before[1:] = values[:-1]
+            before[:: max(stride, 1)] = -1  # column 0 has no entry before it in its row
+        bad = (values > 0) & (values != before + 1)
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            raise LayoutError(
+                "token_pos_in_items",
+                "each entry must be 0 (a delimiter or padding) or one more than the entry "
+                "before it in its row",
+                request=k // stride,
+                column=k % stride,
+                value=int(values[k]),
+            )
+        starts = np.flatnonzero(values == 1)
+        after = np.append(values[1:], 0)
+        if values.size:
+            after[stride - 1 :: stride] = 0  # a row's last column ends its item
+        ends = np.flatnonzero((values > 0) & (after != values + 1))
+        return cls(prefix_len_ptr, stride, max_item_len, starts, ends - starts + 1)
+
     def __attrs_post_init__(self) -> None:
-        bs = self.prefix_len_ptr.shape[0]
+        bs, stride = self.prefix_len_ptr.shape[0], self.token_pos_in_items_len
         if self.max_item_len.shape[0] != bs:
             raise LayoutError(
                 "max_item_len", "must have one entry per request", batch_size=bs,
                 size=self.max_item_len.shape[0],
             )  # fmt: skip
-        if self.token_pos_in_items.shape[0] != bs * self.token_pos_in_items_len:
+        start, length = self.item_start, self.item_length
+        if length.shape != start.shape:
             raise LayoutError(
-                "token_pos_in_items",
-                "must hold batch_size * token_pos_in_items_len entries",
+                "item_length", "must have one entry per item", items=start.shape[0],
+                size=length.shape[0],
+            )  # fmt: skip
+        if bs * stride > INT32_MAX:  # FlashInfer indexes rows in 32 bits
+            raise LayoutError(
+                "token_pos_in_items_len",
+                "batch_size * token_pos_in_items_len exceeds int32",
                 batch_size=bs,
-                token_pos_in_items_len=self.token_pos_in_items_len,
-                size=self.token_pos_in_items.shape[0],
+                token_pos_in_items_len=stride,
             )
-        if self.token_pos_in_items_len:
-            short = self.max_item_len < self.rows.max(axis=1)
-            if short.any():
-                i = int(np.flatnonzero(short)[0])
-                raise LayoutError(
-                    "max_item_len",
-                    "must be at least the largest position of the request's row "
-                    "(FlashInfer skips key tiles by it)",
-                    request=i,
-                    max_item_len=int(self.max_item_len[i]),
-                    largest=int(self.rows[i].max()),
-                )
+        if not start.size:
+            return
+        s64 = start.astype(np.int64)
+        row = s64 // max(stride, 1)
+        end = s64 + length  # one past the item's last entry
+        checks = (
+            ("item_length", (length < 1) | (length > MAX_ITEM_LEN), "must be 1 … 65535"),
+            ("item_start", (s64 < 0) | (s64 >= bs * stride), "must lie inside the rows"),
+            ("item_length", end > (row + 1) * stride, "must end inside the item's row"),
+            ("item_start", s64 % max(stride, 1) == 0, "must follow a delimiter (column 0 is one)"),
+        )
+        for field, bad, message in checks:
+            if bad.any():
+                self._raise_at(field, int(np.flatnonzero(bad)[0]), message)
+        overlap = s64[1:] < end[:-1]
+        if overlap.any():
+            k = int(np.flatnonzero(overlap)[0]) + 1
+            self._raise_at("item_start", k, "must start after the item before it ends")
+        short = self.max_item_len[row] < length
+        if short.any():
+            k = int(np.flatnonzero(short)[0])
+            raise LayoutError(
+                "max_item_len",
+                "must be at least the longest item of the request's row "
+                "(FlashInfer skips key tiles by it)",
+                request=int(row[k]),
+                max_item_len=int(self.max_item_len[row[k]]),
+                item=k,
+                item_length=int(length[k]),
+            )
+
+    def _raise_at(self, field: str, k: int, message: str) -> None:
+        stride = self.token_pos_in_items_len
+        row = int(self.item_start[k]) // stride if stride else -1
+        raise LayoutError(
+            field,
+            message,
+            item=k,
+            request=row if 0 <= row < self.batch_size else None,
+            item_start=int(self.item_start[k]),
+            item_length=int(self.item_length[k]),
+            token_pos_in_items_len=self.token_pos_in_items_len,
+        )
 
     @property
     def batch_size(self) -> int:
         """Number of requests."""
         return int(self.prefix_len_ptr.shape[0])
+
+    @property
+    def num_items(self) -> int:
+        """Non-empty items in the batch."""
+        return int(self.item_start.shape[0])
+
+    @cached_property
+    def max_length(self) -> int:
+        """The longest item (tokens); 0 without items."""
+        return int(self.item_length.max()) if self.num_items else 0
+
+    @cached_property
+    def token_pos_in_items(self) -> U16:
+        """uint16 ``[bs * token_pos_in_items_len]`` (tokens): per request, from the query
+        at ``prefix_len_ptr`` on, the query's position in its item (0 = delimiter),
+        zero-padded — FlashInfer's dense array, built from the items (read-only)."""
+        out = np.zeros(self.batch_size * self.token_pos_in_items_len, dtype=np.uint16)
+        if self.num_items:
+            length = self.item_length
+            # entry e of item k holds e - item_start[k] + 1
+            offset = np.repeat(self.item_start.astype(np.int64) - _exclusive_cumsum(length), length)
+            inside = np.arange(offset.shape[0], dtype=np.int64)
+            inside += offset
+            out[inside] = inside - np.repeat(self.item_start.astype(np.int64) - 1, length)
+        out.flags.writeable = False
+        return out
 
     @cached_property
     def rows(self) -> U16:
@@ -173,11 +315,14 @@ class MultiItemTensors:
     def request(self, i: int) -> MultiItemTensors:
         """The same tensors for request ``i`` alone (a batch of one; its row unpadded to
         the batch's length)."""
+        stride = self.token_pos_in_items_len
+        own = (self.item_start >= i * stride) & (self.item_start < (i + 1) * stride)
         return MultiItemTensors(
             self.prefix_len_ptr[i : i + 1],
-            self.rows[i],
-            self.token_pos_in_items_len,
+            stride,
             self.max_item_len[i : i + 1],
+            self.item_start[own] - i * stride,
+            self.item_length[own],
         )
 
 
@@ -198,7 +343,7 @@ def plan_items(layout: BatchLayout) -> tuple[MultiItemTensors, PositionRuns]:
         raise LayoutError("item_delimiters", "not a multi-item batch")
     bs = layout.batch_size
     prefix, ext = layout.prefix_lens, layout.extend_lens  # int32
-    has = items.has_items
+    has, counts, delims = items.has_items, items.counts, items.positions
     first = np.where(has, items.first, ext)  # new tokens before the first delimiter
     stride = int((ext - first).max()) if bs else 0  # the longest row
     if bs * stride > INT32_MAX:  # FlashInfer indexes rows in 32 bits
@@ -210,69 +355,66 @@ def plan_items(layout: BatchLayout) -> tuple[MultiItemTensors, PositionRuns]:
         )
     prefix_len = np.where(has, prefix + first, layout.seq_lens)
 
-    # Everything from a request's first delimiter on is its *row*: column c is new token
-    # first + c. On the [bs, stride] grid of rows (FlashInfer's padded layout itself,
-    # flat) the in-item position of a cell is its index minus the index of the last
-    # delimiter cell at or before it (a row's column 0 is always one). Delimiter cells
-    # ascend, so that index is a running sum of the gaps between them (torch's in-place
-    # CPU scan over a view: numpy's accumulate is several times slower). Cells past a
-    # row's end are padding.
-    n = items.positions.shape[0]
-    row_len = ext - first  # 0 for a request without delimiters
-    owner = np.repeat(np.arange(bs, dtype=np.int32), items.counts)
-    cell = owner * stride + (items.positions - first[owner])  # int32: bs * stride fits
-    grid = np.arange(bs * stride, dtype=np.int32)
+    # Delimiter k opens a stretch of gap[k] tokens: itself, then its item (up to the next
+    # delimiter of its request, or the request's end).
+    n = delims.shape[0]
+    gap = np.empty(n, dtype=np.int32)
+    longest = np.zeros(bs, dtype=np.int32)
     if n:
-        last = np.zeros(bs * stride, dtype=np.int32)
-        last[cell[0]] = cell[0]
-        last[cell[1:]] = np.diff(cell)
-        torch.from_numpy(last).cumsum_(0)
-        grid -= last
-    rows = grid.reshape(bs, stride)
-    rows[np.arange(stride, dtype=np.int32) >= row_len[:, None]] = 0  # padding
-    longest = rows.max(axis=1, initial=0)  # the longest item (a delimiter is 0)
+        gap[:-1] = delims[1:]
+        gap[(items.indptr[1:] - 1)[has]] = ext[has]  # a request's last delimiter
+        gap -= delims
+        longest[has] = np.maximum.reduceat(gap, items.indptr[:-1][has]) - 1
+    # Column c of request i's row is new token first[i] + c, at entry i * stride + c;
+    # item k starts one entry after its delimiter. Only non-empty items are kept.
+    row_base = np.arange(bs, dtype=np.int32) * np.int32(stride) - first + 1
+    item_start = np.repeat(row_base, counts) + delims  # int32: bs * stride fits
+    item_length = gap - 1
+    if n and not item_length.all():
+        keep = item_length > 0
+        item_start, item_length = item_start[keep], item_length[keep]
 
-    runs = _position_runs(items, owner, prefix, ext, first, prefix_len)
-    padded = grid.astype(np.uint16)
+    runs = _position_runs(items, prefix, first, prefix_len, gap)
     # uint32 / uint16 hold every value: prefix_len <= seq_len fits int32 (so uint32),
     # and no row is longer than MAX_ITEM_ROW (checked when the layout was built).
     tensors = MultiItemTensors._from_checked(
         seal_inplace(prefix_len, np.uint32),
-        seal_inplace(padded, np.uint16),
         stride,
         seal_inplace(longest, np.uint16),
+        seal_inplace(item_start),
+        seal_inplace(item_length),
     )
     return tensors, runs
 
 
 def _position_runs(
     items: ItemDelimiters,
-    owner: IntArray,
     prefix: IntArray,
-    ext: IntArray,
     first: IntArray,
     prefix_len: IntArray,
+    gap: IntArray,
 ) -> PositionRuns:
     """The new tokens' positions as runs: ``P + j`` before a request's first delimiter,
     then ``max(prefix_len - 1 + k, 0)`` for the ``k``-th token from the last delimiter.
 
     The runs, in q order: each request's tokens before its first delimiter (from ``P``;
-    all of them without delimiters), then one per delimiter (from ``prefix_len - 1``, up
-    to the next delimiter or the request's end; the runs clamp the ``-1`` of a delimiter
-    over an empty prefix at 0). ``bs + n`` runs for ``n`` delimiters: nothing per token.
+    all of them without delimiters), then one per delimiter (from ``prefix_len - 1``, for
+    the delimiter's ``gap``: up to the next delimiter or the request's end; the runs clamp
+    the ``-1`` of a delimiter over an empty prefix at 0). ``bs + n`` runs for ``n``
+    delimiters: nothing per token.
     """
-    bs, n = prefix.shape[0], items.positions.shape[0]
-    run_first = np.empty(bs + n, dtype=np.int32)
+    bs, n = prefix.shape[0], gap.shape[0]
+    # Per request, its own run then its delimiters' runs: the pairs (P, prefix_len - 1)
+    # repeated (1, count) times give every run's first position in q order.
+    pair = np.empty(2 * bs, dtype=np.int32)
+    pair[0::2] = prefix
+    pair[1::2] = prefix_len - 1
+    times = np.ones(2 * bs, dtype=np.int32)
+    times[1::2] = items.counts
+    run_first = np.repeat(pair, times)
+    own = np.zeros(bs + n, dtype=bool)  # the requests' own runs
+    own[np.arange(bs, dtype=np.int32) + items.indptr[:-1]] = True
     run_len = np.empty(bs + n, dtype=np.int32)
-    at_request = np.arange(bs, dtype=np.int32) + items.indptr[:-1]  # q order slots
-    at_delim = np.arange(n, dtype=np.int32) + owner + 1
-    run_first[at_request] = prefix
-    run_len[at_request] = first  # ext where a request has no delimiter
-    run_first[at_delim] = prefix_len[owner] - 1
-    nxt = np.empty(n, dtype=np.int32)  # the next delimiter, or the request's end
-    if n:
-        nxt[:-1] = items.positions[1:]
-        last = items.indptr[1:][items.counts > 0] - 1  # each request's last delimiter
-        nxt[last] = ext[owner[last]]
-    run_len[at_delim] = nxt - items.positions
+    run_len[own] = first  # ext where a request has no delimiter
+    run_len[~own] = gap
     return PositionRuns._from_checked(seal_inplace(run_first), seal_inplace(run_len))

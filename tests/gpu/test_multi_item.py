@@ -227,32 +227,40 @@ def test_each_item_equals_scoring_it_alone(page_size, cap):
 
 
 # --------------------------------------------------------------------------- plumbing
-def test_plan_arguments_are_exact_views_of_the_staging_buffer():
-    layout = fp.BatchLayout.extend(
-        [5, 14, 12], [2, 0, 0], page_size=16, item_delimiters=[None, [7, 9, 11, 13], [2, 4, 8, 11]]
-    )
+def test_plan_arguments_are_views_of_the_executors_device_data():
+    """prefix_len_ptr and max_item_len are typed views of the one staged copy;
+    token_pos_in_items is filled on the device from the staged items, into the executor's
+    own buffer, and equals the plan's dense array — also after a longer and then a
+    shorter batch reuse that buffer (every entry outside an item is zeroed again)."""
     heads = fp.HeadConfig(8, 2, 128)
-    spec = fp.plan(layout, heads)
     ex = _executor()
-    ex.apply(spec, fp.PageTable.sequential(spec.pages_needed, device="cuda"))  # type: ignore[attr-defined]
-    (gc,) = ex.calls  # type: ignore[attr-defined]
-    assert gc.paged.wrapper.backend == "fa2"
-    wrapper = ex._planned[(gc.group_index, "paged")]  # type: ignore[attr-defined]
-    items = spec.group_plans[0].items
-    staged = ex._staged.tensor  # type: ignore[attr-defined]
-    lo, hi = staged.data_ptr(), staged.data_ptr() + staged.numel() * 4
-    for attr, want, dtype, signed in (
-        ("_prefix_len_ptr", items.prefix_len_ptr, torch.uint32, torch.int32),
-        ("_token_pos_in_items_ptr", items.token_pos_in_items, torch.uint16, torch.int16),
-        ("_max_item_len_ptr", items.max_item_len, torch.uint16, torch.int16),
-    ):
-        t = getattr(wrapper, attr)
-        assert t.dtype == dtype and t.device.type == "cuda" and t.is_contiguous()
-        assert t.numel() == want.shape[0]
-        assert lo <= t.data_ptr() < hi  # a view of the one staged copy
-        # (values here are small: the signed view reads them unchanged)
-        assert t.view(signed).cpu().tolist() == want.astype(np.int64).tolist()
-    assert wrapper._token_pos_in_items_len == items.token_pos_in_items_len
+    batches = [
+        ([5, 14, 12], [2, 0, 0], [None, [7, 9, 11, 13], [2, 4, 8, 11]]),
+        ([40, 33], [0, 3], [[1, 20, 21], [0, 29]]),
+        ([9, 12], [0, 0], [[3, 6, 8], [2, 4, 8, 11]]),  # the reference file's batch
+    ]
+    for seq, pre, delims in batches:
+        layout = fp.BatchLayout.extend(seq, pre, page_size=16, item_delimiters=delims)
+        spec = fp.plan(layout, heads)
+        ex.apply(spec, fp.PageTable.sequential(spec.pages_needed, device="cuda"))  # type: ignore[attr-defined]
+        (gc,) = ex.calls  # type: ignore[attr-defined]
+        assert gc.paged.wrapper.backend == "fa2"
+        wrapper = ex._planned[(gc.group_index, "paged")]  # type: ignore[attr-defined]
+        items = spec.group_plans[0].items
+        staged = ex._staged.tensor  # type: ignore[attr-defined]
+        lo, hi = staged.data_ptr(), staged.data_ptr() + staged.numel() * 4
+        for attr, want, dtype, signed, in_staging in (
+            ("_prefix_len_ptr", items.prefix_len_ptr, torch.uint32, torch.int32, True),
+            ("_token_pos_in_items_ptr", items.token_pos_in_items, torch.uint16, torch.int16, False),
+            ("_max_item_len_ptr", items.max_item_len, torch.uint16, torch.int16, True),
+        ):
+            t = getattr(wrapper, attr)
+            assert t.dtype == dtype and t.device.type == "cuda" and t.is_contiguous()
+            assert t.numel() == want.shape[0]
+            assert (lo <= t.data_ptr() < hi) == in_staging  # a view of the one staged copy
+            # (values here are small: the signed view reads them unchanged)
+            assert t.view(signed).cpu().tolist() == want.astype(np.int64).tolist()
+        assert wrapper._token_pos_in_items_len == items.token_pos_in_items_len
 
 
 def test_plain_batch_after_multi_item_is_plain_again():

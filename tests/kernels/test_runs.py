@@ -1,5 +1,6 @@
 """fill_runs (Triton) and fill_runs_torch vs a brute force straight from the definition:
-``out[start[s] + j] = max(first[s] + j, 0)`` for ``j < length[s]``.
+``out[start[s] + j] = max(first[s] + j, 0)`` for ``j < length[s]``, with ``first`` per run
+or one integer for every run (the multi-item items).
 
 On a host without CUDA, ``conftest.py`` makes the Triton kernel run under Triton's
 interpreter on CPU tensors; the ``gpu`` tests run the compiled kernel on CUDA.
@@ -53,34 +54,47 @@ def brute_force(
     return out
 
 
-def _run(fill, runs, dtype: torch.dtype, device: str) -> list[int]:
+def _run(fill, runs, dtype: torch.dtype, device: str, one_first: int | None) -> list[int]:
+    """Fill ``runs``; with ``one_first``, every run starts at that one integer instead of
+    its own ``first``."""
     start, first, length, size = runs
     t = [torch.tensor(a, dtype=torch.int32, device=device) for a in (start, first, length)]
     out = torch.full((size,), SENTINEL, dtype=torch.int32, device=device).to(dtype)
-    fill(*t, out, max(length, default=0))
+    fill(t[0], t[1] if one_first is None else one_first, t[2], out, max(length, default=0))
     return out.to(torch.int32).cpu().tolist()
+
+
+def _want(runs, dtype: torch.dtype, one_first: int | None) -> list[int]:
+    start, first, length, size = runs
+    if one_first is not None:
+        first = [one_first] * len(first)
+    return brute_force(start, first, length, size, dtype)
+
+
+DTYPES = st.sampled_from([torch.int32, torch.uint16])
+FIRSTS = st.sampled_from([None, 1, 0, -2])
 
 
 @requires_interpreter
 @HYP
-@given(runs=run_sets(), dtype=st.sampled_from([torch.int32, torch.uint16]))
-def test_kernel_interpreted(runs, dtype: torch.dtype) -> None:
-    assert _run(fill_runs, runs, dtype, "cpu") == brute_force(*runs, dtype)
+@given(runs=run_sets(), dtype=DTYPES, one=FIRSTS)
+def test_kernel_interpreted(runs, dtype: torch.dtype, one: int | None) -> None:
+    assert _run(fill_runs, runs, dtype, "cpu", one) == _want(runs, dtype, one)
 
 
 @HYP
-@given(runs=run_sets(), dtype=st.sampled_from([torch.int32, torch.uint16]))
-def test_torch_twin(runs, dtype: torch.dtype) -> None:
-    assert _run(fill_runs_torch, runs, dtype, "cpu") == brute_force(*runs, dtype)
+@given(runs=run_sets(), dtype=DTYPES, one=FIRSTS)
+def test_torch_twin(runs, dtype: torch.dtype, one: int | None) -> None:
+    assert _run(fill_runs_torch, runs, dtype, "cpu", one) == _want(runs, dtype, one)
 
 
 @requires_cuda
 @HYP
-@given(runs=run_sets(), dtype=st.sampled_from([torch.int32, torch.uint16]))
-def test_kernel_on_cuda(runs, dtype: torch.dtype) -> None:
-    want = brute_force(*runs, dtype)
-    assert _run(fill_runs, runs, dtype, "cuda") == want
-    assert _run(fill_runs_torch, runs, dtype, "cuda") == want
+@given(runs=run_sets(), dtype=DTYPES, one=FIRSTS)
+def test_kernel_on_cuda(runs, dtype: torch.dtype, one: int | None) -> None:
+    want = _want(runs, dtype, one)
+    assert _run(fill_runs, runs, dtype, "cuda", one) == want
+    assert _run(fill_runs_torch, runs, dtype, "cuda", one) == want
 
 
 @pytest.mark.parametrize("fill", [fill_runs, fill_runs_torch])
@@ -108,3 +122,6 @@ def test_bad_arguments_are_refused() -> None:
         fill_runs_torch(ok, ok.long(), ok, out, 1)
     with pytest.raises(FlashplanError, match="out"):
         fill_runs_torch(ok, ok, ok, out.float(), 1)
+    for first in (1.5, 2**31, "1"):
+        with pytest.raises(FlashplanError, match="first"):
+            fill_runs_torch(ok, first, ok, out, 1)  # type: ignore[arg-type]

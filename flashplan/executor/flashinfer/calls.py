@@ -11,7 +11,8 @@ flashinfer's signatures on a CPU-only machine):
   tensor), :class:`StagedArray` (a host array a kernel reads, handed to ``plan()`` as a
   typed view of the device staging buffer: the multi-item tensors),
   :class:`BatchInt` (an integer of the batch), :class:`DeviceIndices` (page ids
-  gathered on the device) and :class:`BuiltMask` (a custom mask built on the device).
+  gathered on the device), :class:`BuiltMask` (a custom mask built on the device) and
+  :class:`ItemPositions` (a multi-item ``token_pos_in_items`` filled on the device).
 * :func:`call_inputs` computes the batch's arrays behind those names.
 
 :func:`translate` does both.
@@ -49,6 +50,7 @@ __all__ = [
     "DeviceIndices",
     "GroupCalls",
     "HostArray",
+    "ItemPositions",
     "MaskRecipe",
     "Placeholder",
     "PlanCall",
@@ -140,11 +142,23 @@ class BuiltMask:
     group_index: int
 
 
+@attrs.frozen
+class ItemPositions:
+    """Placeholder: FlashInfer's dense ``token_pos_in_items`` (uint16) for a group's
+    multi-item call, which the executor fills on the device from the batch's items
+    (:class:`~flashplan.planning.items.MultiItemTensors`; their ``item_start`` and
+    ``item_length`` are staged as ``<name>.start`` and ``<name>.length``, and
+    :attr:`CallInputs.ints` holds ``<name>.size``, the entries, and ``<name>.longest``,
+    the longest item). The dense array never exists on the host."""
+
+    name: str
+
+
 #: Any placeholder of a skeleton's ``plan()`` arguments.
-Placeholder = HostArray | StagedArray | BatchInt | DeviceIndices | BuiltMask
+Placeholder = HostArray | StagedArray | BatchInt | DeviceIndices | BuiltMask | ItemPositions
 
 #: The placeholder classes (for ``isinstance``).
-PLACEHOLDERS = (HostArray, StagedArray, BatchInt, DeviceIndices, BuiltMask)
+PLACEHOLDERS = (HostArray, StagedArray, BatchInt, DeviceIndices, BuiltMask, ItemPositions)
 
 
 @attrs.frozen
@@ -264,8 +278,9 @@ def call_skeleton(
     overrides the batch size that picks the decode kernel (a CUDA-graph bucket's). The window and
     causal flag of each call are the plan's own (:attr:`PagedPart.window_left`, …).
 
-    A multi-item call passes FlashInfer's four multi-item arguments (the three arrays
-    as :class:`StagedArray`, ``token_pos_in_items_len`` as :class:`BatchInt`) and runs
+    A multi-item call passes FlashInfer's four multi-item arguments (``prefix_len_ptr``
+    and ``max_item_len_ptr`` as :class:`StagedArray`, ``token_pos_in_items_ptr`` as
+    :class:`ItemPositions`, ``token_pos_in_items_len`` as :class:`BatchInt`) and runs
     on FA2, like a masked call.
 
     Raises:
@@ -322,7 +337,7 @@ def call_skeleton(
                 if items[index]:
                     args += [
                         ("prefix_len_ptr", StagedArray(f"g{index}.items.prefix_len", "uint32")),
-                        ("token_pos_in_items_ptr", StagedArray(f"g{index}.items.tpos", "uint16")),
+                        ("token_pos_in_items_ptr", ItemPositions(f"g{index}.items.tpos")),
                         ("token_pos_in_items_len", BatchInt(f"g{index}.items.tpos_len")),
                         ("max_item_len_ptr", StagedArray(f"g{index}.items.max_len", "uint16")),
                     ]
@@ -344,12 +359,8 @@ def call_skeleton(
     return tuple(out)
 
 
-#: The MultiItemTensors field behind each multi-item plan() argument.
-_ITEM_ARRAYS = {
-    "prefix_len_ptr": "prefix_len_ptr",
-    "token_pos_in_items_ptr": "token_pos_in_items",
-    "max_item_len_ptr": "max_item_len",
-}
+#: The MultiItemTensors field behind each staged multi-item plan() argument.
+_ITEM_ARRAYS = {"prefix_len_ptr": "prefix_len_ptr", "max_item_len_ptr": "max_item_len"}
 
 
 def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
@@ -361,9 +372,11 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
     pages would give a negative size and shift every later request's mask. The kernel
     still sees ``kv_len = 0`` (FlashInfer clamps there).
 
-    The multi-item tensors of a call go into ``host`` as int32 words
-    (:func:`int32_words`), with their element counts in ``elements`` and
-    ``token_pos_in_items_len`` in ``ints``.
+    The multi-item tensors of a call go into ``host``: ``prefix_len_ptr`` and
+    ``max_item_len`` as int32 words (:func:`int32_words`, their element counts in
+    ``elements``), and the items behind ``token_pos_in_items`` (:class:`ItemPositions`:
+    their starts and lengths, the dense size and the longest item in ``ints``);
+    ``token_pos_in_items_len`` goes into ``ints``.
 
     Raises:
         UnsupportedError: a custom mask too large for flashinfer's int32 offsets.
@@ -398,7 +411,7 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
         staged = [
             (name, value)
             for name, value in (gc.paged.kwargs if gc.paged is not None else ())
-            if isinstance(value, (StagedArray, BatchInt))
+            if isinstance(value, (StagedArray, BatchInt, ItemPositions))
         ]
         if staged:
             items = part.items
@@ -406,6 +419,12 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
             for name, value in staged:
                 if isinstance(value, BatchInt):
                     ints[value.name] = items.token_pos_in_items_len
+                    continue
+                if isinstance(value, ItemPositions):
+                    host[f"{value.name}.start"] = items.item_start
+                    host[f"{value.name}.length"] = items.item_length
+                    ints[f"{value.name}.size"] = items.batch_size * items.token_pos_in_items_len
+                    ints[f"{value.name}.longest"] = items.max_length
                     continue
                 arr: npt.NDArray[np.unsignedinteger] = getattr(items, _ITEM_ARRAYS[name])
                 host[value.name] = int32_words(arr)

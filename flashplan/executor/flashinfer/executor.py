@@ -14,8 +14,10 @@ The thin stateful part of flashplan. ``apply(spec, table)`` reads as its steps:
 5. **masks**: threshold custom masks expanded on the device;
 6. **plan() calls** with pinned host indptrs (so FlashInfer never reads back from the
    device), the device page ids and, in a multi-item batch, uint32 / uint16 views of
-   the staged multi-item tensors (FlashInfer keeps them for its kernels; they stay
-   valid until the next apply rewrites the staging buffer).
+   the staged ``prefix_len_ptr`` and ``max_item_len`` and a ``token_pos_in_items``
+   filled on the device from the staged items (one memset and one
+   :func:`~flashplan.kernels.fill_runs` launch). FlashInfer keeps these tensors for its
+   kernels; they stay valid until the next apply rewrites them.
 
 ``run(group, q, k_new, v_new, kv_cache)`` writes the new K/V into the cache (one
 Triton launch that skips unusable slots) and runs the group's kernels (the ragged +
@@ -52,6 +54,7 @@ from flashplan.executor.flashinfer.calls import (
     DeviceIndices,
     GroupCalls,
     HostArray,
+    ItemPositions,
     StagedArray,
     WrapperKey,
     WrapperKind,
@@ -203,6 +206,7 @@ class FlashInferExecutor:
         self._out_page = DeviceBuffer(self.device, torch.int32)
         self._out_offset = DeviceBuffer(self.device, torch.int32)
         self._mask_bufs: dict[int, DeviceBuffer] = {}
+        self._item_bufs: dict[str, DeviceBuffer] = {}
         self._status = new_status(self.device)
         self._spec: PlanSpec | None = None
         self._plan: DevicePlan | None = None
@@ -365,6 +369,8 @@ class FlashInferExecutor:
                 return page[r.lo : r.hi]
             if isinstance(value, BuiltMask):
                 return masks[value.group_index]
+            if isinstance(value, ItemPositions):
+                return self._fill_item_positions(dplan, staged, prefix + value.name)
             return value
 
         planned: dict[tuple[int, str], Any] = {}
@@ -578,6 +584,25 @@ class FlashInferExecutor:
             )
             built[index] = out
         return built
+
+    def _fill_item_positions(
+        self, dplan: DevicePlan, staged: torch.Tensor, name: str
+    ) -> torch.Tensor:
+        """FlashInfer's uint16 ``token_pos_in_items`` for the items staged under ``name``
+        (:class:`~flashplan.executor.flashinfer.calls.ItemPositions`): zeroed, then every
+        item's 1, 2, … written by one launch. Each name has its own buffer: FlashInfer
+        keeps the tensor until the wrapper is planned again."""
+        size = dplan.ints[name + ".size"]
+        buf = self._item_bufs.setdefault(name, DeviceBuffer(self.device, torch.int16))
+        out = buf.get(max(size, 1))[:size]
+        out.zero_()  # int16: torch fills few uint16 tensors; the bytes are the same
+        out = out.view(torch.uint16)
+        start, length = dplan.manifest[name + ".start"], dplan.manifest[name + ".length"]
+        fill_runs(
+            staged[start.offset : start.end], 1, staged[length.offset : length.end], out,
+            dplan.ints[name + ".longest"],
+        )  # fmt: skip
+        return out
 
     @staticmethod
     def _spec_batch(dplan: DevicePlan) -> int:
