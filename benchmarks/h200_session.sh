@@ -8,7 +8,7 @@
 #
 # PHASES: comma-separated subset of tests,sanitize,bench (default: all three).
 # Caps (seconds) and run_gpu.py's parts can be lowered to fit the device time left:
-# CAP_TESTS, CAP_SAN_EAGER, CAP_SAN_FAST, CAP_SAN_POS, CAP_SAN_GRAPHS, CAP_RUN_GPU,
+# CAP_TESTS, CAP_SAN_EAGER, CAP_SAN_FAST, CAP_SAN_POS, CAP_SAN_ITEMS, CAP_SAN_GRAPHS, CAP_RUN_GPU,
 # CAP_SPEC, CAP_ITEMS, CAP_PROFILE, CAP_PROFILE_CASES, CAP_HOST_CPU, RUN_GPU_PARTS.
 # The FlashInfer wheels and module cache come from the git-ignored .whl/ folder that
 # ../shared/tools/device/prepare.sh fills on the CPU machine (see docs/benchmarks.md).
@@ -54,6 +54,9 @@ if [[ $PHASES == *,sanitize,* ]]; then
   # positions built on the device (fill_runs) from the staged runs, every mode
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 phase sanitizer_positions "${CAP_SAN_POS:-40}" "${SAN[@]}" \
     tests/gpu/test_positions_gpu.py -k "not graph"
+  # multi-item: token_pos_in_items filled on the device from the staged items
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 phase sanitizer_items "${CAP_SAN_ITEMS:-60}" "${SAN[@]}" \
+    tests/gpu/test_multi_item.py -k "random_batches or views or plain_batch"
   phase sanitizer_graphs "${CAP_SAN_GRAPHS:-60}" "${SAN[@]}" tests/gpu/test_step_loop.py -k "not busy"
 fi
 

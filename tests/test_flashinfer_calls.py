@@ -430,6 +430,8 @@ def check_translation(
                 _check_mask_layout(spec, index, gp, kw, inputs)
             _check_items(spec, gp, call, kw)
             assert kw.get("disable_split_kv", False) is policy.deterministic
+            if gp.path is not KernelPath.DECODE:
+                _check_replan_inputs(spec, index, kw, inputs, masked)
 
         if gc.ragged is not None:
             call = gc.ragged
@@ -468,9 +470,34 @@ def check_translation(
         if isinstance(v, ItemPositions)
         for k in ("start", "length")
     }
-    assert set(inputs.host) == named | extra | items
+    kv = {
+        f"g{gc.group_index}.kv_lens"
+        for gc in calls
+        if gc.paged is not None and gc.path is not KernelPath.DECODE
+    }
+    assert set(inputs.host) == named | extra | items | kv
     _check_staging(spec, translation)
     return calls
+
+
+def _check_replan_inputs(
+    spec: PlanSpec, index: int, kw: dict[str, Any], inputs: CallInputs, masked: bool
+) -> None:
+    """What FlashInfer's prefill plan() derives on the host from the call's own arrays —
+    its KV lengths, the longest query and KV, a mask's indptr — equals what flashplan
+    stages for re-planning without it (fast_prefill)."""
+    fi_kv = _flashinfer_kv_lens(kw, "paged_kv_indptr", "paged_kv_last_page_len")
+    np.testing.assert_array_equal(inputs.host[f"g{index}.kv_lens"], fi_kv)
+    assert inputs.ints[f"g{index}.max_kv_len"] == (int(fi_kv.max()) if fi_kv.size else 0)
+    assert inputs.ints["qo.total"] == int(kw["qo_indptr"][-1])
+    qo_lens = np.diff(kw["qo_indptr"])
+    assert inputs.ints["qo.max_len"] == (int(qo_lens.max()) if qo_lens.size else 0)
+    if masked:
+        want = _compute_page_mask_indptr(
+            _t(kw["qo_indptr"]), _t(kw["paged_kv_indptr"]), _t(kw["paged_kv_last_page_len"]),
+            kw["page_size"],
+        ).numpy()  # fmt: skip
+        np.testing.assert_array_equal(inputs.host[f"g{index}.mask.indptr"], want)
 
 
 def _check_items(spec: PlanSpec, gp: GroupPlan, call: PlanCall, kw: dict[str, Any]) -> None:

@@ -372,6 +372,12 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
     pages would give a negative size and shift every later request's mask. The kernel
     still sees ``kv_len = 0`` (FlashInfer clamps there).
 
+    A prefill call's KV lengths (FlashInfer's formula) go into ``host`` as
+    ``g<i>.kv_lens`` and a masked call's ``mask_indptr`` as ``g<i>.mask.indptr``, with
+    the batch's ``qo.total``, ``qo.max_len`` and each call's ``g<i>.max_kv_len`` in
+    ``ints``: what FlashInfer's ``plan()`` derives itself, for a re-plan without it
+    (:mod:`~flashplan.executor.flashinfer.fast_prefill`).
+
     The multi-item tensors of a call go into ``host``: ``prefix_len_ptr`` and
     ``max_item_len`` as int32 words (:func:`int32_words`, their element counts in
     ``elements``), and the items behind ``token_pos_in_items`` (:class:`ItemPositions`:
@@ -387,6 +393,9 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
     spans: dict[int, tuple[IntArray, IntArray]] = {}
     masks: dict[int, MaskRecipe] = {}
     ints: dict[str, int] = {}
+    if uses_qo:
+        ints["qo.total"] = spec.total_q
+        ints["qo.max_len"] = int(spec.qo_lens.max()) if spec.batch_size else 0
     elements: dict[str, int] = {}
     for gc in calls:
         gp = spec.group_plans[gc.group_index]
@@ -405,6 +414,15 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
         spans[index] = (start, num)
         host[f"g{index}.page_indptr"] = page_indptr
         host[f"g{index}.last_page_len"] = part.last_page_len
+        if gc.path is not KernelPath.DECODE:
+            # What FlashInfer's prefill plan() derives on the host (a re-plan without it:
+            # fast_prefill): KV lengths as its get_seq_lens computes them, the longest.
+            kv_lens = np.diff(page_indptr) - 1
+            np.maximum(kv_lens, 0, out=kv_lens)
+            kv_lens *= part.page_size
+            kv_lens += part.last_page_len
+            host[f"g{index}.kv_lens"] = seal_inplace(kv_lens)
+            ints[f"g{index}.max_kv_len"] = int(kv_lens.max()) if kv_lens.size else 0
         if gc.masked:
             assert part.mask is not None
             masks[index] = _mask_recipe(index, part.mask, host)
@@ -486,6 +504,7 @@ def _mask_recipe(index: int, mask: CustomMask, host: dict[str, IntArray]) -> Mas
     host[f"g{index}.mask.qo_lens"] = mask.qo_lens
     host[f"g{index}.mask.kv_lens"] = mask.kv_lens
     host[f"g{index}.mask.byte_offsets"] = seal_inplace(offsets[:-1])
+    host[f"g{index}.mask.indptr"] = seal_inplace(offsets)  # FlashInfer's mask_indptr
     num_tokens = 0
     if isinstance(mask, TreeMask):
         num_tokens = int(mask.row_offsets.shape[1])

@@ -68,6 +68,12 @@ from flashplan.executor.flashinfer.fast_plan import (
     fast_decode_available,
     replan_decode,
 )
+from flashplan.executor.flashinfer.fast_prefill import (
+    PrefillArrays,
+    fast_prefill_available,
+    replan_prefill,
+    replannable,
+)
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import JOB_COLUMNS, DevicePlan, device_plan
 from flashplan.executor.gathers import Region, gather_jobs, gather_jobs_steps
@@ -144,12 +150,14 @@ class FlashInferExecutor:
             page ids of a separate sliding-window KV pool (a negative entry marks an
             evicted page); windowed groups' page ids and write slots go through it.
         check_pages: the checked mode above.
-        fast_plan: re-plan a decode wrapper whose last ``plan()`` had the same
-            constant arguments through FlashInfer's ``fast_decode_plan``, which skips
-            ``plan()``'s argument checks and copies (flashplan has staged the arrays
-            already); only with a flashinfer version it was checked against
-            (:mod:`~flashplan.executor.flashinfer.fast_plan`). ``False``: always
-            ``plan()``.
+        fast_plan: re-plan a wrapper whose last ``plan()`` had the same constant
+            arguments without ``plan()``'s argument checks, host metadata and copies
+            (flashplan has staged the arrays already): a decode wrapper through
+            FlashInfer's ``fast_decode_plan``
+            (:mod:`~flashplan.executor.flashinfer.fast_plan`), an eager FA2 paged prefill
+            wrapper by running FlashInfer's scheduler directly
+            (:mod:`~flashplan.executor.flashinfer.fast_prefill`); only with a flashinfer
+            version each was checked against. ``False``: always ``plan()``.
 
     Raises:
         UnsupportedError: no CUDA, or ``device`` is not a CUDA device.
@@ -157,8 +165,8 @@ class FlashInferExecutor:
 
     Attributes:
         plan_counts: FlashInfer planning calls made so far, by route: ``"plan"`` (full
-            ``plan()`` calls) and ``"fast_decode_plan"`` (decode re-plans, see
-            ``fast_plan``).
+            ``plan()`` calls), ``"fast_decode_plan"`` (decode re-plans) and
+            ``"fast_prefill_plan"`` (paged prefill re-plans; see ``fast_plan``).
     """
 
     def __init__(
@@ -181,6 +189,7 @@ class FlashInferExecutor:
         self.check_pages = as_bool("check_pages", check_pages)
         self.fast_plan = as_bool("fast_plan", fast_plan)
         self._fast_decode = self.fast_plan and fast_decode_available(self._fi)
+        self._fast_prefill = self.fast_plan and fast_prefill_available(self._fi)
         if page_map is not None and (
             not isinstance(page_map, torch.Tensor)
             or page_map.dtype != torch.int32
@@ -218,7 +227,7 @@ class FlashInferExecutor:
         self._step_positions: list[DeviceBuffer] = []  # apply_steps' views: one per step
         #: FlashInfer planning calls made so far: full ``plan()`` calls and decode
         #: re-plans through ``fast_decode_plan`` (see ``fast_plan``).
-        self.plan_counts = {"plan": 0, "fast_decode_plan": 0}
+        self.plan_counts = {"plan": 0, "fast_decode_plan": 0, "fast_prefill_plan": 0}
 
     # -- state --------------------------------------------------------------------------
     @property
@@ -393,6 +402,15 @@ class FlashInferExecutor:
                     arrays = self._decode_arrays(dplan, host, staged, index, prefix, kwargs)
                     replan_decode(self._fi, held, kwargs, arrays, graph=self._graph_wrappers)
                     self.plan_counts["fast_decode_plan"] += 1
+                elif (
+                    self._fast_prefill
+                    and key.kind is WrapperKind.PAGED_PREFILL
+                    and held.planned_with == call.constants
+                    and replannable(held.wrapper, kwargs)
+                ):
+                    prefill = self._prefill_arrays(dplan, host, staged, index, prefix, kwargs)
+                    replan_prefill(held, kwargs, prefill)
+                    self.plan_counts["fast_prefill_plan"] += 1
                 else:
                     held.planned_with = None  # until this plan() succeeds
                     self._call_plan(held.wrapper, kwargs)
@@ -421,6 +439,39 @@ class FlashInferExecutor:
             last_page_len_host=host[last.offset : last.end],
             last_page_len_device=staged[last.offset : last.end],
             indices=kwargs["indices"],
+        )
+
+    @staticmethod
+    def _prefill_arrays(
+        dplan: DevicePlan,
+        host: torch.Tensor,
+        staged: torch.Tensor,
+        index: int,
+        prefix: str,
+        kwargs: dict[str, Any],
+    ) -> PrefillArrays:
+        """A paged prefill call's arrays on both sides of the staging copy, and the
+        batch's lengths (:func:`~flashplan.executor.flashinfer.fast_prefill.replan_prefill`)."""
+        m, g = dplan.manifest, f"{prefix}g{index}"
+        qo, ind = m[prefix + "qo_indptr"], m[g + ".page_indptr"]
+        last, kv = m[g + ".last_page_len"], m[g + ".kv_lens"]
+        mask_indptr = None
+        if kwargs.get("packed_custom_mask") is not None:
+            mi = m[g + ".mask.indptr"]
+            mask_indptr = staged[mi.offset : mi.end]
+        return PrefillArrays(
+            qo_indptr_host=host[qo.offset : qo.end],
+            qo_indptr_device=staged[qo.offset : qo.end],
+            page_indptr_host=host[ind.offset : ind.end],
+            page_indptr_device=staged[ind.offset : ind.end],
+            last_page_len_device=staged[last.offset : last.end],
+            kv_lens_host=host[kv.offset : kv.end],
+            kv_lens_device=staged[kv.offset : kv.end],
+            indices=kwargs["paged_kv_indices"],
+            mask_indptr_device=mask_indptr,
+            total_rows=dplan.ints[prefix + "qo.total"],
+            max_q_len=dplan.ints[prefix + "qo.max_len"],
+            max_kv_len=dplan.ints[g + ".max_kv_len"],
         )
 
     # -- multi-step draft decode ------------------------------------------------------

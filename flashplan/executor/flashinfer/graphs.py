@@ -103,6 +103,7 @@ class GraphExecutor(FlashInferExecutor):
         self.check_pages = parent.check_pages
         self.fast_plan = parent.fast_plan
         self._fast_decode = parent._fast_decode
+        self._fast_prefill = False  # graph-mode prefill wrappers always go through plan()
         self.page_map = parent.page_map
         self._workspace = parent._workspace
         self._init_state()

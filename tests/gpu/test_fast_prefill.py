@@ -1,0 +1,138 @@
+"""Paged prefill re-plans without ``plan()`` (``fast_prefill.replan_prefill``) equal full
+``plan()`` calls, field by field.
+
+An executor with ``fast_plan=True`` (the default) and one with ``fast_plan=False`` apply
+the same sequence of batches on FA2 — plain extends over cached prefixes (full, windowed
+with a soft cap, bidirectional), a multi-item scoring batch, a verify batch with a tree
+mask (a window carried by the mask), then plain extends again, with batch sizes that
+shrink and grow — and after every apply each wrapper of the first must hold exactly the
+state the same wrapper of the second got from ``plan()``: every field FlashInfer keeps
+(``_plan_info``, indptrs, page ids, KV lengths, mask and multi-item tensors, lengths,
+flags) by value, and the same outputs bit for bit. The first executor must have taken
+the fast route (counted in ``plan_counts``) and never synced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import flashplan as fp
+from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
+
+from .helpers import stable_seed, syncs_raise
+
+DEV = "cuda"
+HEADS = fp.HeadConfig(num_qo_heads=16, num_kv_heads=4, head_dim=128, q_dtype=torch.bfloat16)
+EXTEND_GROUPS = (
+    fp.AttentionGroup.full(),
+    fp.AttentionGroup.sliding(40, logits_soft_cap=30.0),
+    fp.AttentionGroup.bidirectional(),
+)
+#: The buffers a wrapper is made with (identical objects on both sides are not the
+#: point) and its compiled module (one per process and arguments).
+_OWN = {
+    "_float_workspace_buffer",
+    "_int_workspace_buffer",
+    "_pin_memory_int_workspace_buffer",
+    "_cached_module",
+}
+
+
+def _layouts(page_size: int, seed: int) -> list[fp.BatchLayout]:
+    rng = np.random.default_rng(seed)
+
+    def extend(bs: int, lo: int, hi: int) -> fp.BatchLayout:
+        seq = rng.integers(lo, hi, bs)
+        pre = (seq * rng.uniform(0, 0.9, bs)).astype(np.int64)
+        return fp.BatchLayout.extend(seq, pre, page_size=page_size, groups=EXTEND_GROUPS)
+
+    parents = np.full((5, 8), -1, dtype=np.int64)
+    for j in range(1, 8):
+        parents[:, j] = rng.integers(0, j, 5)
+    tree = fp.DraftTree.from_parents(parents)
+    verify_groups = (fp.AttentionGroup.full(), fp.AttentionGroup.sliding(30))
+    return [
+        extend(3, 5, 40),  # first: the only full plan() of each wrapper
+        extend(7, 100, 900),
+        extend(2, 1, 2000),
+        fp.BatchLayout.extend(
+            [40, 18, 25, 9],
+            [3, 0, 5, 0],
+            page_size=page_size,
+            item_delimiters=[[2, 9, 14, 30], [4, 5, 6], None, [0, 8]],
+        ),
+        fp.BatchLayout.verify(
+            rng.integers(20, 300, 5), tree, page_size=page_size, groups=verify_groups
+        ),
+        fp.BatchLayout.verify(
+            rng.integers(1, 90, 5), tree, page_size=page_size, groups=verify_groups
+        ),
+        extend(5, 1, 300),
+        fp.BatchLayout.extend(
+            [33, 7], [0, 2], page_size=page_size, item_delimiters=[[1, 2, 20], None]
+        ),
+    ]
+
+
+def _value(x: Any) -> Any:
+    """A comparable form of one wrapper field: tensors by dtype, shape, device and bytes;
+    containers item by item; plain values as they are; any other object by its type (a
+    helper object each wrapper makes for itself is not state that a plan sets)."""
+    if isinstance(x, torch.Tensor):
+        raw = x.detach().contiguous().view(torch.uint8).cpu()
+        return ("tensor", x.dtype, tuple(x.shape), x.device.type, raw.numpy().tobytes())
+    if isinstance(x, (list, tuple)):
+        return tuple(_value(v) for v in x)
+    if isinstance(x, dict):
+        return tuple((k, _value(v)) for k, v in sorted(x.items(), key=lambda kv: str(kv[0])))
+    if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device)):
+        return x
+    return ("object", type(x).__qualname__)
+
+
+def _assert_same_state(fast: Any, full: Any, where: str) -> None:
+    assert set(vars(fast)) == set(vars(full)), where
+    for name in sorted(vars(full)):
+        if name in _OWN:
+            continue
+        got, want = _value(getattr(fast, name)), _value(getattr(full, name))
+        assert got == want, f"{where}: field {name} differs"
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fast_prefill_plan_equals_plan(page_size: int) -> None:
+    seed = stable_seed("fast prefill", page_size)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    policy = ExecutorPolicy(prefill_backend="fa2")
+    fast = FlashInferExecutor(policy=policy, fast_plan=True)
+    full = FlashInferExecutor(policy=policy, fast_plan=False)
+    hq, hkv, d = HEADS.num_qo_heads, HEADS.num_kv_heads, HEADS.head_dim
+    for step, layout in enumerate(_layouts(page_size, seed)):
+        spec = fp.plan(layout, HEADS, extend_path="paged")
+        table = fp.PageTable.shuffled(spec.pages_needed, seed=step, device=DEV)
+        assert table.num_pages is not None
+        cache = torch.randn(table.num_pages, 2, page_size, hkv, d, generator=gen, device=DEV)
+        cache = cache.to(torch.bfloat16)
+        q = torch.randn(spec.total_q, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
+        outs = {}
+        for name, ex in (("fast", fast), ("full", full)):
+            with syncs_raise(name == "fast"):
+                ex.apply(spec, table)
+                outs[name] = [
+                    ex.run(g, q, None, None, cache, return_lse=True) for g in layout.groups
+                ]
+        torch.cuda.synchronize()
+        for group, (o_fast, l_fast), (o_full, l_full) in zip(
+            layout.groups, outs["fast"], outs["full"], strict=True
+        ):
+            assert torch.equal(o_fast, o_full), (group, step)
+            assert torch.equal(l_fast, l_full), (group, step)
+        assert fast._planned.keys() == full._planned.keys()
+        for key, wrapper in full._planned.items():
+            _assert_same_state(fast._planned[key], wrapper, f"step {step}, call {key}")
+    assert fast.plan_counts["fast_prefill_plan"] >= 8  # every wrapper after its first plan
+    assert full.plan_counts["fast_prefill_plan"] == 0
