@@ -44,6 +44,24 @@ def _gather(jobs, table, total: int, fill: int = -7):  # type: ignore[no-untyped
     return page.numpy(), offset.numpy()
 
 
+def _check_replan_arrays(host: dict, page_size: int) -> None:  # type: ignore[type-arg]
+    """The padded KV lengths and mask indptrs of prefill calls are FlashInfer's own
+    derivations from the padded page indptr and last-page lengths (padding requests:
+    one key each)."""
+    for name, kv_lens in host.items():
+        if not name.endswith(".kv_lens") or ".mask." in name:
+            continue
+        g = name[: -len("kv_lens")]
+        pages = np.diff(host[g + "page_indptr"].astype(np.int64))
+        want = np.maximum(pages - 1, 0) * page_size + host[g + "last_page_len"]
+        assert kv_lens.tolist() == want.tolist(), name
+        if g + "mask.indptr" in host:
+            qo = np.diff(host["qo_indptr"].astype(np.int64))
+            unclamped = (pages - 1) * page_size + host[g + "last_page_len"]
+            indptr = np.concatenate([[0], np.cumsum(qo * unclamped)])
+            assert host[g + "mask.indptr"].tolist() == indptr.tolist(), name
+
+
 def test_bucket_validation_and_sizes() -> None:
     b = GraphBucket.decode(8, 256)
     assert (b.batch_size, b.max_pages, b.tokens_per_request, b.total_q) == (8, 256, 1, 8)
@@ -196,6 +214,7 @@ def test_fixed_token_extend_bucket_pads_every_token(
     assert (got_o[w.lo : w.lo + bs * tokens] >= 0).all()
     host = padded_inputs(inputs.host, bs, bucket)
     assert host["qo_indptr"].tolist() == [tokens * i for i in range(bucket.batch_size + 1)]
+    _check_replan_arrays(host, layout.page_size)
 
 
 def test_verify_buckets_and_their_refusals() -> None:
@@ -251,6 +270,7 @@ def test_padded_tree_masks_keep_every_real_bit_and_pad_harmlessly(
     calls = call_skeleton(spec, ExecutorPolicy(), sm90=True, batch_size=bucket.batch_size)
     inputs = call_inputs(spec, calls)
     host = padded_inputs(inputs.host, spec.batch_size, bucket)
+    _check_replan_arrays(host, layout.page_size)
     masks = padded_masks(inputs.masks, spec.batch_size, bucket)
     assert set(masks) == set(inputs.masks)
     bs, pads = spec.batch_size, extra

@@ -264,7 +264,8 @@ def padded_inputs(
     """The ``plan()`` host arrays padded to the bucket's batch size.
 
     ``qo_indptr`` gains ``tokens_per_request`` rows per padding request; each group's
-    ``page_indptr`` one page and its ``last_page_len`` one key (the dummy page's slot 0).
+    ``page_indptr`` one page and its ``last_page_len`` and ``kv_lens`` one key (the dummy
+    page's slot 0).
     A verify's tree-mask arrays gain padding requests of ``tokens_per_request`` rows
     whose every row sees that one key, at the offsets FlashInfer computes for them (their
     sizes: :func:`padded_masks`).
@@ -286,7 +287,7 @@ def padded_inputs(
             out[name] = seal_inplace(padded)
         elif ".mask." in name:
             out[name] = _padded_mask_array(name, field, values, host, pads, n)
-        elif field == "last_page_len":
+        elif field in ("last_page_len", "kv_lens"):  # one key per padding request
             out[name] = seal_inplace(np.concatenate([values, np.ones(pads, np.int32)]))
         else:
             raise BucketError(name, "this host array cannot be padded to a bucket")
@@ -318,6 +319,9 @@ def _padded_mask_array(
         qo, kv = host[prefix + "qo_lens"], host[prefix + "kv_lens"]
         end = int(values[-1]) + int(qo[-1]) * int(kv[-1]) if values.size else 0
         tail = end + n * np.arange(pads, dtype=np.int64)
+        return seal_inplace(np.concatenate([values.astype(np.int64), tail]))
+    if field == "indptr":  # FlashInfer's mask_indptr: byte_offsets and their end
+        tail = int(values[-1]) + n * np.arange(1, pads + 1, dtype=np.int64)
         return seal_inplace(np.concatenate([values.astype(np.int64), tail]))
     if field == "tail_bits":  # bytes of [bs, n, n] bits as int32 words: no draft bits
         used = int(host[prefix + "qo_lens"].shape[0]) * n * n
