@@ -84,6 +84,8 @@ STAGES = [
     ("pool.acquire", 0),
     ("plan()", 0),
     ("fast_decode_plan", 0),
+    ("prefill re-plan (replan_prefill)", 0),
+    ("multi-item fill (memset + fill_runs)", 0),
     ("mark events", 0),
 ]
 
@@ -160,6 +162,8 @@ def instrument(timer: StageTimer, ex: FlashInferExecutor, graph: bool) -> None:
         timer.wrap(pool, "mark_planned", "mark events")
     timer.wrap(ex, "_call_plan", "plan()")
     timer.wrap(executor_mod, "replan_decode", "fast_decode_plan")
+    timer.wrap(executor_mod, "replan_prefill", "prefill re-plan (replan_prefill)")
+    timer.wrap(ex, "_fill_item_positions", "multi-item fill (memset + fill_runs)")
     timer.wrap(PinnedSlot, "mark_read", "mark events")
 
 
@@ -216,6 +220,9 @@ def isolated(timer: StageTimer) -> None:
     if "fast_decode_plan" in timer.last_call:
         fn, args, kwargs = timer.last_call["fast_decode_plan"]
         print(f"  {'fast_decode_plan re-plan':<34} {idle_us(lambda: fn(*args, **kwargs)):8.1f}")
+    if "prefill re-plan (replan_prefill)" in timer.last_call:
+        fn, args, kwargs = timer.last_call["prefill re-plan (replan_prefill)"]
+        print(f"  {'prefill re-plan':<34} {idle_us(lambda: fn(*args, **kwargs)):8.1f}")
     if "gather launch" in timer.last_call:
         fn, args, kwargs = timer.last_call["gather launch"]
         print(f"  {'gather launch':<34} {idle_us(lambda: fn(*args, **kwargs)):8.1f}")
