@@ -57,6 +57,7 @@ from _timing import host_us, kernel_ms, synced_us
 
 import flashplan as fp
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
+from flashplan.testing.batches import scoring_batch as _scoring_batch
 
 HQ, HKV, D = 32, 8, 128
 DT = torch.bfloat16
@@ -95,18 +96,7 @@ def scoring_batch(
     rng: np.random.Generator, bs: int
 ) -> tuple[list[int], list[list[int]], list[list[int]]]:
     """(extend_lens, delimiters per request, item lengths per request)."""
-    ext, delims, lengths = [], [], []
-    for _ in range(bs):
-        lens = rng.integers(1, MAX_ITEM + 1, ITEMS).tolist()
-        d, at = [], PROMPT
-        for n in lens:
-            d.append(at)
-            at += 1 + n
-        d.append(at)  # closing delimiter
-        ext.append(at + 1)
-        delims.append(d)
-        lengths.append(lens)
-    return ext, delims, lengths
+    return _scoring_batch(rng, bs, prompt=PROMPT, items=ITEMS, max_item_len=MAX_ITEM)
 
 
 # ------------------------------------------------------------------------ reference way

@@ -62,6 +62,7 @@ from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 from flashplan.executor.flashinfer.bucket import GraphBucket
 from flashplan.executor.flashinfer.buffers import PinnedSlot
 from flashplan.executor.flashinfer.graphs import GraphExecutor
+from flashplan.testing.batches import scoring_batch
 
 HEADS = fp.HeadConfig(num_qo_heads=32, num_kv_heads=8, head_dim=128)
 
@@ -292,15 +293,7 @@ def _case_layout(case: str) -> tuple[fp.BatchLayout, str]:
         tree = fp.DraftTree.from_parents(parents)
         layout = fp.BatchLayout.verify([4096] * bs, tree, page_size=16)
         return layout, "verify 64 x 64-token trees over 4096, page 16"
-    ext, delims = [], []
-    for _ in range(256):
-        at, row = 512, []
-        for n_tokens in rng.integers(1, 9, 32).tolist():
-            row.append(at)
-            at += 1 + n_tokens
-        row.append(at)
-        ext.append(at + 1)
-        delims.append(row)
+    ext, delims, _ = scoring_batch(rng, 256)  # bench_multi_item's batch
     layout = fp.BatchLayout.extend(ext, item_delimiters=delims)
     return layout, "multi-item 256 x (512 + 32 items of 1-8), page 1"
 

@@ -10,9 +10,11 @@ Property-test your integration with the same generators flashplan's own tests us
         spec = flashplan.plan(layout, heads)
         ...
 
-Three modules, by role: :mod:`flashplan.testing.valid` (strategies of valid input),
-:mod:`flashplan.testing.invalid` (the catalogue of input flashplan must refuse) and
-:mod:`flashplan.testing.constructors` (record constructors by name).
+Four modules, by role: :mod:`flashplan.testing.valid` (strategies of valid input),
+:mod:`flashplan.testing.invalid` (the catalogue of input flashplan must refuse),
+:mod:`flashplan.testing.constructors` (record constructors by name) and
+:mod:`flashplan.testing.batches` (fixed example batches the benchmarks share; no
+Hypothesis needed).
 
 This subpackage is the only part of flashplan that needs ``hypothesis``
 (``pip install flashplan[test]``). It is imported lazily: ``import flashplan.testing``
@@ -46,6 +48,8 @@ _HOMES = {
     "invalid_layout_kwargs": "invalid",
     "CONSTRUCTORS": "constructors",
     "construct": "constructors",
+    "ScoringBatch": "batches",
+    "scoring_batch": "batches",
 }
 
 __all__ = sorted(_HOMES)

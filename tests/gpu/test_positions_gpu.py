@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import flashplan as fp
+from flashplan.testing.batches import scoring_batch
 
 from .helpers import flashinfer_executor, stable_seed, syncs_raise
 
@@ -51,16 +52,7 @@ def test_positions_equal_the_plan(page_size: int) -> None:
 
 def test_long_multi_item_batch() -> None:
     """A scoring batch's 10^4+ positions, runs of 1 to 512 tokens."""
-    rng = np.random.default_rng(3)
-    ext, delims = [], []
-    for _ in range(64):
-        at, row = 512, []
-        for n in rng.integers(1, 9, 32).tolist():
-            row.append(at)
-            at += 1 + n
-        row.append(at)
-        ext.append(at + 1)
-        delims.append(row)
+    ext, delims, _ = scoring_batch(np.random.default_rng(3), 64)
     spec = fp.plan(fp.BatchLayout.extend(ext, item_delimiters=delims), HEADS)
     ex = flashinfer_executor(prefill_backend="fa2")
     ex.apply(spec, fp.PageTable.sequential(spec.pages_needed, device="cuda"))
