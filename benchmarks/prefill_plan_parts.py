@@ -19,10 +19,7 @@ can save. Run from the repository root on the GPU machine::
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 sys.argv = [sys.argv[0], "--out", os.environ.get("OUT", "/tmp")]  # bench_multi_item's parser
@@ -33,26 +30,13 @@ import bench_multi_item as B  # noqa: E402  (the scoring batch)
 import flashinfer  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from _timing import host_us  # noqa: E402  (median host time, GPU idle before each call)
 
 import flashplan as fp  # noqa: E402
 from flashplan.executor.flashinfer.calls import flashinfer_mask_offsets  # noqa: E402
 
 DEV = "cuda"
 HEADS = fp.HeadConfig(32, 8, 128, q_dtype=torch.bfloat16)
-
-
-def idle_us(fn: Callable[[], object], n: int = 60) -> float:
-    """Median host time of ``fn`` on an idle GPU (µs)."""
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def pinned(values: np.ndarray) -> torch.Tensor:
@@ -84,18 +68,18 @@ def report(title: str, spec: fp.PlanSpec, extra: dict[str, Any], causal: bool) -
             non_blocking=True, **extra,
         )  # fmt: skip
 
-    t_plan = idle_us(plan)
+    t_plan = host_us(plan, n=60)
     # flashinfer 0.7.4's arguments of the eager FA2 scheduler (prefill.py, plan())
     args = [
         wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
         wrapper._pin_memory_int_workspace_buffer, qo, kv, kv_lens, spec.total_q, bs, hq, hkv,
         ps, False, d, d, causal, -1, -1, False, 0, 0, False,
     ]  # fmt: skip
-    t_scheduler = idle_us(lambda: wrapper._cached_module.plan(*args))
+    t_scheduler = host_us(lambda: wrapper._cached_module.plan(*args), n=60)
     same = list(wrapper._cached_module.plan(*args)) == list(wrapper._plan_info)
     pageable = torch.from_numpy(np.array(part.kv_lens, dtype=np.int32))
     dst = torch.empty(bs, dtype=torch.int32, device=DEV)
-    t_copy = idle_us(lambda: dst.copy_(pageable, non_blocking=True))
+    t_copy = host_us(lambda: dst.copy_(pageable, non_blocking=True), n=60)
     print(
         f"{title}: plan() {t_plan:.1f} us | compiled scheduler alone {t_scheduler:.1f} us "
         f"(same plan info: {same}) | one pageable H2D copy {t_copy:.1f} us"

@@ -43,6 +43,7 @@ from flashplan.arrays import (
     INT32_MAX,
     IntArray,
     array_key,
+    indptr,
     readonly_when_unpickled,
     seal_inplace,
 )
@@ -79,13 +80,6 @@ def _typed(field: str, value: object, dtype: Any, index: str = "request") -> npt
         )
     out = np.array(arr, dtype=dtype, copy=True, order="C")
     out.flags.writeable = False
-    return out
-
-
-def _exclusive_cumsum(lengths: IntArray) -> npt.NDArray[np.int64]:
-    out = np.zeros(lengths.shape[0], dtype=np.int64)
-    if lengths.shape[0] > 1:
-        np.cumsum(lengths[:-1], out=out[1:])
     return out
 
 
@@ -300,7 +294,8 @@ class MultiItemTensors:
         if self.num_items:
             length = self.item_length
             # entry e of item k holds e - item_start[k] + 1
-            offset = np.repeat(self.item_start.astype(np.int64) - _exclusive_cumsum(length), length)
+            first = indptr(length, "item_length")[:-1]  # each item's first token among all
+            offset = np.repeat(self.item_start.astype(np.int64) - first, length)
             inside = np.arange(offset.shape[0], dtype=np.int64)
             inside += offset
             out[inside] = inside - np.repeat(self.item_start.astype(np.int64) - 1, length)

@@ -23,7 +23,14 @@ from functools import cached_property
 import attrs
 import numpy as np
 
-from flashplan.arrays import INT32_MAX, IntArray, array_key, readonly_when_unpickled, seal_inplace
+from flashplan.arrays import (
+    INT32_MAX,
+    IntArray,
+    array_key,
+    indptr,
+    readonly_when_unpickled,
+    seal_inplace,
+)
 from flashplan.errors import LayoutError
 
 __all__ = ["PositionRuns"]
@@ -116,10 +123,7 @@ class PositionRuns:
     @cached_property
     def start(self) -> IntArray:
         """int32 ``[S]`` (tokens): each run's first token (the running sum of ``length``)."""
-        out = np.zeros(self.num_runs, dtype=np.int32)
-        if self.num_runs > 1:
-            np.add.accumulate(self.length[:-1], out=out[1:])
-        return seal_inplace(out)
+        return indptr(self.length, "length")[:-1]
 
     @cached_property
     def total(self) -> int:
