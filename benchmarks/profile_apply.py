@@ -14,8 +14,9 @@ manual timers wrapped around the executor's own steps:
   device_plan        the pure host work: call_inputs + gather_jobs (+ bucket_jobs and
                      padded_inputs for a graph) + device_plan (the staging buffer)
   stage              pinned ring slot + numpy copy into it + the one host-to-device copy
-  gather             the one gather (Triton) launch (launch_gather_jobs), and the views around it
-  masks              threshold-mask builds (none for decode)
+  gather + mask      the one launch of the gathers and the first custom mask
+                     (launch_gather_and_mask), and the views around it
+  extra masks        mask launches of the second and later masked groups
   pool.acquire       picking an idle FlashInfer wrapper
   plan()             FlashInfer's own plan() calls (via ``_call_plan``)
   fast_decode_plan   decode re-plans through FlashInfer's fast_decode_plan (``replan_decode``)
@@ -79,9 +80,9 @@ STAGES = [
     ("staging layout (device_plan())", 1),
     ("stage", 0),
     ("ring.acquire", 1),
-    ("gather", 0),
-    ("gather launch", 1),
-    ("masks", 0),
+    ("gather + mask", 0),
+    ("fused launch", 1),
+    ("extra masks", 0),
     ("pool.acquire", 0),
     ("plan()", 0),
     ("fast_decode_plan", 0),
@@ -154,9 +155,9 @@ def instrument(timer: StageTimer, ex: FlashInferExecutor, graph: bool) -> None:
     timer.wrap(mod, "device_plan", "staging layout (device_plan())")
     timer.wrap(ex, "_stage", "stage")
     timer.wrap(ex._ring, "acquire", "ring.acquire")
-    timer.wrap(ex, "_gather", "gather")
-    timer.wrap(executor_mod, "launch_gather_jobs", "gather launch")
-    timer.wrap(ex, "_build_masks", "masks")
+    timer.wrap(ex, "_gather_and_mask", "gather + mask")
+    timer.wrap(executor_mod, "launch_gather_and_mask", "fused launch")
+    timer.wrap(ex, "_build_mask", "extra masks")
     pool = getattr(ex, "_pool", None)
     if pool is not None:
         timer.wrap(pool, "acquire", "pool.acquire")
@@ -224,9 +225,9 @@ def isolated(timer: StageTimer) -> None:
     if "prefill re-plan (replan_prefill)" in timer.last_call:
         fn, args, kwargs = timer.last_call["prefill re-plan (replan_prefill)"]
         print(f"  {'prefill re-plan':<34} {idle_us(lambda: fn(*args, **kwargs)):8.1f}")
-    if "gather launch" in timer.last_call:
-        fn, args, kwargs = timer.last_call["gather launch"]
-        print(f"  {'gather launch':<34} {idle_us(lambda: fn(*args, **kwargs)):8.1f}")
+    if "fused launch" in timer.last_call:
+        fn, args, kwargs = timer.last_call["fused launch"]
+        print(f"  {'fused launch':<34} {idle_us(lambda: fn(*args, **kwargs)):8.1f}")
 
 
 def apply_any(ex: FlashInferExecutor, spec: Any, table: fp.PageTable) -> None:

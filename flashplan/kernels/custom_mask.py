@@ -112,7 +112,9 @@ if HAS_TRITON:
         return byte
 
     @triton.jit
-    def _custom_mask_kernel(
+    def mask_block(
+        i,
+        blk,
         first_visible_ptr,
         qo_lens_ptr,
         kv_lens_ptr,
@@ -125,13 +127,13 @@ if HAS_TRITON:
         TREE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        # Grid (bs, byte blocks): one program writes BLOCK bytes of one request. A
-        # request has fewer than 2**31 - 8 elements (checked on the host), so element
-        # indices fit int32: one int32 division per byte. Threshold masks are int32
-        # throughout; rows of 8+ columns take the closed form (_threshold_byte_wide),
-        # narrower rows and tree masks the per-bit loop (_mask_byte).
-        i = tl.program_id(0)
-        blk = tl.program_id(1)
+        """Bytes ``[blk * BLOCK, (blk + 1) * BLOCK)`` of request ``i``'s mask (one
+        program's work). Also called by the fused launch (:mod:`flashplan.kernels.fused`).
+
+        A request has fewer than 2**31 - 8 elements (checked on the host), so element
+        indices fit int32: one int32 division per byte. Threshold masks are int32
+        throughout; rows of 8+ columns take the closed form (_threshold_byte_wide),
+        narrower rows and tree masks the per-bit loop (_mask_byte)."""
         q32 = tl.load(qo_lens_ptr + i).to(tl.int32)
         kv32 = tl.load(kv_lens_ptr + i).to(tl.int32)
         n_elem = q32 * kv32
@@ -169,6 +171,27 @@ if HAS_TRITON:
                     row_offsets_ptr, tail_bits_ptr, TREE=TREE, WIDE=False,
                 )  # fmt: skip
             tl.store(dst + b, byte.to(tl.uint8), mask=valid)
+
+    @triton.jit
+    def _custom_mask_kernel(
+        first_visible_ptr,
+        qo_lens_ptr,
+        kv_lens_ptr,
+        byte_offsets_ptr,
+        out_ptr,
+        row_offsets_ptr,
+        tail_start_ptr,
+        tail_bits_ptr,
+        N,
+        TREE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # Grid (bs, byte blocks): one program writes BLOCK bytes of one request.
+        mask_block(
+            tl.program_id(0), tl.program_id(1), first_visible_ptr, qo_lens_ptr, kv_lens_ptr,
+            byte_offsets_ptr, out_ptr, row_offsets_ptr, tail_start_ptr, tail_bits_ptr, N,
+            TREE=TREE, BLOCK=BLOCK,
+        )  # fmt: skip
 
 
 def _check(

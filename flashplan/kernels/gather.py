@@ -51,7 +51,8 @@ NO_BAD_JOB = 2**31 - 1
 if HAS_TRITON:
 
     @triton.jit
-    def _gather_slots_kernel(
+    def gather_job(
+        s,
         pages_ptr,
         pages_row_stride,
         pages_col_stride,
@@ -67,7 +68,8 @@ if HAS_TRITON:
         HAS_STATUS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        s = tl.program_id(0)
+        """Gather job ``s`` of the table (one program's work; see the module docstring).
+        Also called by the fused launch (:mod:`flashplan.kernels.fused`)."""
         job = jobs_ptr + s  # column c of the [6, num_jobs] job table at job + c * num_jobs
         row = tl.load(job).to(tl.int64)
         first = tl.load(job + num_jobs).to(tl.int64)
@@ -106,6 +108,29 @@ if HAS_TRITON:
                 zero = k * 0
                 tl.atomic_add(status_ptr + zero, zero + 1, mask=bad)
                 tl.atomic_min(status_ptr + 1 + zero, zero + s, mask=bad)
+
+    @triton.jit
+    def _gather_slots_kernel(
+        pages_ptr,
+        pages_row_stride,
+        pages_col_stride,
+        jobs_ptr,
+        num_jobs,
+        out_page_ptr,
+        out_offset_ptr,
+        page_map_ptr,
+        page_map_len,
+        num_pages,
+        status_ptr,
+        HAS_MAP: tl.constexpr,
+        HAS_STATUS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        gather_job(
+            tl.program_id(0), pages_ptr, pages_row_stride, pages_col_stride, jobs_ptr,
+            num_jobs, out_page_ptr, out_offset_ptr, page_map_ptr, page_map_len, num_pages,
+            status_ptr, HAS_MAP=HAS_MAP, HAS_STATUS=HAS_STATUS, BLOCK=BLOCK,
+        )  # fmt: skip
 
 
 def new_status(device: torch.device | str) -> torch.Tensor:

@@ -11,7 +11,10 @@ This conftest is imported before the test modules of this folder, so on a host w
 CUDA it sets ``TRITON_INTERPRET=1`` (unless the environment already sets it) and, if
 another test or conftest imported kernel modules earlier in the same pytest process with
 compiled kernels, reloads them: a reload re-runs the decorators in the same module
-namespace, so every reference to the launchers sees the interpreted kernels.
+namespace, so every reference to the launchers sees the interpreted kernels. A module
+whose kernel calls another module's jit helpers (``flashplan.kernels.fused``) imported
+them by name, so the modules are reloaded twice: the second pass re-imports helpers
+that the first pass had already made interpreted.
 
 On a CUDA host nothing is changed: the kernels stay compiled, the interpreter tests skip
 and the ``gpu`` tests run the real kernels.
@@ -47,5 +50,7 @@ def _modules_with_compiled_kernels() -> list[ModuleType]:
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ["TRITON_INTERPRET"].strip().lower() in _TRUE:
-        for _module in _modules_with_compiled_kernels():
-            importlib.reload(_module)
+        _stale = _modules_with_compiled_kernels()
+        for _ in range(2):
+            for _module in _stale:
+                importlib.reload(_module)

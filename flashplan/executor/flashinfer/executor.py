@@ -8,10 +8,11 @@ The thin stateful part of flashplan. ``apply(spec, table)`` reads as its steps:
 2. **stage**: every int32 host array of the batch goes into one pinned slot of a ring
    that is never overwritten while a queued copy may read it;
 3. **one copy**: a single non-blocking host-to-device copy into a persistent buffer;
-4. **one gather launch** (:func:`~flashplan.kernels.gather.launch_gather_jobs`): every group's page
-   ids and every write slot, mapped through the sliding-window page map where a
-   windowed group needs it;
-5. **masks**: threshold custom masks expanded on the device;
+4. **one launch** (:func:`~flashplan.kernels.fused.launch_gather_and_mask`): every group's
+   page ids and every write slot, mapped through the sliding-window page map where a
+   windowed group needs it, and the first masked group's custom mask (threshold or
+   tree) expanded on the device; any further masked group gets its own mask launch;
+5. (``check_pages`` mode only) the gathered ids are read back and checked;
 6. **plan() calls** with pinned host indptrs (so FlashInfer never reads back from the
    device), the device page ids and, in a multi-item batch, uint32 / uint16 views of
    the staged ``prefix_len_ptr`` and ``max_item_len`` and a ``token_pos_in_items``
@@ -55,6 +56,7 @@ from flashplan.executor.flashinfer.calls import (
     GroupCalls,
     HostArray,
     ItemPositions,
+    MaskRecipe,
     StagedArray,
     WrapperKey,
     WrapperKind,
@@ -78,7 +80,8 @@ from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import JOB_COLUMNS, DevicePlan, device_plan
 from flashplan.executor.gathers import Region, gather_jobs, gather_jobs_steps
 from flashplan.kernels.custom_mask import build_custom_mask
-from flashplan.kernels.gather import NO_BAD_JOB, launch_gather_jobs, new_status
+from flashplan.kernels.fused import StagedMask, launch_gather_and_mask
+from flashplan.kernels.gather import NO_BAD_JOB, new_status
 from flashplan.kernels.merge_state import merge_state_triton
 from flashplan.kernels.runs import fill_runs
 from flashplan.kernels.write_kv import write_kv
@@ -333,10 +336,9 @@ class FlashInferExecutor:
         calls = self._skeleton(spec)
         dplan = self._device_plan(spec, calls, table)
         staged, slot = self._stage(dplan)
-        page, offset = self._gather(dplan, staged, table)
+        page, offset, masks = self._gather_and_mask(dplan, staged, table)
         if self.check_pages:
             self._check_gathered(dplan, spec, table, page, offset)
-        masks = self._build_masks(dplan, staged)
 
         stream = torch.cuda.current_stream(self.device)
         planned = self._plan_calls(calls, dplan, slot.host, staged, page, masks, stream)
@@ -505,7 +507,7 @@ class FlashInferExecutor:
         prefixes = [f"s{k}/" for k in range(len(steps))]
         dplan = self._steps_device_plan(steps, table, prefixes)
         staged, slot = self._stage(dplan)
-        page, offset = self._gather(dplan, staged, table)
+        page, offset, _ = self._gather_and_mask(dplan, staged, table)
         stream = torch.cuda.current_stream(self.device)
         views = []
         while len(self._step_positions) < len(steps):
@@ -589,52 +591,72 @@ class FlashInferExecutor:
         staged.copy_(slot.host[:total], non_blocking=True)
         return staged, slot
 
-    def _gather(
-        self, dplan: DevicePlan, staged: torch.Tensor, table: PageTable
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        jobs = dplan.jobs
-        page, offset = self._gather_out(max(jobs.total, 1))
-        if jobs.total:
-            # the job table's six columns lead the staging buffer, each num_jobs long
-            num_jobs = dplan.manifest[JOB_COLUMNS[0]].size
-            launch_gather_jobs(
-                table.pages, staged[: 6 * num_jobs].view(6, num_jobs), page, offset,
-                page_map=self.page_map, num_pages=table.num_pages or 0, status=self._status,
-            )  # fmt: skip
-        return page, offset
-
     def _mask_out(self, group_index: int, size: int) -> torch.Tensor:
         """The uint8 buffer (``size`` bytes) group ``group_index``'s mask is built into."""
-        buf = self._mask_bufs.setdefault(group_index, DeviceBuffer(self.device, torch.uint8))
+        buf = self._mask_bufs.get(group_index)
+        if buf is None:
+            buf = self._mask_bufs[group_index] = DeviceBuffer(self.device, torch.uint8)
         return buf.get(size)
 
-    def _build_masks(self, dplan: DevicePlan, staged: torch.Tensor) -> dict[int, torch.Tensor]:
-        built = {}
+    def _gather_and_mask(
+        self, dplan: DevicePlan, staged: torch.Tensor, table: PageTable
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """The gather and the first masked group's mask in one launch, any further
+        mask in its own: (page ids, in-page offsets, each masked group's mask)."""
+        jobs = dplan.jobs
+        page, offset = self._gather_out(max(jobs.total, 1))
+        built: dict[int, torch.Tensor] = {}
+        fused = None
         for index, recipe in dplan.masks.items():
             out = self._mask_out(index, recipe.total_bytes)
+            mask = self._staged_mask(dplan, staged, index, recipe, out)
+            built[index] = mask.out
+            if fused is None:
+                fused = mask
+            else:
+                self._build_mask(mask)
+        num_jobs = dplan.manifest[JOB_COLUMNS[0]].size if jobs.total else 0
+        launch_gather_and_mask(
+            table.pages, staged[: 6 * num_jobs].view(6, num_jobs), page, offset,
+            page_map=self.page_map, num_pages=table.num_pages or 0, status=self._status,
+            mask=fused,
+        )  # fmt: skip
+        return page, offset, built
 
-            def view(name: str, index: int = index) -> torch.Tensor:
-                s = dplan.manifest[f"g{index}.mask.{name}"]
-                return staged[s.offset : s.end]
+    @staticmethod
+    def _staged_mask(
+        dplan: DevicePlan, staged: torch.Tensor, index: int, recipe: MaskRecipe, out: torch.Tensor
+    ) -> StagedMask:
+        """Group ``index``'s mask: its inputs as offsets into the staging buffer, built
+        into ``out``."""
+        m, g, num_tokens = dplan.manifest, f"g{index}.mask.", recipe.num_tokens
+        qo = m[g + "qo_lens"]
+        tree = (0, 0, 0)
+        if num_tokens:
+            tree = (m[g + "row_offsets"].offset, m[g + "tail_start"].offset,
+                    m[g + "tail_bits"].offset)  # fmt: skip
+        return StagedMask(
+            staged, m[g + "first_visible"].offset, qo.offset, m[g + "kv_lens"].offset,
+            m[g + "byte_offsets"].offset, *tree, qo.size, num_tokens, recipe.max_bytes, out,
+        )  # fmt: skip
 
-            tree = None
-            if recipe.num_tokens:
-                bs = self._spec_batch(dplan)
-                n = recipe.num_tokens
-                bits = view("tail_bits").view(torch.uint8)[: bs * n * n]
-                tree = (view("row_offsets"), view("tail_start"), bits)
-            build_custom_mask(
-                view("first_visible"),
-                view("qo_lens"),
-                view("kv_lens"),
-                view("byte_offsets"),
-                out,
-                recipe.max_bytes,
-                tree=tree,
-                num_tokens=recipe.num_tokens,
+    @staticmethod
+    def _build_mask(mask: StagedMask) -> None:
+        """One mask in its own launch (a batch's second and later masked groups)."""
+        bs, n = mask.batch_size, mask.num_tokens
+        tree = None
+        if n:
+            words = mask.view(mask.tail_bits, (bs * n * n + 3) // 4)
+            tree = (
+                mask.view(mask.row_offsets, bs * n),
+                mask.view(mask.tail_start, bs),
+                words.view(torch.uint8)[: bs * n * n],
             )
-            built[index] = out
-        return built
+        build_custom_mask(
+            mask.view(mask.first_visible, bs), mask.view(mask.qo_lens, bs),
+            mask.view(mask.kv_lens, bs), mask.view(mask.byte_offsets, bs), mask.out,
+            mask.max_bytes, tree=tree, num_tokens=n,
+        )  # fmt: skip
 
     def _fill_item_positions(
         self, dplan: DevicePlan, staged: torch.Tensor, name: str
@@ -654,11 +676,6 @@ class FlashInferExecutor:
             dplan.ints[name + ".longest"],
         )  # fmt: skip
         return out
-
-    @staticmethod
-    def _spec_batch(dplan: DevicePlan) -> int:
-        """Requests in the batch of ``dplan`` (its ``qo_lens`` arrays have one each)."""
-        return next(s.size for s in dplan.manifest.slices if s.name.endswith(".mask.qo_lens"))
 
     def _call_plan(self, wrapper: Any, kwargs: dict[str, Any]) -> None:
         try:

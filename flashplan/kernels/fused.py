@@ -1,0 +1,241 @@
+"""A batch's page-table gathers and one custom mask in a single launch.
+
+On the host a Triton launch costs tens of microseconds (its Python launcher binds and
+specializes every argument), several times what the kernels themselves take for a
+speculative verify or a windowed extend. :func:`launch_gather_and_mask` runs the
+programs of :func:`~flashplan.kernels.gather_slots` (one per gather job) and of
+:func:`~flashplan.kernels.build_custom_mask` (one per block of a request's mask bytes)
+as one grid: program ``p < num_jobs`` is gather job ``p``, the rest are mask blocks.
+Both bodies are the very jit functions the separate kernels run, so the results are the
+same bytes.
+
+The mask's per-request arrays are given as offsets into one int32 staging tensor (the
+executors' staging buffer holds them), so the launch binds three tensors for them
+instead of seven views.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from flashplan.kernels._triton import HAS_TRITON, device_guard, runs_on_triton, tl, triton
+from flashplan.kernels.custom_mask import build_custom_mask_torch
+from flashplan.kernels.gather import gather_slots_torch
+
+__all__ = ["StagedMask", "launch_gather_and_mask"]
+
+_GATHER_BLOCK = 1024
+_MASK_BLOCK = 2048
+
+
+class StagedMask(NamedTuple):
+    """A custom mask whose inputs lie in an int32 staging tensor.
+
+    Offsets count int32 entries of ``staged``; each array has one entry per request
+    (``row_offsets``: ``batch_size * num_tokens``; ``tail_bits``: the tree's
+    ``batch_size * N * N`` bytes, 0 / 1, packed four to an entry), as the arguments of
+    :func:`~flashplan.kernels.build_custom_mask`.
+
+    Attributes:
+        staged: int32 1-D tensor holding the arrays.
+        first_visible, qo_lens, kv_lens, byte_offsets: offsets of the int32 ``[bs]``
+            threshold base (columns), rows, columns (tokens) and output byte offsets.
+        row_offsets, tail_start, tail_bits: offsets of a tree mask's arrays (ignored
+            when ``num_tokens`` is 0).
+        batch_size: requests.
+        num_tokens: ``N`` of a tree mask, 0 for a threshold mask.
+        max_bytes: the largest ``ceil(qo_len * kv_len / 8)`` (sizes the grid).
+        out: uint8 1-D output tensor (bytes outside the requests' ranges untouched).
+    """
+
+    staged: torch.Tensor
+    first_visible: int
+    qo_lens: int
+    kv_lens: int
+    byte_offsets: int
+    row_offsets: int
+    tail_start: int
+    tail_bits: int
+    batch_size: int
+    num_tokens: int
+    max_bytes: int
+    out: torch.Tensor
+
+    def view(self, offset: int, size: int) -> torch.Tensor:
+        """``size`` int32 entries of ``staged`` from ``offset``."""
+        return self.staged[offset : offset + size]
+
+
+if HAS_TRITON:
+    from flashplan.kernels.custom_mask import mask_block
+    from flashplan.kernels.gather import gather_job
+
+    @triton.jit(
+        do_not_specialize=[
+            "num_jobs", "page_map_len", "num_pages", "fv_off", "qo_off", "kv_off",
+            "bo_off", "ro_off", "ts_off", "tb_off", "mask_blocks", "N",
+        ]
+    )  # fmt: skip
+    def _gather_and_mask_kernel(
+        pages_ptr,
+        pages_row_stride,
+        pages_col_stride,
+        jobs_ptr,
+        num_jobs,
+        out_page_ptr,
+        out_offset_ptr,
+        page_map_ptr,
+        page_map_len,
+        num_pages,
+        status_ptr,
+        staged_ptr,
+        staged_bytes_ptr,
+        fv_off,
+        qo_off,
+        kv_off,
+        bo_off,
+        ro_off,
+        ts_off,
+        tb_off,
+        mask_out_ptr,
+        mask_blocks,
+        N,
+        HAS_MAP: tl.constexpr,
+        HAS_STATUS: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        TREE: tl.constexpr,
+        GATHER_BLOCK: tl.constexpr,
+        MASK_BLOCK: tl.constexpr,
+    ):
+        p = tl.program_id(0)
+        if p < num_jobs:
+            gather_job(
+                p, pages_ptr, pages_row_stride, pages_col_stride, jobs_ptr, num_jobs,
+                out_page_ptr, out_offset_ptr, page_map_ptr, page_map_len, num_pages,
+                status_ptr, HAS_MAP=HAS_MAP, HAS_STATUS=HAS_STATUS, BLOCK=GATHER_BLOCK,
+            )  # fmt: skip
+        elif HAS_MASK:
+            m = p - num_jobs
+            i = m // mask_blocks
+            mask_block(
+                i, m - i * mask_blocks, staged_ptr + fv_off, staged_ptr + qo_off,
+                staged_ptr + kv_off, staged_ptr + bo_off, mask_out_ptr, staged_ptr + ro_off,
+                staged_ptr + ts_off, staged_bytes_ptr + 4 * tb_off.to(tl.int64), N, TREE=TREE,
+                BLOCK=MASK_BLOCK,
+            )  # fmt: skip
+
+
+def launch_gather_and_mask(
+    pages: torch.Tensor,
+    jobs: torch.Tensor,
+    out_page: torch.Tensor,
+    out_offset: torch.Tensor,
+    *,
+    page_map: torch.Tensor | None,
+    num_pages: int,
+    status: torch.Tensor | None,
+    mask: StagedMask | None,
+) -> None:
+    """Run every gather job and build ``mask`` in one launch; no host sync, no checks.
+
+    For callers that build every argument themselves (the executors, on the host's hot
+    path), like :func:`~flashplan.kernels.gather.launch_gather_jobs`.
+
+    Args:
+        pages: int32 ``[num_rows, max_pages]`` page table.
+        jobs: int32 ``[6, num_jobs]`` job table, rows contiguous and ``num_jobs`` apart
+            (:func:`~flashplan.kernels.gather_slots`' columns).
+        out_page, out_offset: int32 / int64 1-D outputs of the gather.
+        page_map, num_pages, status: as :func:`~flashplan.kernels.gather_slots`.
+        mask: the mask to build (:class:`StagedMask`), or ``None`` (gathers only).
+
+    On CPU tensors the kernel runs under Triton's interpreter when enabled, else the
+    torch twins run one after the other.
+    """
+    num_jobs = jobs.shape[1]
+    mask_blocks = 0
+    if mask is not None and mask.batch_size and mask.max_bytes > 0:
+        mask_blocks = -(-mask.max_bytes // _MASK_BLOCK)
+    else:
+        mask = None
+    if num_jobs == 0 and mask is None:
+        return
+    device = pages.device
+    if not runs_on_triton(device, "gather_slots_torch"):
+        _torch_twins(pages, jobs, out_page, out_offset, page_map, num_pages, status, mask)
+        return
+    if mask is not None:
+        tree = mask.num_tokens > 0
+        tree_offsets = (mask.row_offsets, mask.tail_start, mask.tail_bits) if tree else (0, 0, 0)
+        mask_args: tuple[object, ...] = (
+            mask.staged, mask.staged.view(torch.uint8), mask.first_visible, mask.qo_lens,
+            mask.kv_lens, mask.byte_offsets, *tree_offsets, mask.out, mask_blocks,
+            mask.num_tokens,
+        )  # fmt: skip
+        programs = num_jobs + mask.batch_size * mask_blocks
+    else:
+        tree = False
+        mask_args = (jobs, out_page, 0, 0, 0, 0, 0, 0, 0, out_page, 0, 0)
+        programs = num_jobs
+    other = device.type == "cuda" and device.index != torch.cuda.current_device()
+    guard = device_guard(device) if other else None
+    if guard is not None:
+        guard.__enter__()
+    try:
+        _gather_and_mask_kernel[(programs,)](
+            pages,
+            pages.stride(0),
+            pages.stride(1),
+            jobs,
+            num_jobs,
+            out_page,
+            out_offset,
+            page_map if page_map is not None else out_page,
+            page_map.shape[0] if page_map is not None else 0,
+            num_pages,
+            status if status is not None else out_page,
+            *mask_args,
+            HAS_MAP=page_map is not None,
+            HAS_STATUS=status is not None,
+            HAS_MASK=mask is not None,
+            TREE=tree,
+            GATHER_BLOCK=_GATHER_BLOCK,
+            MASK_BLOCK=_MASK_BLOCK,
+        )
+    finally:
+        if guard is not None:
+            guard.__exit__(None, None, None)
+
+
+def _torch_twins(
+    pages: torch.Tensor,
+    jobs: torch.Tensor,
+    out_page: torch.Tensor,
+    out_offset: torch.Tensor,
+    page_map: torch.Tensor | None,
+    num_pages: int,
+    status: torch.Tensor | None,
+    mask: StagedMask | None,
+) -> None:
+    """The launch's work with the plain-torch twins (CPU tensors without the interpreter)."""
+    if jobs.shape[1]:
+        counts = jobs[2]
+        rows, first, _, dst, div, use_map = jobs.unbind(0)
+        gather_slots_torch(
+            pages, rows, first, counts, dst, div, use_map, out_page, out_offset,
+            total=int(counts.sum()), page_map=page_map, num_pages=num_pages, status=status,
+        )  # fmt: skip
+    if mask is None:
+        return
+    bs, n = mask.batch_size, mask.num_tokens
+    tree = None
+    if n:
+        bits = mask.staged.view(torch.uint8)[4 * mask.tail_bits : 4 * mask.tail_bits + bs * n * n]
+        tree = (mask.view(mask.row_offsets, bs * n), mask.view(mask.tail_start, bs), bits)
+    build_custom_mask_torch(
+        mask.view(mask.first_visible, bs), mask.view(mask.qo_lens, bs),
+        mask.view(mask.kv_lens, bs), mask.view(mask.byte_offsets, bs), mask.out,
+        tree=tree, num_tokens=n,
+    )  # fmt: skip
