@@ -120,6 +120,9 @@ def plan(
         _encoder_indptr(layout),
         layout.pages_needed,
         group_plans,
+        qo_lens=qo_lens,  # the layout's extend_lens, whose running sum qo_indptr is
+        # decoder_start is 0 without an encoder: the writes start after the prefix
+        write_start=layout.prefix_lens if layout.encoder_lens is None else None,
         positions=positions,
     )
 
@@ -261,8 +264,10 @@ def plan_steps(draft: DraftDecode, heads: HeadConfig) -> tuple[PlanSpec, ...]:
 def _verify_positions(layout: BatchLayout) -> IntArray:
     """int32 ``[bs * N]``: ``prefix + depth(t)`` of each draft token (request-major)."""
     assert layout.draft is not None
-    depth = layout.draft.depth.astype(np.int64)
-    return seal_inplace((layout.prefix_lens.astype(np.int64)[:, None] + depth).reshape(-1))
+    # int32: prefix + depth < prefix + N = seq_lens, which the layout checked fits
+    positions = (layout.prefix_lens[:, None] + layout.draft.depth).reshape(-1)
+    positions.setflags(write=False)  # a fresh array of ours
+    return positions
 
 
 def _row_tokens(values: np.ndarray) -> IntArray:
@@ -324,52 +329,60 @@ def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
     causal flag and window are exact. A tree needs a :class:`TreeMask`: the kernel's
     window measures from a token's slot ``L + t``, but the window must follow its
     position ``L + depth(t)``, so the mask carries the window and the kernel's is off.
+
+    Every span holds the ``N >= 1`` draft tokens, so none is empty, and every value is
+    computed in int32 without wrapping: ``end = decoder_start + seq_lens`` was checked to
+    fit when the layout was built, ``prefix - window >= -INT32_MAX`` (the window is
+    capped at int32) and every other value lies between 0 and ``end``.
     """
     draft = layout.draft
     assert draft is not None
     ps = layout.page_size
-    prefix = layout.prefix_lens.astype(np.int64)
-    base = layout.decoder_start.astype(np.int64)
+    prefix = layout.prefix_lens
+    base = layout.decoder_start
     end = base + layout.seq_lens
     window = _window(group)
-    first_key = np.maximum(prefix - window, 0) if window >= 0 else np.zeros_like(prefix)
-    if draft.is_chain:
-        paged = PagedPart(base + first_key, end, ps, True, window)
-    else:
-        span = PagedPart(base + first_key, end, ps, False, -1)
-        span_first = span.start_page.astype(np.int64) * ps - base  # decoder positions
-        depth = draft.depth.astype(np.int64)
-        tail = prefix - span_first  # column of draft token 0
+    first = base + np.maximum(prefix - window, 0) if window >= 0 else base
+    start_page = first // ps
+    first_key = start_page * ps  # row token of the span's first key
+    kv_lens = end - first_key
+    num_pages = kv_lens - 1
+    num_pages //= ps
+    num_pages += 1
+    last_page_len = kv_lens - (num_pages - 1) * ps
+    for a in (first, end, start_page, kv_lens, num_pages, last_page_len):
+        if a is not base:
+            a.setflags(write=False)  # fresh int32 arrays of ours
+    mask = None
+    if not draft.is_chain:
+        span_first = (first_key - base).astype(np.int64)  # decoder positions
+        depth = draft.depth
+        prefix64 = prefix.astype(np.int64)
         bits = draft.ancestors
         if window >= 0:
-            first = prefix - window - span_first
+            threshold = prefix64 - window - span_first
             offsets = depth
             bits = bits & (depth[:, None, :] >= depth[:, :, None] - window)
+            bits.setflags(write=False)
         else:
-            first = first_key - span_first  # only the leading keys of the first page
-            offsets = np.zeros_like(depth)
+            threshold = -span_first  # only the leading keys of the first page
+            offsets = np.zeros(depth.shape, dtype=np.int32)
+            offsets.setflags(write=False)
+        tail = prefix64 - span_first  # column of draft token 0
+        threshold.setflags(write=False)
+        tail.setflags(write=False)
         # Fresh arrays of the mask's dtypes (the bits: the draft's own sealed array, or
         # a fresh one), which hold its checks by construction: no copy of the N x N bits.
         mask = TreeMask._from_checked(
-            layout.extend_lens,
-            span.kv_lens,
-            seal_inplace(first, np.int64),
-            seal_inplace(offsets, np.int32),
-            seal_inplace(tail, np.int64),
-            bits if not bits.flags.writeable else seal_inplace(bits, np.bool_),
+            layout.extend_lens, kv_lens, threshold, offsets, tail, bits
         )
-        paged = PagedPart._from_checked(
-            span.first_token, span.end_token, ps, False, -1, mask, None,
-            start_page=span.start_page, kv_lens=span.kv_lens,
-            num_pages=span.num_pages, last_page_len=span.last_page_len,
-        )  # fmt: skip
-    return GroupPlan(
-        group=group,
-        path=KernelPath.PAGED,
-        paged=paged,
-        ragged=None,
-        key_start=layout.decoder_start,
-        num_keys=layout.seq_lens,
+    paged = PagedPart._from_checked(
+        first, end, ps, draft.is_chain, window if draft.is_chain else -1, mask, None,
+        start_page=start_page, kv_lens=kv_lens, num_pages=num_pages,
+        last_page_len=last_page_len,
+    )  # fmt: skip
+    return GroupPlan._from_checked(
+        group, KernelPath.PAGED, paged, None, layout.decoder_start, layout.seq_lens
     )
 
 

@@ -29,7 +29,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from flashplan.arrays import IntArray, indptr, seal_inplace
+from flashplan.arrays import INT32_MAX, IntArray, indptr, seal_inplace
 from flashplan.errors import UnsupportedError
 from flashplan.executor.flashinfer.policy import (
     ExecutorPolicy,
@@ -181,6 +181,12 @@ class PlanCall:
     def placeholders(self) -> tuple[tuple[str, Placeholder], ...]:
         """The keyword arguments an executor resolves per batch."""
         return tuple((n, v) for n, v in self.kwargs if isinstance(v, PLACEHOLDERS))
+
+    @cached_property
+    def item_args(self) -> tuple[tuple[str, StagedArray | BatchInt | ItemPositions], ...]:
+        """The placeholders of the multi-item tensors (empty for other calls)."""
+        kinds = (StagedArray, BatchInt, ItemPositions)
+        return tuple((n, v) for n, v in self.placeholders if isinstance(v, kinds))
 
 
 @attrs.frozen
@@ -405,32 +411,25 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
         index = gc.group_index
         start, num = part.start_page, part.num_pages
         page_indptr = part.page_indptr
-        if gc.masked:
+        if gc.masked and part.kv_lens.size and not part.kv_lens.all():
             empty = part.kv_lens == 0
-            if np.any(empty):
-                start = seal_inplace(np.where(empty, 0, start))
-                num = seal_inplace(np.where(empty, 1, num))
-                page_indptr = indptr(num, "pages")
+            start = seal_inplace(np.where(empty, 0, start))
+            num = seal_inplace(np.where(empty, 1, num))
+            page_indptr = indptr(num, "pages")
         spans[index] = (start, num)
         host[f"g{index}.page_indptr"] = page_indptr
         host[f"g{index}.last_page_len"] = part.last_page_len
         if gc.path is not KernelPath.DECODE:
             # What FlashInfer's prefill plan() derives on the host (a re-plan without it:
-            # fast_prefill): KV lengths as its get_seq_lens computes them, the longest.
-            kv_lens = np.diff(page_indptr) - 1
-            np.maximum(kv_lens, 0, out=kv_lens)
-            kv_lens *= part.page_size
-            kv_lens += part.last_page_len
-            host[f"g{index}.kv_lens"] = seal_inplace(kv_lens)
-            ints[f"g{index}.max_kv_len"] = int(kv_lens.max()) if kv_lens.size else 0
+            # fast_prefill): the KV lengths its get_seq_lens computes, max(pages - 1, 0) *
+            # page_size + last_page_len, are the part's own (an empty span has
+            # last_page_len 0 and at most one page), and the longest.
+            host[f"g{index}.kv_lens"] = part.kv_lens
+            ints[f"g{index}.max_kv_len"] = part.max_kv_len
         if gc.masked:
             assert part.mask is not None
             masks[index] = _mask_recipe(index, part.mask, host)
-        staged = [
-            (name, value)
-            for name, value in (gc.paged.kwargs if gc.paged is not None else ())
-            if isinstance(value, (StagedArray, BatchInt, ItemPositions))
-        ]
+        staged = gc.paged.item_args if gc.paged is not None else ()
         if staged:
             items = part.items
             assert items is not None, "a multi-item call needs the plan's multi-item tensors"
@@ -492,30 +491,38 @@ def bytes_as_int32(values: npt.NDArray[np.uint8]) -> IntArray:
 
 
 def _mask_recipe(index: int, mask: CustomMask, host: dict[str, IntArray]) -> MaskRecipe:
-    offsets = flashinfer_mask_offsets(mask.qo_lens, mask.kv_lens)
-    if offsets[-1] > np.iinfo(np.int32).max - 8:  # the mask kernel's int32 element indices
+    bits = mask.qo_lens.astype(np.int64)
+    bits *= mask.kv_lens  # elements per request
+    offsets = np.empty(bits.shape[0] + 1, dtype=np.int64)  # flashinfer_mask_offsets
+    offsets[0] = 0
+    np.add.accumulate(bits, out=offsets[1:])
+    total = int(offsets[-1])
+    if total > INT32_MAX - 8:  # the mask kernel's int32 element indices
         raise UnsupportedError(
-            f"custom mask of {int(offsets[-1])} elements exceeds int32 offsets; "
+            f"custom mask of {total} elements exceeds int32 offsets; "
             "plan this batch with extend_path='paged'"
         )
-    n_bytes = (mask.qo_lens.astype(np.int64) * mask.kv_lens + 7) // 8
-    limit = np.int64(2**31 - 1)
-    host[f"g{index}.mask.first_visible"] = seal_inplace(np.clip(mask.first_visible, -limit, limit))
-    host[f"g{index}.mask.qo_lens"] = mask.qo_lens
-    host[f"g{index}.mask.kv_lens"] = mask.kv_lens
-    host[f"g{index}.mask.byte_offsets"] = seal_inplace(offsets[:-1])
-    host[f"g{index}.mask.indptr"] = seal_inplace(offsets)  # FlashInfer's mask_indptr
+    limit = INT32_MAX  # the int32 staging copy must not wrap a far-off threshold
+    first = np.maximum(mask.first_visible, -limit)
+    np.minimum(first, limit, out=first)
+    offsets32 = seal_inplace(offsets)  # int32: total fits (checked above)
+    g = f"g{index}.mask."
+    host[g + "first_visible"] = seal_inplace(first)
+    host[g + "qo_lens"] = mask.qo_lens
+    host[g + "kv_lens"] = mask.kv_lens
+    host[g + "byte_offsets"] = offsets32[:-1]
+    host[g + "indptr"] = offsets32  # FlashInfer's mask_indptr
     num_tokens = 0
     if isinstance(mask, TreeMask):
         num_tokens = int(mask.row_offsets.shape[1])
-        host[f"g{index}.mask.row_offsets"] = seal_inplace(mask.row_offsets.reshape(-1))
-        host[f"g{index}.mask.tail_start"] = seal_inplace(mask.tail_start)
+        host[g + "row_offsets"] = seal_inplace(mask.row_offsets.reshape(-1))
+        host[g + "tail_start"] = seal_inplace(mask.tail_start)
         # bool and uint8 share their bytes (0 / 1): a view of the mask's own bits
-        bits = np.ascontiguousarray(mask.tail_bits).reshape(-1).view(np.uint8)
-        host[f"g{index}.mask.tail_bits"] = bytes_as_int32(bits)
+        bits_u8 = np.ascontiguousarray(mask.tail_bits).reshape(-1).view(np.uint8)
+        host[g + "tail_bits"] = bytes_as_int32(bits_u8)
     return MaskRecipe(
-        max_bytes=int(n_bytes.max()) if n_bytes.size else 0,
-        total_bytes=max(int(offsets[-1]), 1),
+        max_bytes=(int(bits.max()) + 7) // 8 if bits.size else 0,
+        total_bytes=max(total, 1),
         num_tokens=num_tokens,
     )
 

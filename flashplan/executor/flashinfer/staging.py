@@ -13,6 +13,7 @@ as typed views of the device copy: still one copy.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from functools import cached_property
 from itertools import accumulate
@@ -66,11 +67,18 @@ class StagingManifest:
 
     @classmethod
     def of(cls, arrays: Mapping[str, npt.NDArray[np.int32]]) -> StagingManifest:
-        """The manifest laying ``arrays`` end to end in their mapping order."""
-        sizes = [values.shape[0] for values in arrays.values()]
-        offsets = list(accumulate(sizes, initial=0))
-        slices = tuple(map(Slice, arrays, offsets, sizes))
-        return cls(slices, max(offsets[-1], 1))
+        """The manifest laying ``arrays`` end to end in their mapping order.
+
+        Memoized on the names and sizes: a step loop meets the same few layouts again
+        and again (a manifest is immutable, so one object serves them all)."""
+        return _laid_out(tuple(arrays), tuple([values.shape[0] for values in arrays.values()]))
+
+
+@functools.lru_cache(maxsize=256)
+def _laid_out(names: tuple[str, ...], sizes: tuple[int, ...]) -> StagingManifest:
+    offsets = list(accumulate(sizes, initial=0))
+    slices = tuple(map(Slice, names, offsets, sizes))
+    return StagingManifest(slices, max(offsets[-1], 1))
 
 
 @attrs.frozen(eq=False)
