@@ -20,11 +20,18 @@ from typing import NamedTuple
 
 import torch
 
-from flashplan.kernels._triton import HAS_TRITON, device_guard, runs_on_triton, tl, triton
+from flashplan.kernels._triton import (
+    HAS_TRITON,
+    DirectLaunch,
+    device_guard,
+    runs_on_triton,
+    tl,
+    triton,
+)
 from flashplan.kernels.custom_mask import build_custom_mask_torch
 from flashplan.kernels.gather import gather_slots_torch
 
-__all__ = ["StagedMask", "launch_gather_and_mask"]
+__all__ = ["GatherAndMask", "StagedMask", "launch_gather_and_mask"]
 
 _GATHER_BLOCK = 1024
 _MASK_BLOCK = 2048
@@ -72,11 +79,19 @@ if HAS_TRITON:
     from flashplan.kernels.custom_mask import mask_block
     from flashplan.kernels.gather import gather_job
 
+    # Nothing is specialized on values or alignment, so that a compiled variant depends
+    # only on the constexprs and dtypes (DirectLaunch keys): the kernel's loads and
+    # stores are scattered or masked per element, which alignment hints do not speed up.
     @triton.jit(
         do_not_specialize=[
-            "num_jobs", "page_map_len", "num_pages", "fv_off", "qo_off", "kv_off",
-            "bo_off", "ro_off", "ts_off", "tb_off", "mask_blocks", "N",
-        ]
+            "pages_row_stride", "pages_col_stride", "num_jobs", "page_map_len", "num_pages",
+            "fv_off", "qo_off", "kv_off", "bo_off", "ro_off", "ts_off", "tb_off",
+            "mask_blocks", "N",
+        ],
+        do_not_specialize_on_alignment=[
+            "pages_ptr", "jobs_ptr", "out_page_ptr", "out_offset_ptr", "page_map_ptr",
+            "status_ptr", "staged_ptr", "staged_bytes_ptr", "mask_out_ptr",
+        ],
     )  # fmt: skip
     def _gather_and_mask_kernel(
         pages_ptr,
@@ -137,6 +152,7 @@ def launch_gather_and_mask(
     num_pages: int,
     status: torch.Tensor | None,
     mask: StagedMask | None,
+    direct: DirectLaunch | None = None,
 ) -> None:
     """Run every gather job and build ``mask`` in one launch; no host sync, no checks.
 
@@ -150,6 +166,8 @@ def launch_gather_and_mask(
         out_page, out_offset: int32 / int64 1-D outputs of the gather.
         page_map, num_pages, status: as :func:`~flashplan.kernels.gather_slots`.
         mask: the mask to build (:class:`StagedMask`), or ``None`` (gathers only).
+        direct: launch through this cache of compiled variants (:class:`GatherAndMask`
+            holds one) instead of Triton's binder.
 
     On CPU tensors the kernel runs under Triton's interpreter when enabled, else the
     torch twins run one after the other.
@@ -169,41 +187,42 @@ def launch_gather_and_mask(
     if mask is not None:
         tree = mask.num_tokens > 0
         tree_offsets = (mask.row_offsets, mask.tail_start, mask.tail_bits) if tree else (0, 0, 0)
-        mask_args: tuple[object, ...] = (
-            mask.staged, mask.staged.view(torch.uint8), mask.first_visible, mask.qo_lens,
-            mask.kv_lens, mask.byte_offsets, *tree_offsets, mask.out, mask_blocks,
-            mask.num_tokens,
+        offsets: tuple[int, ...] = (
+            mask.first_visible, mask.qo_lens, mask.kv_lens, mask.byte_offsets, *tree_offsets
         )  # fmt: skip
+        sizes = (mask_blocks, mask.num_tokens)
+        staged, staged_bytes, mask_out = mask.staged, mask.staged.view(torch.uint8), mask.out
         programs = num_jobs + mask.batch_size * mask_blocks
     else:
         tree = False
-        mask_args = (jobs, out_page, 0, 0, 0, 0, 0, 0, 0, out_page, 0, 0)
+        offsets, sizes = (0,) * 7, (0, 0)
+        staged, staged_bytes, mask_out = jobs, out_page, out_page
         programs = num_jobs
     other = device.type == "cuda" and device.index != torch.cuda.current_device()
     guard = device_guard(device) if other else None
     if guard is not None:
         guard.__enter__()
     try:
-        _gather_and_mask_kernel[(programs,)](
-            pages,
+        has_map, has_status = page_map is not None, status is not None
+        ints = (
             pages.stride(0),
             pages.stride(1),
-            jobs,
             num_jobs,
-            out_page,
-            out_offset,
-            page_map if page_map is not None else out_page,
             page_map.shape[0] if page_map is not None else 0,
             num_pages,
-            status if status is not None else out_page,
-            *mask_args,
-            HAS_MAP=page_map is not None,
-            HAS_STATUS=status is not None,
-            HAS_MASK=mask is not None,
-            TREE=tree,
-            GATHER_BLOCK=_GATHER_BLOCK,
-            MASK_BLOCK=_MASK_BLOCK,
         )
+        args = (
+            pages, ints[0], ints[1], jobs, num_jobs, out_page, out_offset,
+            page_map if page_map is not None else out_page, ints[3], num_pages,
+            status if status is not None else out_page, staged, staged_bytes, *offsets,
+            mask_out, *sizes, has_map, has_status, mask is not None, tree, _GATHER_BLOCK,
+            _MASK_BLOCK,
+        )  # fmt: skip
+        if direct is None:
+            _gather_and_mask_kernel[(programs,)](*args)
+        else:
+            key = (has_map, has_status, mask is not None, tree, out_page.dtype, out_offset.dtype)
+            direct(programs, key, args, ints + offsets + sizes)
     finally:
         if guard is not None:
             guard.__exit__(None, None, None)
@@ -239,3 +258,35 @@ def _torch_twins(
         mask.view(mask.kv_lens, bs), mask.view(mask.byte_offsets, bs), mask.out,
         tree=tree, num_tokens=n,
     )  # fmt: skip
+
+
+class GatherAndMask:
+    """:func:`launch_gather_and_mask` for one owner (an executor), through a
+    :class:`~flashplan.kernels._triton.DirectLaunch` of its kernel: after a variant's
+    first launch, its later launches skip Triton's Python binder.
+
+    Attributes:
+        direct: the compiled variants and the count of direct launches (``None``
+            without Triton).
+    """
+
+    def __init__(self) -> None:
+        self.direct = DirectLaunch(_gather_and_mask_kernel) if HAS_TRITON else None
+
+    def __call__(
+        self,
+        pages: torch.Tensor,
+        jobs: torch.Tensor,
+        out_page: torch.Tensor,
+        out_offset: torch.Tensor,
+        *,
+        page_map: torch.Tensor | None,
+        num_pages: int,
+        status: torch.Tensor | None,
+        mask: StagedMask | None,
+    ) -> None:
+        """Arguments as :func:`launch_gather_and_mask`."""
+        launch_gather_and_mask(
+            pages, jobs, out_page, out_offset, page_map=page_map, num_pages=num_pages,
+            status=status, mask=mask, direct=self.direct,
+        )  # fmt: skip

@@ -373,9 +373,7 @@ def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
         tail.setflags(write=False)
         # Fresh arrays of the mask's dtypes (the bits: the draft's own sealed array, or
         # a fresh one), which hold its checks by construction: no copy of the N x N bits.
-        mask = TreeMask._from_checked(
-            layout.extend_lens, kv_lens, threshold, offsets, tail, bits
-        )
+        mask = TreeMask._from_checked(layout.extend_lens, kv_lens, threshold, offsets, tail, bits)
     paged = PagedPart._from_checked(
         first, end, ps, draft.is_chain, window if draft.is_chain else -1, mask, None,
         start_page=start_page, kv_lens=kv_lens, num_pages=num_pages,

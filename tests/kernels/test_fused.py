@@ -16,7 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashplan.kernels import build_custom_mask, gather_slots, new_status, triton_mode
-from flashplan.kernels.fused import StagedMask, _torch_twins, launch_gather_and_mask
+from flashplan.kernels.fused import (
+    GatherAndMask,
+    StagedMask,
+    _torch_twins,
+    launch_gather_and_mask,
+)
 
 
 def _device() -> torch.device:
@@ -73,7 +78,11 @@ def _case(seed: int, num_jobs: int, bs: int, n: int, with_map: bool) -> dict[str
 
 
 def _run(
-    case: dict[str, object], fused: bool, dev: torch.device, twins: bool = False
+    case: dict[str, object],
+    fused: bool,
+    dev: torch.device,
+    twins: bool = False,
+    launcher: GatherAndMask | None = None,
 ) -> tuple[torch.Tensor, ...]:
     pages = torch.from_numpy(case["pages"]).to(dev)  # type: ignore[arg-type]
     pm = case["page_map"]
@@ -99,7 +108,8 @@ def _run(
             assert isinstance(num_pages, int)
             _torch_twins(pages, jobs, out_page, out_offset, page_map, num_pages, status, mask)
         else:
-            launch_gather_and_mask(
+            launch = launcher or launch_gather_and_mask
+            launch(
                 pages, jobs, out_page, out_offset, page_map=page_map,
                 num_pages=case["num_pages"], status=status, mask=mask,  # type: ignore[arg-type]
             )  # fmt: skip
@@ -156,3 +166,23 @@ def test_torch_twins_path_matches() -> None:
     got = _run(case, True, torch.device("cpu"), twins=True)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [0, 4])
+def test_direct_launches_equal_the_jit_launches(n: int) -> None:
+    """After a variant's first launch, GatherAndMask calls the compiled launcher itself
+    (DirectLaunch): batches of other sizes, offsets and grids give the same bytes."""
+    dev = torch.device("cuda")
+    launcher = GatherAndMask()
+    for seed in range(6):
+        case = _case(seed, 2 + seed % 4, 1 + seed % 3, n, True)
+        want = _run(case, False, dev)
+        got = _run(case, True, dev, launcher=launcher)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), seed
+    assert launcher.direct is not None
+    variants = len(launcher.direct.variants)  # 2 when a case's mask has no byte
+    assert variants in (1, 2)
+    assert launcher.direct.direct == 6 - variants  # every launch after a variant's first

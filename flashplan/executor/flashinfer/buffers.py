@@ -5,6 +5,7 @@ geometrically, never per call).
   copies that read it last have completed (checked with ``event.query()``, which never
   waits); when every slot is busy the ring grows instead of waiting.
 * :class:`DeviceBuffer`: a device tensor that grows to the largest size asked for.
+* :class:`SliceViews`: the named views of a staging buffer, made once per layout.
 * :class:`WrapperPool`: FlashInfer wrappers, never re-planned while a queued copy of
   their previous plan may still read their pinned buffer.
 
@@ -15,14 +16,24 @@ read it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 import torch
 
-__all__ = ["DeviceBuffer", "PinnedRing", "PinnedSlot", "WrapperPool", "WrapperSlot"]
+if TYPE_CHECKING:
+    from flashplan.executor.flashinfer.staging import StagingManifest
+
+__all__ = [
+    "DeviceBuffer",
+    "PinnedRing",
+    "PinnedSlot",
+    "SliceViews",
+    "WrapperPool",
+    "WrapperSlot",
+]
 
 
 def _grown(current: int, needed: int) -> int:
@@ -106,6 +117,36 @@ class DeviceBuffer:
                 _grown(self.tensor.shape[0], size), dtype=self.dtype, device=self.device
             )
         return self.tensor[:size]
+
+
+class SliceViews:
+    """Views of the named slices of staging tensors, made once per (tensor, manifest).
+
+    A step loop stages the same few layouts (manifests are memoized on their names and
+    sizes) into the same few buffers (the pinned ring's slots, the device copy), and a
+    torch slice costs microseconds of host time: the views of a pair are made at its
+    first use and handed out again after. At most ``capacity`` pairs are kept (the
+    oldest dropped); an entry holds its tensor, so its ``id`` is not reused while kept.
+    """
+
+    def __init__(self, capacity: int = 16) -> None:
+        self.capacity = capacity
+        self._entries: dict[
+            tuple[int, StagingManifest], tuple[torch.Tensor, dict[str, torch.Tensor]]
+        ] = {}
+
+    def of(self, tensor: torch.Tensor, manifest: StagingManifest) -> Mapping[str, torch.Tensor]:
+        """Each slice of ``manifest`` as a view of ``tensor`` (1-D, at least
+        ``manifest.total`` entries), by name."""
+        key = (id(tensor), manifest)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] is tensor:
+            return entry[1]
+        views = {s.name: tensor[s.offset : s.offset + s.size] for s in manifest.slices}
+        if len(self._entries) >= self.capacity:
+            del self._entries[next(iter(self._entries))]
+        self._entries[key] = (tensor, views)
+        return views
 
 
 @attrs.define(eq=False)

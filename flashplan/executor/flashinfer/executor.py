@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, Literal, overload
 
@@ -46,6 +46,8 @@ from flashplan.executor.checks import RunArgs, check_apply_args, check_run_args
 from flashplan.executor.flashinfer.buffers import (
     DeviceBuffer,
     PinnedRing,
+    PinnedSlot,
+    SliceViews,
     WrapperPool,
     WrapperSlot,
 )
@@ -80,7 +82,7 @@ from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import JOB_COLUMNS, DevicePlan, device_plan
 from flashplan.executor.gathers import Region, gather_jobs, gather_jobs_steps
 from flashplan.kernels.custom_mask import build_custom_mask
-from flashplan.kernels.fused import StagedMask, launch_gather_and_mask
+from flashplan.kernels.fused import GatherAndMask, StagedMask
 from flashplan.kernels.gather import NO_BAD_JOB, new_status
 from flashplan.kernels.merge_state import merge_state_triton
 from flashplan.kernels.runs import fill_runs
@@ -220,6 +222,8 @@ class FlashInferExecutor:
         self._mask_bufs: dict[int, DeviceBuffer] = {}
         self._item_bufs: dict[str, DeviceBuffer] = {}
         self._status = new_status(self.device)
+        self._views = SliceViews()
+        self._gather_mask = GatherAndMask()  # the fused launch, its compiled variants kept
         self._spec: PlanSpec | None = None
         self._plan: DevicePlan | None = None
         self._table: PageTable | None = None
@@ -341,7 +345,8 @@ class FlashInferExecutor:
             self._check_gathered(dplan, spec, table, page, offset)
 
         stream = torch.cuda.current_stream(self.device)
-        planned = self._plan_calls(calls, dplan, slot.host, staged, page, masks, stream)
+        host_views, device_views = self._slice_views(dplan, slot)
+        planned = self._plan_calls(calls, dplan, host_views, device_views, page, masks, stream)
         slot.mark_read(stream)
         self._spec, self._plan, self._table = spec, dplan, table
         self._planned = planned
@@ -352,26 +357,24 @@ class FlashInferExecutor:
         self,
         calls: tuple[GroupCalls, ...],
         dplan: DevicePlan,
-        host: torch.Tensor,
-        staged: torch.Tensor,
+        host: Mapping[str, torch.Tensor],
+        staged: Mapping[str, torch.Tensor],
         page: torch.Tensor,
         masks: dict[int, torch.Tensor],
         stream: torch.cuda.Stream,
         prefix: str = "",
     ) -> dict[tuple[int, str], Any]:
-        """Call every wrapper's ``plan()``; placeholders resolve against the staged host
-        slot and its device copy, the gather regions and the built masks (names under
-        ``prefix``)."""
+        """Call every wrapper's ``plan()``; placeholders resolve against the views of the
+        staged host slot (``host``) and of its device copy (``staged``), the gather
+        regions and the built masks (names under ``prefix``)."""
 
         def resolve(value: Any) -> Any:
             if isinstance(value, HostArray):
-                s = dplan.manifest[prefix + value.name]
-                return host[s.offset : s.end]
+                return host[prefix + value.name]
             if isinstance(value, StagedArray):
                 # A typed view of the persistent device staging buffer: FlashInfer keeps
                 # it for run(); it stays valid until the next apply rewrites the buffer.
-                s = dplan.manifest[prefix + value.name]
-                words = staged[s.offset : s.end]
+                words = staged[prefix + value.name]
                 return words.view(_VIEW_DTYPES[value.dtype])[: dplan.elements[prefix + value.name]]
             if isinstance(value, BatchInt):
                 return dplan.ints[prefix + value.name]
@@ -425,50 +428,48 @@ class FlashInferExecutor:
     @staticmethod
     def _decode_arrays(
         dplan: DevicePlan,
-        host: torch.Tensor,
-        staged: torch.Tensor,
+        host: Mapping[str, torch.Tensor],
+        staged: Mapping[str, torch.Tensor],
         index: int,
         prefix: str,
         kwargs: dict[str, Any],
     ) -> DecodeArrays:
         """A decode call's indptr and last-page lengths on both sides of the staging
         copy (:func:`~flashplan.executor.flashinfer.fast_plan.replan_decode`)."""
-        ind = dplan.manifest[f"{prefix}g{index}.page_indptr"]
-        last = dplan.manifest[f"{prefix}g{index}.last_page_len"]
+        ind, last = f"{prefix}g{index}.page_indptr", f"{prefix}g{index}.last_page_len"
         return DecodeArrays(
-            indptr_host=host[ind.offset : ind.end],
-            indptr_device=staged[ind.offset : ind.end],
-            last_page_len_host=host[last.offset : last.end],
-            last_page_len_device=staged[last.offset : last.end],
+            indptr_host=host[ind],
+            indptr_device=staged[ind],
+            last_page_len_host=host[last],
+            last_page_len_device=staged[last],
             indices=kwargs["indices"],
         )
 
     @staticmethod
     def _prefill_arrays(
         dplan: DevicePlan,
-        host: torch.Tensor,
-        staged: torch.Tensor,
+        host: Mapping[str, torch.Tensor],
+        staged: Mapping[str, torch.Tensor],
         index: int,
         prefix: str,
         kwargs: dict[str, Any],
     ) -> PrefillArrays:
         """A paged prefill call's arrays on both sides of the staging copy, and the
         batch's lengths (:func:`~flashplan.executor.flashinfer.fast_prefill.replan_prefill`)."""
-        m, g = dplan.manifest, f"{prefix}g{index}"
-        qo, ind = m[prefix + "qo_indptr"], m[g + ".page_indptr"]
-        last, kv = m[g + ".last_page_len"], m[g + ".kv_lens"]
+        g = f"{prefix}g{index}"
+        qo, ind = prefix + "qo_indptr", g + ".page_indptr"
+        last, kv = g + ".last_page_len", g + ".kv_lens"
         mask_indptr = None
         if kwargs.get("packed_custom_mask") is not None:
-            mi = m[g + ".mask.indptr"]
-            mask_indptr = staged[mi.offset : mi.end]
+            mask_indptr = staged[g + ".mask.indptr"]
         return PrefillArrays(
-            qo_indptr_host=host[qo.offset : qo.end],
-            qo_indptr_device=staged[qo.offset : qo.end],
-            page_indptr_host=host[ind.offset : ind.end],
-            page_indptr_device=staged[ind.offset : ind.end],
-            last_page_len_device=staged[last.offset : last.end],
-            kv_lens_host=host[kv.offset : kv.end],
-            kv_lens_device=staged[kv.offset : kv.end],
+            qo_indptr_host=host[qo],
+            qo_indptr_device=staged[qo],
+            page_indptr_host=host[ind],
+            page_indptr_device=staged[ind],
+            last_page_len_device=staged[last],
+            kv_lens_host=host[kv],
+            kv_lens_device=staged[kv],
             indices=kwargs["paged_kv_indices"],
             mask_indptr_device=mask_indptr,
             total_rows=dplan.ints[prefix + "qo.total"],
@@ -508,12 +509,15 @@ class FlashInferExecutor:
         dplan = self._steps_device_plan(steps, table, prefixes)
         staged, slot = self._stage(dplan)
         page, offset, _ = self._gather_and_mask(dplan, staged, table)
+        host_views, device_views = self._slice_views(dplan, slot)
         stream = torch.cuda.current_stream(self.device)
         views = []
         while len(self._step_positions) < len(steps):
             self._step_positions.append(DeviceBuffer(self.device, torch.int32))
         for k, (prefix, (spec, calls)) in enumerate(zip(prefixes, steps, strict=True)):
-            planned = self._plan_calls(calls, dplan, slot.host, staged, page, {}, stream, prefix)
+            planned = self._plan_calls(
+                calls, dplan, host_views, device_views, page, {}, stream, prefix
+            )
             step_jobs = attrs.evolve(
                 dplan.jobs,
                 regions=tuple(
@@ -576,6 +580,16 @@ class FlashInferExecutor:
         """The gather's output buffers (page ids, in-page offsets) of at least ``size``."""
         return self._out_page.get(size), self._out_offset.get(size)
 
+    def _slice_views(
+        self, dplan: DevicePlan, slot: PinnedSlot
+    ) -> tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]:
+        """The staged arrays by name: views of the pinned slot and of the device copy
+        (made once per buffer and manifest, :class:`SliceViews`)."""
+        return (
+            self._views.of(slot.host, dplan.manifest),
+            self._views.of(self._staged.tensor, dplan.manifest),
+        )
+
     def _stage(self, dplan: DevicePlan) -> tuple[torch.Tensor, Any]:
         """Copy the staging data into a pinned slot and send it to the device at once."""
         return self._upload(self._staged, dplan.manifest.total, dplan.write_into)
@@ -616,7 +630,7 @@ class FlashInferExecutor:
             else:
                 self._build_mask(mask)
         num_jobs = dplan.manifest[JOB_COLUMNS[0]].size if jobs.total else 0
-        launch_gather_and_mask(
+        self._gather_mask(
             table.pages, staged[: 6 * num_jobs].view(6, num_jobs), page, offset,
             page_map=self.page_map, num_pages=table.num_pages or 0, status=self._status,
             mask=fused,
@@ -659,7 +673,7 @@ class FlashInferExecutor:
         )  # fmt: skip
 
     def _fill_item_positions(
-        self, dplan: DevicePlan, staged: torch.Tensor, name: str
+        self, dplan: DevicePlan, staged: Mapping[str, torch.Tensor], name: str
     ) -> torch.Tensor:
         """FlashInfer's uint16 ``token_pos_in_items`` for the items staged under ``name``
         (:class:`~flashplan.executor.flashinfer.calls.ItemPositions`): zeroed, then every
@@ -670,9 +684,8 @@ class FlashInferExecutor:
         out = buf.get(max(size, 1))[:size]
         out.zero_()  # int16: torch fills few uint16 tensors; the bytes are the same
         out = out.view(torch.uint16)
-        start, length = dplan.manifest[name + ".start"], dplan.manifest[name + ".length"]
         fill_runs(
-            staged[start.offset : start.end], 1, staged[length.offset : length.end], out,
+            staged[name + ".start"], 1, staged[name + ".length"], out,
             dplan.ints[name + ".longest"],
         )  # fmt: skip
         return out
