@@ -113,16 +113,17 @@ class DirectLaunch:
         kernel: the jit kernel.
         variants: compiled kernels by key.
         direct: launches made through the compiled launcher so far.
+        enabled: whether launches may go direct (this Triton, compiled mode).
     """
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self.variants: dict[Hashable, Any] = {}
         self.direct = 0
-        self._enabled = (
+        self.enabled = (
             HAS_TRITON
             and triton_mode() == "compiled"
-            and str(triton.__version__) in DIRECT_LAUNCH_VERSIONS
+            and str(triton.__version__).split("+")[0] in DIRECT_LAUNCH_VERSIONS
         )
 
     def __call__(
@@ -130,7 +131,7 @@ class DirectLaunch:
     ) -> None:
         """Launch ``grid`` programs with ``args`` (every parameter, constexprs included,
         in order); ``ints`` are the int arguments (checked to fit int32)."""
-        if not self._enabled or triton.knobs.runtime.launch_enter_hook is not None:
+        if not self.enabled or triton.knobs.runtime.launch_enter_hook is not None:
             self.kernel[(grid,)](*args)
             return
         fits = not ints or (max(ints) <= _I32_MAX and min(ints) >= -_I32_MAX)
