@@ -28,7 +28,7 @@ __all__ = [
 #: Triton versions whose compiled-kernel launcher :class:`DirectLaunch` calls (its
 #: arguments are those ``JITFunction.run`` passes in these versions; the GPU test
 #: ``test_direct_launches_equal_the_jit_launches`` checks each).
-DIRECT_LAUNCH_VERSIONS = ("3.9.0",)
+DIRECT_LAUNCH_VERSIONS = ("3.6.0", "3.9.0")
 
 #: Largest int a kernel argument of an unspecialized int32 parameter may take.
 _I32_MAX = 2**31 - 1
