@@ -105,9 +105,10 @@ class DirectLaunch:
     later launches call that kernel's launcher with the same arguments
     ``JITFunction.run`` passes it (Triton versions :data:`DIRECT_LAUNCH_VERSIONS` only).
 
-    Every launch goes through ``kernel[grid]`` instead when: another Triton version, the
-    interpreter, a launch hook is set (profilers), or an int argument beyond int32 (it
-    would be another variant). One instance per owner (an executor): no global state.
+    Every launch goes through ``kernel[grid]`` instead under another Triton version or
+    the interpreter, and so does one with an int argument beyond int32 (another
+    variant). Launch hooks (profilers) are called as ``kernel[grid]`` calls them. One
+    instance per owner (an executor): no global state.
 
     Attributes:
         kernel: the jit kernel.
@@ -131,7 +132,7 @@ class DirectLaunch:
     ) -> None:
         """Launch ``grid`` programs with ``args`` (every parameter, constexprs included,
         in order); ``ints`` are the int arguments (checked to fit int32)."""
-        if not self.enabled or triton.knobs.runtime.launch_enter_hook is not None:
+        if not self.enabled:
             self.kernel[(grid,)](*args)
             return
         fits = not ints or (max(ints) <= _I32_MAX and min(ints) >= -_I32_MAX)
@@ -144,7 +145,11 @@ class DirectLaunch:
                 self.variants[(device, key)] = compiled
             return
         stream = driver.get_current_stream(device)
+        # what JITFunction.run does after finding the variant (launch hooks included)
+        hooks = triton.knobs.runtime
+        metadata = variant.launch_metadata((grid,), stream, *args)
         variant.run(
-            grid, 1, 1, stream, variant.function, variant.packed_metadata, None, None, None, *args
-        )
+            grid, 1, 1, stream, variant.function, variant.packed_metadata, metadata,
+            hooks.launch_enter_hook, hooks.launch_exit_hook, *args,
+        )  # fmt: skip
         self.direct += 1
