@@ -54,10 +54,11 @@ if [[ $PHASES == *,sanitize,* ]]; then
   # positions built on the device (fill_runs) from the staged runs, every mode
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 phase sanitizer_positions "${CAP_SAN_POS:-40}" "${SAN[@]}" \
     tests/gpu/test_positions_gpu.py -k "not graph"
-  # multi-item token_pos_in_items filled on the device; prefill re-plans on staged views
+  # multi-item token_pos_in_items filled on the device; prefill re-plans on staged views;
+  # the fused gather + mask launch (jit and direct launches)
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 phase sanitizer_items "${CAP_SAN_ITEMS:-60}" "${SAN[@]}" \
-    tests/gpu/test_multi_item.py tests/gpu/test_fast_prefill.py \
-    -k "random_batches or views or plain_batch or fast_prefill"
+    tests/gpu/test_multi_item.py tests/gpu/test_fast_prefill.py tests/kernels/test_fused.py \
+    -k "random_batches or views or plain_batch or fast_prefill or fused or direct"
   phase sanitizer_graphs "${CAP_SAN_GRAPHS:-60}" "${SAN[@]}" tests/gpu/test_step_loop.py -k "not busy"
 fi
 
