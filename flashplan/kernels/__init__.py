@@ -6,6 +6,9 @@
   slots marked unusable.
 * :func:`build_custom_mask` / :func:`build_custom_mask_torch`: packed custom
   masks expanded on the device from one integer per request.
+* :mod:`flashplan.kernels.fused`: the gather jobs and one custom mask of a batch in a
+  single launch (the executors' hot path), through Triton's compiled launcher after a
+  variant's first launch.
 * :func:`fill_runs` / :func:`fill_runs_torch`: runs of values that grow by one (a
   plan's RoPE positions from its position runs) written in one launch.
 * :func:`merge_state_triton` / :func:`merge_state_torch`: merge two partial attention
