@@ -43,6 +43,7 @@ from _timing import kernel_ms as _kernel_ms
 import flashplan as fp
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 from flashplan.executor.flashinfer.calls import flashinfer_mask_offsets
+from flashplan.testing import bushy_tree_parents
 
 DEV = torch.device("cuda")
 HEADS = fp.HeadConfig(32, 8, 128)
@@ -61,11 +62,8 @@ def pinned(a: np.ndarray) -> torch.Tensor:
 
 def part_verify(out: dict[str, object]) -> list[str]:
     bs, n, prefix = 64, 64, 4096
-    rng = np.random.default_rng(0)
-    parents = np.full((bs, n), -1, dtype=np.int64)
-    for j in range(1, n):
-        parents[:, j] = rng.integers(max(0, j - 8), j, bs)  # EAGLE-like: bushy near the end
-    tree = fp.DraftTree.from_parents(parents)
+    # EAGLE-like trees, bushy near the end (the draws of earlier runs: same seed)
+    tree = fp.DraftTree.from_parents(bushy_tree_parents(np.random.default_rng(0), bs, n))
     group = fp.AttentionGroup.full()
     layout = fp.BatchLayout.verify([prefix] * bs, tree, page_size=PS, groups=group)
     spec = fp.plan(layout, HEADS)

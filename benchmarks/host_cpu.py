@@ -7,6 +7,7 @@ kv 4096, page 16, 32 query / 8 KV heads x 128::
     python3 benchmarks/host_cpu.py                       # batch 1, 64, 256, 1024
     python3 benchmarks/host_cpu.py --batch 256 --profile # + cProfile of plan()
     python3 benchmarks/host_cpu.py --json OUT/host_cpu.json
+    python3 benchmarks/host_cpu.py --batch 256 --verify     # + bench_speculative's verify
 
 Rows:
   layout        ``BatchLayout.decode(seq_lens, page_size=16)`` (seq_lens: an int64 array)
@@ -52,6 +53,7 @@ from flashplan.executor.flashinfer.calls import call_inputs, call_skeleton, tran
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import device_plan
 from flashplan.executor.gathers import gather_jobs
+from flashplan.testing import bushy_tree_parents
 
 HEADS = fp.HeadConfig(num_qo_heads=32, num_kv_heads=8, head_dim=128)
 PAGE = 16
@@ -165,6 +167,62 @@ def measure(bs: int, reps: int) -> dict[str, float]:
     return out
 
 
+def measure_verify(reps: int) -> dict[str, float]:
+    """The pure host work of ``bench_speculative.py``'s verify (64 requests x 64-token
+    trees over 4096, page 16, the FA2 policy the benchmark uses): ``plan`` from a fixed
+    layout, then what the eager ``apply`` computes before touching the GPU, including
+    the copy into the staging slot (``write_into``)."""
+    bs, n = 64, 64
+    tree = fp.DraftTree.from_parents(bushy_tree_parents(np.random.default_rng(0), bs, n))
+    layout = fp.BatchLayout.verify([KV] * bs, tree, page_size=PAGE)
+    policy = ExecutorPolicy(prefill_backend="fa2")
+    calls = call_skeleton(fp.plan(layout, HEADS), policy, sm90=True)
+    rows = np.arange(bs, dtype=np.int32)
+    slot = np.empty(1 << 20, dtype=np.int32)
+
+    def make() -> fp.PlanSpec:
+        return fp.plan(layout, HEADS)
+
+    def s_inputs(spec: fp.PlanSpec, st: dict) -> None:
+        st["inputs"] = call_inputs(spec, calls)
+
+    def s_jobs(spec: fp.PlanSpec, st: dict) -> None:
+        st["jobs"] = gather_jobs(spec, rows, window_pool=False, spans=st["inputs"].spans)
+
+    def s_device(spec: fp.PlanSpec, st: dict) -> None:
+        inp = st["inputs"]
+        st["dplan"] = device_plan(calls, st["jobs"], inp.host, inp.masks, ints=inp.ints)
+
+    def s_write(spec: fp.PlanSpec, st: dict) -> None:
+        st["dplan"].write_into(slot)
+
+    out = {"plan_us": median_us(make, reps)}
+    stages = [("call_inputs", s_inputs), ("gather_jobs", s_jobs), ("device_plan", s_device)]
+    eager = staged_us(make, [*stages, ("write_into", s_write)], reps)
+    out.update({f"{k}_us": v for k, v in eager.items()})
+    out["apply_pure_us"] = sum(eager.values())
+
+    def step() -> None:
+        st: dict[str, object] = {}
+        spec = make()
+        for _, fn in [*stages, ("write_into", s_write)]:
+            fn(spec, st)
+
+    out["step_pure_us"] = median_us(step, reps)
+    return out
+
+
+VERIFY_ROWS = [
+    ("plan (fixed layout)", "plan_us"),
+    ("call_inputs", "call_inputs_us"),
+    ("gather_jobs", "gather_jobs_us"),
+    ("device_plan", "device_plan_us"),
+    ("write_into (the staging slot)", "write_into_us"),
+    ("apply (pure) = inputs + jobs + device_plan + write", "apply_pure_us"),
+    ("plan + apply (pure)", "step_pure_us"),
+]
+
+
 def profile_plan(bs: int, n: int = 5000) -> str:
     lens = np.full(bs, KV, dtype=np.int64)
     layout = fp.BatchLayout.decode(lens, page_size=PAGE)
@@ -200,6 +258,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2000, help="timed calls per row")
     parser.add_argument("--profile", action="store_true", help="cProfile plan() at 256")
     parser.add_argument("--json", default=None, help="write the figures to this file")
+    parser.add_argument(
+        "--verify", action="store_true", help="also the verify batch of bench_speculative.py"
+    )
     args = parser.parse_args()
     sizes = [int(b) for b in args.batch.split(",")]
     results = [measure(bs, args.reps) for bs in sizes]
@@ -218,9 +279,16 @@ def main() -> None:
                 f"\nplan() for 256 requests: {r['plan_us']:.1f} us, target <= "
                 f"{PLAN_TARGET_US:.0f} us: {'MET' if met else 'MISSED'}"
             )
+    verify = measure_verify(args.reps) if args.verify else None
+    if verify is not None:
+        print(f"\nverify 64 x 64-token trees over {KV}, page {PAGE} (bench_speculative's batch)")
+        print("| step | us |\n|---|---|")
+        for label, key in VERIFY_ROWS:
+            print(f"| {label} | {verify[key]:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            payload = results if verify is None else {"decode": results, "verify": verify}
+            json.dump(payload, f, indent=1)
     if args.profile:
         print(profile_plan(256))
 

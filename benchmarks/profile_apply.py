@@ -64,7 +64,7 @@ from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 from flashplan.executor.flashinfer.bucket import GraphBucket
 from flashplan.executor.flashinfer.buffers import PinnedSlot
 from flashplan.executor.flashinfer.graphs import GraphExecutor
-from flashplan.testing.batches import scoring_batch
+from flashplan.testing.batches import bushy_tree_parents, scoring_batch
 
 HEADS = fp.HeadConfig(num_qo_heads=32, num_kv_heads=8, head_dim=128)
 
@@ -288,12 +288,8 @@ def _case_layout(case: str) -> tuple[fp.BatchLayout, str]:
         layout = fp.BatchLayout.extend([2560] * 64, [2048] * 64, page_size=16)
         return layout, "extend 64 x 512 new tokens over 2048 cached, page 16"
     if case == "verify":
-        bs, n = 64, 64
-        parents = np.full((bs, n), -1, dtype=np.int64)
-        for j in range(1, n):
-            parents[:, j] = rng.integers(max(0, j - 8), j, bs)
-        tree = fp.DraftTree.from_parents(parents)
-        layout = fp.BatchLayout.verify([4096] * bs, tree, page_size=16)
+        tree = fp.DraftTree.from_parents(bushy_tree_parents(rng, 64, 64))
+        layout = fp.BatchLayout.verify([4096] * 64, tree, page_size=16)
         return layout, "verify 64 x 64-token trees over 4096, page 16"
     ext, delims, _ = scoring_batch(rng, 256)  # bench_multi_item's batch
     layout = fp.BatchLayout.extend(ext, item_delimiters=delims)

@@ -49,6 +49,7 @@ _HOMES = {
     "CONSTRUCTORS": "constructors",
     "construct": "constructors",
     "ScoringBatch": "batches",
+    "bushy_tree_parents": "batches",
     "scoring_batch": "batches",
 }
 

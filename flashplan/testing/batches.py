@@ -1,8 +1,10 @@
 """Fixed example batches that benchmarks and tests share (no Hypothesis needed).
 
 :func:`scoring_batch` is the multi-item scoring batch of ``benchmarks/bench_multi_item.py``
-(a prompt followed by items, each after a delimiter, and a closing delimiter), drawn from
-a numpy generator so that every user of one seed gets the same batch.
+(a prompt followed by items, each after a delimiter, and a closing delimiter), and
+:func:`bushy_tree_parents` the draft trees of the verify benchmark
+(``benchmarks/bench_speculative.py``), each drawn from a numpy generator so that every
+user of one seed gets the same batch.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["ScoringBatch", "scoring_batch"]
+__all__ = ["ScoringBatch", "bushy_tree_parents", "scoring_batch"]
 
 
 class ScoringBatch(NamedTuple):
@@ -58,3 +60,20 @@ def scoring_batch(
         delims.append(row)
         lengths.append(lens)
     return ScoringBatch(ext, delims, lengths)
+
+
+def bushy_tree_parents(
+    rng: np.random.Generator, batch_size: int, num_tokens: int, *, reach: int = 8
+) -> np.ndarray:
+    """int64 ``[batch_size, num_tokens]`` parent indices of random draft trees (for
+    ``DraftTree.from_parents``): token 0 is the root (-1) and token ``j`` hangs under one
+    of the ``reach`` tokens before it, drawn from ``rng`` (one ``rng.integers`` call per
+    token, for the whole batch): EAGLE-like trees, bushy near their end.
+
+    >>> bushy_tree_parents(np.random.default_rng(0), 2, 4).tolist()
+    [[-1, 0, 1, 1], [-1, 0, 1, 0]]
+    """
+    parents = np.full((batch_size, num_tokens), -1, dtype=np.int64)
+    for j in range(1, num_tokens):
+        parents[:, j] = rng.integers(max(0, j - reach), j, batch_size)
+    return parents
