@@ -119,33 +119,49 @@ class DeviceBuffer:
         return self.tensor[:size]
 
 
+class _LazyViews(dict[str, torch.Tensor]):
+    """Name -> view of one tensor's slice, each made on its first lookup."""
+
+    __slots__ = ("manifest", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, manifest: StagingManifest) -> None:
+        super().__init__()
+        self.tensor = tensor
+        self.manifest = manifest
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        s = self.manifest[name]
+        view = self[name] = self.tensor[s.offset : s.offset + s.size]
+        return view
+
+
 class SliceViews:
-    """Views of the named slices of staging tensors, made once per (tensor, manifest).
+    """Views of the named slices of staging tensors, kept per (tensor, manifest).
 
     A step loop stages the same few layouts (manifests are memoized on their names and
     sizes) into the same few buffers (the pinned ring's slots, the device copy), and a
-    torch slice costs microseconds of host time: the views of a pair are made at its
-    first use and handed out again after. At most ``capacity`` pairs are kept (the
-    oldest dropped); an entry holds its tensor, so its ``id`` is not reused while kept.
+    torch slice costs microseconds of host time: a slice's view is made at its first
+    lookup and handed out again after. A pair met once (a batch size not seen before)
+    costs only the views it uses, as plain slicing would. At most ``capacity`` pairs are
+    kept (the oldest dropped); an entry holds its tensor, so its ``id`` is not reused
+    while kept.
     """
 
-    def __init__(self, capacity: int = 16) -> None:
+    def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity
-        self._entries: dict[
-            tuple[int, StagingManifest], tuple[torch.Tensor, dict[str, torch.Tensor]]
-        ] = {}
+        self._entries: dict[tuple[int, StagingManifest], _LazyViews] = {}
 
     def of(self, tensor: torch.Tensor, manifest: StagingManifest) -> Mapping[str, torch.Tensor]:
         """Each slice of ``manifest`` as a view of ``tensor`` (1-D, at least
         ``manifest.total`` entries), by name."""
         key = (id(tensor), manifest)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0] is tensor:
-            return entry[1]
-        views = {s.name: tensor[s.offset : s.offset + s.size] for s in manifest.slices}
+        views = self._entries.get(key)
+        if views is not None and views.tensor is tensor:
+            return views
+        views = _LazyViews(tensor, manifest)
         if len(self._entries) >= self.capacity:
             del self._entries[next(iter(self._entries))]
-        self._entries[key] = (tensor, views)
+        self._entries[key] = views
         return views
 
 
