@@ -28,10 +28,10 @@ from flashplan.kernels._triton import (
     tl,
     triton,
 )
-from flashplan.kernels.custom_mask import build_custom_mask_torch
+from flashplan.kernels.custom_mask import build_custom_mask, build_custom_mask_torch
 from flashplan.kernels.gather import gather_slots_torch
 
-__all__ = ["GatherAndMask", "StagedMask", "launch_gather_and_mask"]
+__all__ = ["StagedMask", "direct_launcher", "launch_gather_and_mask"]
 
 _GATHER_BLOCK = 1024
 _MASK_BLOCK = 2048
@@ -73,6 +73,30 @@ class StagedMask(NamedTuple):
     def view(self, offset: int, size: int) -> torch.Tensor:
         """``size`` int32 entries of ``staged`` from ``offset``."""
         return self.staged[offset : offset + size]
+
+    def build(self, *, twin: bool = False) -> None:
+        """Build the mask alone: :func:`~flashplan.kernels.build_custom_mask` (its own
+        launch) on views of ``staged``, or its torch twin with ``twin``."""
+        bs, n = self.batch_size, self.num_tokens
+        tree = None
+        if n:
+            start = 4 * self.tail_bits  # bytes: four 0 / 1 bytes to an int32 entry
+            tree = (
+                self.view(self.row_offsets, bs * n),
+                self.view(self.tail_start, bs),
+                self.staged.view(torch.uint8)[start : start + bs * n * n],
+            )
+        arrays = (
+            self.view(self.first_visible, bs),
+            self.view(self.qo_lens, bs),
+            self.view(self.kv_lens, bs),
+            self.view(self.byte_offsets, bs),
+            self.out,
+        )
+        if twin:
+            build_custom_mask_torch(*arrays, tree=tree, num_tokens=n)
+        else:
+            build_custom_mask(*arrays, self.max_bytes, tree=tree, num_tokens=n)
 
 
 if HAS_TRITON:
@@ -166,8 +190,8 @@ def launch_gather_and_mask(
         out_page, out_offset: int32 / int64 1-D outputs of the gather.
         page_map, num_pages, status: as :func:`~flashplan.kernels.gather_slots`.
         mask: the mask to build (:class:`StagedMask`), or ``None`` (gathers only).
-        direct: launch through this cache of compiled variants (:class:`GatherAndMask`
-            holds one) instead of Triton's binder.
+        direct: launch through this cache of compiled variants
+            (:func:`direct_launcher`) instead of Triton's binder.
 
     On CPU tensors the kernel runs under Triton's interpreter when enabled, else the
     torch twins run one after the other.
@@ -246,47 +270,12 @@ def _torch_twins(
             pages, rows, first, counts, dst, div, use_map, out_page, out_offset,
             total=int(counts.sum()), page_map=page_map, num_pages=num_pages, status=status,
         )  # fmt: skip
-    if mask is None:
-        return
-    bs, n = mask.batch_size, mask.num_tokens
-    tree = None
-    if n:
-        bits = mask.staged.view(torch.uint8)[4 * mask.tail_bits : 4 * mask.tail_bits + bs * n * n]
-        tree = (mask.view(mask.row_offsets, bs * n), mask.view(mask.tail_start, bs), bits)
-    build_custom_mask_torch(
-        mask.view(mask.first_visible, bs), mask.view(mask.qo_lens, bs),
-        mask.view(mask.kv_lens, bs), mask.view(mask.byte_offsets, bs), mask.out,
-        tree=tree, num_tokens=n,
-    )  # fmt: skip
+    if mask is not None:
+        mask.build(twin=True)
 
 
-class GatherAndMask:
-    """:func:`launch_gather_and_mask` for one owner (an executor), through a
-    :class:`~flashplan.kernels._triton.DirectLaunch` of its kernel: after a variant's
-    first launch, its later launches skip Triton's Python binder.
-
-    Attributes:
-        direct: the compiled variants and the count of direct launches (``None``
-            without Triton).
-    """
-
-    def __init__(self) -> None:
-        self.direct = DirectLaunch(_gather_and_mask_kernel) if HAS_TRITON else None
-
-    def __call__(
-        self,
-        pages: torch.Tensor,
-        jobs: torch.Tensor,
-        out_page: torch.Tensor,
-        out_offset: torch.Tensor,
-        *,
-        page_map: torch.Tensor | None,
-        num_pages: int,
-        status: torch.Tensor | None,
-        mask: StagedMask | None,
-    ) -> None:
-        """Arguments as :func:`launch_gather_and_mask`."""
-        launch_gather_and_mask(
-            pages, jobs, out_page, out_offset, page_map=page_map, num_pages=num_pages,
-            status=status, mask=mask, direct=self.direct,
-        )  # fmt: skip
+def direct_launcher() -> DirectLaunch | None:
+    """A cache of this module's compiled kernel variants, for
+    :func:`launch_gather_and_mask`'s ``direct`` (one per owner: an executor); ``None``
+    without Triton."""
+    return DirectLaunch(_gather_and_mask_kernel) if HAS_TRITON else None

@@ -16,10 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashplan.kernels import build_custom_mask, gather_slots, new_status, triton_mode
+from flashplan.kernels._triton import DirectLaunch
 from flashplan.kernels.fused import (
-    GatherAndMask,
     StagedMask,
     _torch_twins,
+    direct_launcher,
     launch_gather_and_mask,
 )
 
@@ -82,7 +83,7 @@ def _run(
     fused: bool,
     dev: torch.device,
     twins: bool = False,
-    launcher: GatherAndMask | None = None,
+    direct: DirectLaunch | None = None,
 ) -> tuple[torch.Tensor, ...]:
     pages = torch.from_numpy(case["pages"]).to(dev)  # type: ignore[arg-type]
     pm = case["page_map"]
@@ -108,10 +109,9 @@ def _run(
             assert isinstance(num_pages, int)
             _torch_twins(pages, jobs, out_page, out_offset, page_map, num_pages, status, mask)
         else:
-            launch = launcher or launch_gather_and_mask
-            launch(
+            launch_gather_and_mask(
                 pages, jobs, out_page, out_offset, page_map=page_map,
-                num_pages=case["num_pages"], status=status, mask=mask,  # type: ignore[arg-type]
+                num_pages=case["num_pages"], status=status, mask=mask, direct=direct,  # type: ignore[arg-type]
             )  # fmt: skip
     else:
         gather_slots(
@@ -172,20 +172,20 @@ def test_torch_twins_path_matches() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n", [0, 4])
 def test_direct_launches_equal_the_jit_launches(n: int) -> None:
-    """After a variant's first launch, GatherAndMask calls the compiled launcher itself
-    (DirectLaunch): batches of other sizes, offsets and grids give the same bytes."""
+    """After a variant's first launch, DirectLaunch calls the compiled launcher itself:
+    batches of other sizes, offsets and grids give the same bytes."""
     dev = torch.device("cuda")
-    launcher = GatherAndMask()
+    direct = direct_launcher()
     for seed in range(6):
         case = _case(seed, 2 + seed % 4, 1 + seed % 3, n, True)
         want = _run(case, False, dev)
-        got = _run(case, True, dev, launcher=launcher)
+        got = _run(case, True, dev, direct=direct)
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w), seed
-    assert launcher.direct is not None
+    assert direct is not None
     import triton
 
-    assert launcher.direct.enabled, f"triton {triton.__version__}: no direct launches"
-    variants = len(launcher.direct.variants)  # 2 when a case's mask has no byte
+    assert direct.enabled, f"triton {triton.__version__}: no direct launches"
+    variants = len(direct.variants)  # 2 when a case's mask has no byte
     assert variants in (1, 2)
-    assert launcher.direct.direct == 6 - variants  # every launch after a variant's first
+    assert direct.direct == 6 - variants  # every launch after a variant's first

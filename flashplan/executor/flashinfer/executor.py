@@ -81,8 +81,7 @@ from flashplan.executor.flashinfer.fast_prefill import (
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import JOB_COLUMNS, DevicePlan, device_plan
 from flashplan.executor.gathers import Region, gather_jobs, gather_jobs_steps
-from flashplan.kernels.custom_mask import build_custom_mask
-from flashplan.kernels.fused import GatherAndMask, StagedMask
+from flashplan.kernels.fused import StagedMask, direct_launcher, launch_gather_and_mask
 from flashplan.kernels.gather import NO_BAD_JOB, new_status
 from flashplan.kernels.merge_state import merge_state_triton
 from flashplan.kernels.runs import fill_runs
@@ -223,7 +222,7 @@ class FlashInferExecutor:
         self._item_bufs: dict[str, DeviceBuffer] = {}
         self._status = new_status(self.device)
         self._views = SliceViews()
-        self._gather_mask = GatherAndMask()  # the fused launch, its compiled variants kept
+        self._direct = direct_launcher()  # the fused launch's compiled variants
         self._spec: PlanSpec | None = None
         self._plan: DevicePlan | None = None
         self._table: PageTable | None = None
@@ -627,13 +626,13 @@ class FlashInferExecutor:
             built[index] = mask.out
             if fused is None:
                 fused = mask
-            else:
-                self._build_mask(mask)
+            else:  # a batch's second and later masked groups: a launch each
+                mask.build()
         num_jobs = dplan.manifest[JOB_COLUMNS[0]].size if jobs.total else 0
-        self._gather_mask(
+        launch_gather_and_mask(
             table.pages, staged[: 6 * num_jobs].view(6, num_jobs), page, offset,
             page_map=self.page_map, num_pages=table.num_pages or 0, status=self._status,
-            mask=fused,
+            mask=fused, direct=self._direct,
         )  # fmt: skip
         return page, offset, built
 
@@ -652,24 +651,6 @@ class FlashInferExecutor:
         return StagedMask(
             staged, m[g + "first_visible"].offset, qo.offset, m[g + "kv_lens"].offset,
             m[g + "byte_offsets"].offset, *tree, qo.size, num_tokens, recipe.max_bytes, out,
-        )  # fmt: skip
-
-    @staticmethod
-    def _build_mask(mask: StagedMask) -> None:
-        """One mask in its own launch (a batch's second and later masked groups)."""
-        bs, n = mask.batch_size, mask.num_tokens
-        tree = None
-        if n:
-            words = mask.view(mask.tail_bits, (bs * n * n + 3) // 4)
-            tree = (
-                mask.view(mask.row_offsets, bs * n),
-                mask.view(mask.tail_start, bs),
-                words.view(torch.uint8)[: bs * n * n],
-            )
-        build_custom_mask(
-            mask.view(mask.first_visible, bs), mask.view(mask.qo_lens, bs),
-            mask.view(mask.kv_lens, bs), mask.view(mask.byte_offsets, bs), mask.out,
-            mask.max_bytes, tree=tree, num_tokens=n,
         )  # fmt: skip
 
     def _fill_item_positions(
