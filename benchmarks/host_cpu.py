@@ -102,6 +102,29 @@ def staged_us(
     return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
+Stage = tuple[str, Callable[[fp.PlanSpec, dict], None]]
+
+
+def apply_stages(calls: tuple, rows: np.ndarray) -> list[Stage]:
+    """The pure host stages of the eager ``apply`` in pipeline order, as ``staged_us``
+    takes them: ``call_inputs``, ``gather_jobs`` (the table rows ``rows``) and
+    ``device_plan`` (its result left in the state as ``"dplan"``)."""
+
+    def s_inputs(spec: fp.PlanSpec, st: dict) -> None:
+        st["inputs"] = call_inputs(spec, calls)
+
+    def s_jobs(spec: fp.PlanSpec, st: dict) -> None:
+        st["jobs"] = gather_jobs(spec, rows, window_pool=False, spans=st["inputs"].spans)
+
+    def s_device(spec: fp.PlanSpec, st: dict) -> None:
+        inp = st["inputs"]
+        st["dplan"] = device_plan(
+            calls, st["jobs"], inp.host, inp.masks, ints=inp.ints, elements=inp.elements
+        )
+
+    return [("call_inputs", s_inputs), ("gather_jobs", s_jobs), ("device_plan", s_device)]
+
+
 def measure(bs: int, reps: int) -> dict[str, float]:
     lens = np.full(bs, KV, dtype=np.int64)
     rows = np.arange(bs, dtype=np.int32)
@@ -123,19 +146,9 @@ def measure(bs: int, reps: int) -> dict[str, float]:
         make, [("t", lambda s, st: translate(s, POLICY, sm90=True))], reps
     )["t"]
 
-    def s_inputs(spec: fp.PlanSpec, st: dict) -> None:
-        st["inputs"] = call_inputs(spec, calls)
-
-    def s_jobs(spec: fp.PlanSpec, st: dict) -> None:
-        st["jobs"] = gather_jobs(spec, rows, window_pool=False, spans=st["inputs"].spans)
-
-    def s_device(spec: fp.PlanSpec, st: dict) -> None:
-        inp = st["inputs"]
-        device_plan(calls, st["jobs"], inp.host, inp.masks)
-
-    eager = staged_us(
-        make, [("call_inputs", s_inputs), ("gather_jobs", s_jobs), ("device_plan", s_device)], reps
-    )
+    stages = apply_stages(calls, rows)
+    s_jobs = stages[1][1]
+    eager = staged_us(make, stages, reps)
     out.update({f"{k}_us": v for k, v in eager.items()})
     out["apply_pure_us"] = sum(eager.values())
 
@@ -183,29 +196,19 @@ def measure_verify(reps: int) -> dict[str, float]:
     def make() -> fp.PlanSpec:
         return fp.plan(layout, HEADS)
 
-    def s_inputs(spec: fp.PlanSpec, st: dict) -> None:
-        st["inputs"] = call_inputs(spec, calls)
-
-    def s_jobs(spec: fp.PlanSpec, st: dict) -> None:
-        st["jobs"] = gather_jobs(spec, rows, window_pool=False, spans=st["inputs"].spans)
-
-    def s_device(spec: fp.PlanSpec, st: dict) -> None:
-        inp = st["inputs"]
-        st["dplan"] = device_plan(calls, st["jobs"], inp.host, inp.masks, ints=inp.ints)
-
     def s_write(spec: fp.PlanSpec, st: dict) -> None:
         st["dplan"].write_into(slot)
 
     out = {"plan_us": median_us(make, reps)}
-    stages = [("call_inputs", s_inputs), ("gather_jobs", s_jobs), ("device_plan", s_device)]
-    eager = staged_us(make, [*stages, ("write_into", s_write)], reps)
+    stages = [*apply_stages(calls, rows), ("write_into", s_write)]
+    eager = staged_us(make, stages, reps)
     out.update({f"{k}_us": v for k, v in eager.items()})
     out["apply_pure_us"] = sum(eager.values())
 
     def step() -> None:
         st: dict[str, object] = {}
         spec = make()
-        for _, fn in [*stages, ("write_into", s_write)]:
+        for _, fn in stages:
             fn(spec, st)
 
     out["step_pure_us"] = median_us(step, reps)
