@@ -330,10 +330,11 @@ def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
     window measures from a token's slot ``L + t``, but the window must follow its
     position ``L + depth(t)``, so the mask carries the window and the kernel's is off.
 
-    Every span holds the ``N >= 1`` draft tokens, so none is empty, and every value is
-    computed in int32 without wrapping: ``end = decoder_start + seq_lens`` was checked to
-    fit when the layout was built, ``prefix - window >= -INT32_MAX`` (the window is
-    capped at int32) and every other value lies between 0 and ``end``.
+    Every span holds the ``N >= 1`` draft tokens, so none is empty
+    (:meth:`PagedPart._derived_nonempty`), and every value is computed in int32 without
+    wrapping: ``end = decoder_start + seq_lens`` was checked to fit when the layout was
+    built, ``prefix - window >= -INT32_MAX`` (the window is capped at int32) and every
+    other value lies between 0 and ``end``.
     """
     draft = layout.draft
     assert draft is not None
@@ -343,19 +344,13 @@ def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
     end = base + layout.seq_lens
     window = _window(group)
     first = base + np.maximum(prefix - window, 0) if window >= 0 else base
-    start_page = first // ps
-    first_key = start_page * ps  # row token of the span's first key
-    kv_lens = end - first_key
-    num_pages = kv_lens - 1
-    num_pages //= ps
-    num_pages += 1
-    last_page_len = kv_lens - (num_pages - 1) * ps
-    for a in (first, end, start_page, kv_lens, num_pages, last_page_len):
+    for a in (first, end):
         if a is not base:
             a.setflags(write=False)  # fresh int32 arrays of ours
+    start_page, kv_lens, num_pages, last_page_len = PagedPart._derived_nonempty(first, end, ps)
     mask = None
     if not draft.is_chain:
-        span_first = (first_key - base).astype(np.int64)  # decoder positions
+        span_first = (start_page * ps - base).astype(np.int64)  # decoder positions
         depth = draft.depth
         prefix64 = prefix.astype(np.int64)
         bits = draft.ancestors

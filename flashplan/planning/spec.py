@@ -224,6 +224,26 @@ class PagedPart:
             _set(self, "last_page_len", last_page_len)
         return self
 
+    @staticmethod
+    def _derived_nonempty(
+        first_token: IntArray, end_token: IntArray, page_size: int
+    ) -> tuple[IntArray, IntArray, IntArray, IntArray]:
+        """Internal (the planner): ``(start_page, kv_lens, num_pages, last_page_len)``
+        for spans that are all non-empty (``first_token < end_token``, int32, ``end_token``
+        known to fit): what the cached properties below compute, without their
+        empty-span cases, as fresh read-only int32 arrays to preset with
+        :meth:`_from_checked`. Every value lies between 0 and ``end_token``, so the int32
+        arithmetic cannot wrap."""
+        start_page = first_token // page_size
+        kv_lens = end_token - start_page * page_size
+        num_pages = kv_lens - 1
+        num_pages //= page_size
+        num_pages += 1
+        last_page_len = kv_lens - (num_pages - 1) * page_size
+        for a in (start_page, kv_lens, num_pages, last_page_len):
+            a.setflags(write=False)
+        return start_page, kv_lens, num_pages, last_page_len
+
     def __attrs_post_init__(self) -> None:
         _same_length("paged", self.first_token, self.end_token)
         if self.first_token.size and int(self.first_token.min()) < 0:

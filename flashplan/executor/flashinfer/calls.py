@@ -474,8 +474,11 @@ def flashinfer_mask_offsets(
     them to a *byte* pointer (known bug, flashinfer PR #2201). So request ``i``'s bytes
     must start at byte ``sum_{r<i} qo_r * kv_r``. Returns int64 ``[bs + 1]``.
     """
-    bits = qo_lens.astype(np.int64) * kv_lens.astype(np.int64)
-    return np.concatenate([[0], np.cumsum(bits)])
+    offsets = np.empty(qo_lens.shape[0] + 1, dtype=np.int64)
+    offsets[0] = 0
+    # the ufunc itself: np.cumsum's Python wrapper costs more than the sum at these sizes
+    np.add.accumulate(np.multiply(qo_lens, kv_lens, dtype=np.int64), out=offsets[1:])
+    return offsets
 
 
 def bytes_as_int32(values: npt.NDArray[np.uint8]) -> IntArray:
@@ -491,11 +494,7 @@ def bytes_as_int32(values: npt.NDArray[np.uint8]) -> IntArray:
 
 
 def _mask_recipe(index: int, mask: CustomMask, host: dict[str, IntArray]) -> MaskRecipe:
-    bits = mask.qo_lens.astype(np.int64)
-    bits *= mask.kv_lens  # elements per request
-    offsets = np.empty(bits.shape[0] + 1, dtype=np.int64)  # flashinfer_mask_offsets
-    offsets[0] = 0
-    np.add.accumulate(bits, out=offsets[1:])
+    offsets = flashinfer_mask_offsets(mask.qo_lens, mask.kv_lens)
     total = int(offsets[-1])
     if total > INT32_MAX - 8:  # the mask kernel's int32 element indices
         raise UnsupportedError(
@@ -521,7 +520,7 @@ def _mask_recipe(index: int, mask: CustomMask, host: dict[str, IntArray]) -> Mas
         bits_u8 = np.ascontiguousarray(mask.tail_bits).reshape(-1).view(np.uint8)
         host[g + "tail_bits"] = bytes_as_int32(bits_u8)
     return MaskRecipe(
-        max_bytes=(int(bits.max()) + 7) // 8 if bits.size else 0,
+        max_bytes=(int(np.subtract(offsets[1:], offsets[:-1]).max()) + 7) // 8 if total else 0,
         total_bytes=max(total, 1),
         num_tokens=num_tokens,
     )
