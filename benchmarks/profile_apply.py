@@ -279,7 +279,7 @@ def run(title: str, ex: FlashInferExecutor, make: Callable[[], Any], table: fp.P
         prof.disable()
         torch.cuda.synchronize()
         print(f"\n-- cProfile of {n} applies ({title}), by own time --")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(60)
 
 
 def _case_layout(case: str) -> tuple[fp.BatchLayout, str]:

@@ -944,20 +944,22 @@ def part_window(copy_bw: float) -> None:
         mask_indptr[1:] = torch.cumsum(qo * kv, 0)
         return flashinfer.segment_packbits(mask, mask_indptr, bitorder="little")
 
-    staging = torch.empty(4 * bs, dtype=torch.int32, pin_memory=True)  # as an executor's ring
+    staging = torch.empty(4 * bs + 1, dtype=torch.int32, pin_memory=True)  # as an executor's ring
 
     def ours_mask_only() -> tuple[torch.Tensor, np.ndarray]:
         """The same job as theirs: plan + translate + upload + Triton build (the upload
         from a persistent pinned buffer, as the executor stages)."""
         tr = translate(fp.plan(layout, HEADS, extend_path="ragged"), policy, sm90=True)
         (gi, recipe), = tr.inputs.masks.items()  # fmt: skip
-        names = ("first_visible", "qo_lens", "kv_lens", "byte_offsets")
+        names = ("first_visible", "qo_lens", "kv_lens", "indptr")  # indptr[:bs]: bytes
         np.concatenate([tr.inputs.host[f"g{gi}.mask.{n}"] for n in names], out=staging.numpy())
         dev = staging.to(DEV, non_blocking=True)
         buf = torch.empty(recipe.total_bytes, dtype=torch.uint8, device=DEV)
         n = bs
-        build_mask(dev[:n], dev[n : 2 * n], dev[2 * n : 3 * n], dev[3 * n :], buf, recipe.max_bytes)
-        return buf, tr.inputs.host[f"g{gi}.mask.byte_offsets"]
+        build_mask(
+            dev[:n], dev[n : 2 * n], dev[2 * n : 3 * n], dev[3 * n : 4 * n], buf, recipe.max_bytes
+        )
+        return buf, tr.inputs.host[f"g{gi}.mask.indptr"][:-1]
 
     def synced(fn: Callable[[], object]) -> Callable[[], None]:
         def inner() -> None:

@@ -53,7 +53,7 @@ from flashplan.executor.flashinfer.policy import (
     decode_uses_tensor_cores,
     prefill_backend,
 )
-from flashplan.executor.flashinfer.staging import JOB_COLUMNS, device_plan
+from flashplan.executor.flashinfer.staging import JOBS, device_plan
 from flashplan.executor.gathers import gather_jobs, pages_region
 from flashplan.kernels.custom_mask import build_custom_mask_torch
 from flashplan.kernels.runs import fill_runs_torch
@@ -279,8 +279,10 @@ def _mask_buffer(index: int, gp: GroupPlan, kw: dict[str, Any], inputs: CallInpu
     bs = gp.num_keys.shape[0]
     arrays = {
         name: inputs.host[f"g{index}.mask.{name}"]
-        for name in ("first_visible", "qo_lens", "kv_lens", "byte_offsets")
+        for name in ("first_visible", "qo_lens", "kv_lens")
     }
+    # The mask kernel writes request i at byte mask_indptr[i] (FlashInfer's offsets).
+    arrays["byte_offsets"] = inputs.host[f"g{index}.mask.indptr"][:-1]
     for name, arr in arrays.items():
         # The executor stages these through its int32 pinned buffer.
         assert arr.dtype == np.int32 and arr.shape == (bs,), (name, arr.dtype, arr.shape)
@@ -293,7 +295,6 @@ def _mask_buffer(index: int, gp: GroupPlan, kw: dict[str, Any], inputs: CallInpu
     assert recipe.num_tokens == (
         part.mask.row_offsets.shape[1] if hasattr(part.mask, "row_offsets") else 0
     )
-    # The device builder writes request i at byte_offsets[i]: flashinfer's offsets.
     np.testing.assert_array_equal(arrays["byte_offsets"], _flashinfer_mask_offsets(kw)[:-1])
     n_bytes = (qo_lens * part.kv_lens.astype(np.int64) + 7) // 8
     assert recipe.max_bytes == (int(n_bytes.max()) if bs else 0)
@@ -552,7 +553,7 @@ def _check_staging(spec: PlanSpec, translation: Any) -> None:
         ints=inputs.ints,
         elements=inputs.elements,
     )
-    arrays = dict(zip(JOB_COLUMNS, jobs.columns(), strict=True)) | dict(inputs.host)
+    arrays = {JOBS: jobs.table.reshape(-1)} | dict(inputs.host)
     assert [s.name for s in dplan.manifest.slices] == list(arrays)
     end = 0
     for s in dplan.manifest.slices:

@@ -248,7 +248,7 @@ def _tree_mask_bytes(host: dict, recipe, index: int, n: int) -> np.ndarray:  # t
     bits = torch.from_numpy(np.array(host[f"g{index}.mask.tail_bits"]).view(np.uint8)[: bs * n * n])
     out = torch.full((recipe.total_bytes,), 0xA5, dtype=torch.uint8)
     build_custom_mask_torch(
-        t("first_visible"), t("qo_lens"), t("kv_lens"), t("byte_offsets"), out,
+        t("first_visible"), t("qo_lens"), t("kv_lens"), t("indptr")[:bs], out,
         tree=(t("row_offsets"), t("tail_start"), bits), num_tokens=n,
     )  # fmt: skip
     return out.numpy()
@@ -279,7 +279,7 @@ def test_padded_tree_masks_keep_every_real_bit_and_pad_harmlessly(
         want = _tree_mask_bytes(dict(inputs.host), real, index, n)
         got = _tree_mask_bytes(host, recipe, index, n)
         assert recipe.total_bytes <= bucket.mask_bytes(spec.page_size)
-        offsets = host[f"g{index}.mask.byte_offsets"]
+        offsets = host[f"g{index}.mask.indptr"][:-1]
         assert offsets.shape == (bs + pads,)
         # FlashInfer's offsets of the padded batch (qo x kv elements, one byte each).
         qo, kv = host[f"g{index}.mask.qo_lens"], host[f"g{index}.mask.kv_lens"]

@@ -59,24 +59,55 @@ class GatherJobs:
     """The job table of one batch (see module docstring).
 
     Attributes:
-        rows: int32 ``[n]`` page-table row of each job.
-        first: int32 ``[n]`` first column (``div = 1``) or row token (``div = page_size``).
-        counts: int32 ``[n]`` entries the job reads.
-        dst: int32 ``[n]`` where the job's first output goes.
-        div: int32 ``[n]`` 1 (columns) or the page size (tokens).
-        use_map: int32 ``[n]`` 1 where page ids go through the sliding-window page map.
+        table: int32 ``[6, n]``, read-only: one row per job column, in
+            :func:`~flashplan.kernels.gather_slots` order (``rows``, ``first``,
+            ``counts``, ``dst``, ``div``, ``use_map``, each also a property below). It
+            travels to the device as one block.
         regions: the named output regions, in order.
         total: entries in all regions.
+
+    The columns, each int32 ``[n]`` (a view of ``table``):
+
+    * ``rows``: page-table row of each job;
+    * ``first``: first column (``div = 1``) or row token (``div = page_size``);
+    * ``counts``: entries the job reads;
+    * ``dst``: where the job's first output goes;
+    * ``div``: 1 (columns) or the page size (tokens);
+    * ``use_map``: 1 where page ids go through the sliding-window page map.
     """
 
-    rows: IntArray
-    first: IntArray
-    counts: IntArray
-    dst: IntArray
-    div: IntArray
-    use_map: IntArray
+    table: IntArray = attrs.field(validator=lambda _, __, v: _check_table(v))
     regions: tuple[Region, ...]
     total: int
+
+    @property
+    def num_jobs(self) -> int:
+        """Jobs in the table."""
+        return int(self.table.shape[1])
+
+    @property
+    def rows(self) -> IntArray:
+        return self.table[0]
+
+    @property
+    def first(self) -> IntArray:
+        return self.table[1]
+
+    @property
+    def counts(self) -> IntArray:
+        return self.table[2]
+
+    @property
+    def dst(self) -> IntArray:
+        return self.table[3]
+
+    @property
+    def div(self) -> IntArray:
+        return self.table[4]
+
+    @property
+    def use_map(self) -> IntArray:
+        return self.table[5]
 
     def region(self, name: str) -> Region:
         """The region called ``name`` (``KeyError`` when the batch has none)."""
@@ -91,7 +122,14 @@ class GatherJobs:
 
     def columns(self) -> tuple[IntArray, ...]:
         """The six job arrays in :func:`~flashplan.kernels.gather_slots` order."""
-        return (self.rows, self.first, self.counts, self.dst, self.div, self.use_map)
+        return tuple(self.table)
+
+
+def _check_table(table: IntArray) -> None:
+    if table.dtype != np.int32 or table.ndim != 2 or table.shape[0] != 6:
+        raise ValueError(f"a job table is int32 [6, n], got {table.dtype} {table.shape}")
+    if not table.flags.c_contiguous or table.flags.writeable:
+        raise ValueError("a job table is a C-contiguous read-only array")
 
 
 def pages_region(group_index: int) -> str:
@@ -194,21 +232,20 @@ def _job_table(parts: list[_Part], rows: IntArray, bs: int) -> GatherJobs:
     """The job table of ``parts`` (name, first, counts, div, use_map), each ``[bs]``.
 
     Few numpy calls (this runs every step): the rows are broadcast into every part at
-    once, each part's columns are filled by slice (its divisor and map flag as scalars),
-    and ``dst`` is one running sum over every part's counts, since the parts' outputs
-    lie end to end.
+    once, each part's first and counts are filled by slice, the divisors and map flags
+    of all parts by one broadcast each, and ``dst`` is one running sum over every
+    part's counts, since the parts' outputs lie end to end.
     """
     n = len(parts)
     size = n * bs
     table = np.empty((6, size), dtype=np.int32)
     by_part = table.reshape(6, n, bs)
     by_part[0] = rows
-    for k, (_, first, counts, div, use_map) in enumerate(parts):
-        by_part[1, k] = first
-        by_part[2, k] = counts
-        by_part[4, k] = div
-        by_part[5, k] = use_map
-    ends = np.add.accumulate(table[2].astype(np.int64)) if size else np.zeros(0, np.int64)
+    for k, part in enumerate(parts):
+        by_part[1, k] = part[1]
+        by_part[2, k] = part[2]
+    by_part[4:6] = np.array([[p[3] for p in parts], [p[4] for p in parts]], np.int32)[..., None]
+    ends = np.add.accumulate(table[2], dtype=np.int64) if size else np.zeros(0, np.int64)
     total = int(ends[-1]) if size else 0
     if total > INT32_MAX:
         raise UnsupportedError(
@@ -217,20 +254,10 @@ def _job_table(parts: list[_Part], rows: IntArray, bs: int) -> GatherJobs:
     if size:  # dst: the running sum before each job
         table[3, 0] = 0
         table[3, 1:] = ends[:-1]
-    bounds = [0] + [int(ends[(k + 1) * bs - 1]) if bs else 0 for k in range(n)]
-    regions = tuple(Region(p[0], bounds[k], bounds[k + 1]) for k, p in enumerate(parts))
-    table.flags.writeable = False
-    rows_col, first_col, counts_col, dst_col, div_col, map_col = table
-    return GatherJobs(
-        rows=rows_col,
-        first=first_col,
-        counts=counts_col,
-        dst=dst_col,
-        div=div_col,
-        use_map=map_col,
-        regions=regions,
-        total=total,
-    )
+    bounds = [0, *ends[bs - 1 :: bs].tolist()] if bs else [0] * (n + 1)
+    regions = tuple(map(Region, [p[0] for p in parts], bounds[:-1], bounds[1:]))
+    table.setflags(write=False)
+    return GatherJobs(table, regions, total)
 
 
 def concat_jobs(tables: list[GatherJobs], prefixes: list[str]) -> GatherJobs:
@@ -247,7 +274,7 @@ def concat_jobs(tables: list[GatherJobs], prefixes: list[str]) -> GatherJobs:
     table = np.empty((6, sum(sizes)), dtype=np.int32)
     at = 0
     for t, size, base in zip(tables, sizes, shift.tolist(), strict=False):
-        table[:, at : at + size] = t.columns()
+        table[:, at : at + size] = t.table
         table[3, at : at + size] += base  # each table's outputs after the earlier ones
         at += size
     regions = tuple(
@@ -255,6 +282,5 @@ def concat_jobs(tables: list[GatherJobs], prefixes: list[str]) -> GatherJobs:
         for i, (t, prefix) in enumerate(zip(tables, prefixes, strict=True))
         for r in t.regions
     )
-    table.flags.writeable = False
-    rows, first, counts, dst, div, use_map = table
-    return GatherJobs(rows, first, counts, dst, div, use_map, regions, int(shift[-1]))
+    table.setflags(write=False)
+    return GatherJobs(table, regions, int(shift[-1]))

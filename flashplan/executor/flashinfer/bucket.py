@@ -238,7 +238,7 @@ def bucket_jobs(
     )
     # [6 columns, region, request]: the batch's jobs, then one fill job per padding request
     table = np.empty((6, n, graph.batch_size), dtype=np.int32)
-    table[:, :, :batch_size] = np.stack(jobs.columns()).reshape(6, n, batch_size)
+    table[:, :, :batch_size] = jobs.table.reshape(6, n, batch_size)
     shift = np.array([f.lo - r.lo for f, r in zip(fixed, jobs.regions, strict=True)], np.int32)
     table[3, :, :batch_size] += shift[:, None]  # each packed region moves to its fixed base
     if pads:
@@ -253,9 +253,8 @@ def bucket_jobs(
         Region(r.name, f.lo, f.lo + r.size + pads if pages else f.hi)
         for r, f, pages in zip(jobs.regions, fixed, is_pages, strict=True)
     )
-    table.flags.writeable = False
-    rows, first, counts, dst, div, use_map = table.reshape(6, n * graph.batch_size)
-    return GatherJobs(rows, first, counts, dst, div, use_map, regions=regions, total=bucket.total)
+    table.setflags(write=False)
+    return GatherJobs(table.reshape(6, n * graph.batch_size), regions, bucket.total)
 
 
 def padded_inputs(
@@ -315,12 +314,7 @@ def _padded_mask_array(
     """One array of a device-built tree mask (``g<i>.mask.<field>``) padded with
     ``pads`` requests of ``n`` rows and one key each, which see that key."""
     prefix = name[: -len(field)]
-    if field == "byte_offsets":  # FlashInfer's offsets run on: n x 1 elements each
-        qo, kv = host[prefix + "qo_lens"], host[prefix + "kv_lens"]
-        end = int(values[-1]) + int(qo[-1]) * int(kv[-1]) if values.size else 0
-        tail = end + n * np.arange(pads, dtype=np.int64)
-        return seal_inplace(np.concatenate([values.astype(np.int64), tail]))
-    if field == "indptr":  # FlashInfer's mask_indptr: byte_offsets and their end
+    if field == "indptr":  # FlashInfer's offsets run on: n x 1 elements each
         tail = int(values[-1]) + n * np.arange(1, pads + 1, dtype=np.int64)
         return seal_inplace(np.concatenate([values.astype(np.int64), tail]))
     if field == "tail_bits":  # bytes of [bs, n, n] bits as int32 words: no draft bits

@@ -474,11 +474,16 @@ def flashinfer_mask_offsets(
     them to a *byte* pointer (known bug, flashinfer PR #2201). So request ``i``'s bytes
     must start at byte ``sum_{r<i} qo_r * kv_r``. Returns int64 ``[bs + 1]``.
     """
-    offsets = np.empty(qo_lens.shape[0] + 1, dtype=np.int64)
-    offsets[0] = 0
+    return _running_sum(np.multiply(qo_lens, kv_lens, dtype=np.int64))
+
+
+def _running_sum(values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """int64 ``[n + 1]``: ``[0, v0, v0 + v1, …]``."""
+    out = np.empty(values.shape[0] + 1, dtype=np.int64)
+    out[0] = 0
     # the ufunc itself: np.cumsum's Python wrapper costs more than the sum at these sizes
-    np.add.accumulate(np.multiply(qo_lens, kv_lens, dtype=np.int64), out=offsets[1:])
-    return offsets
+    np.add.accumulate(values, out=out[1:])
+    return out
 
 
 def bytes_as_int32(values: npt.NDArray[np.uint8]) -> IntArray:
@@ -494,33 +499,37 @@ def bytes_as_int32(values: npt.NDArray[np.uint8]) -> IntArray:
 
 
 def _mask_recipe(index: int, mask: CustomMask, host: dict[str, IntArray]) -> MaskRecipe:
-    offsets = flashinfer_mask_offsets(mask.qo_lens, mask.kv_lens)
+    """Group ``index``'s mask as int32 arrays in ``host`` (``g<index>.mask.*``) and its
+    sizes. ``mask.indptr`` is :func:`flashinfer_mask_offsets`: FlashInfer's
+    ``mask_indptr``, whose first ``bs`` entries are also where the mask kernel writes
+    each request's bytes."""
+    sizes = np.multiply(mask.qo_lens, mask.kv_lens, dtype=np.int64)  # bits per request
+    offsets = _running_sum(sizes)
     total = int(offsets[-1])
     if total > INT32_MAX - 8:  # the mask kernel's int32 element indices
         raise UnsupportedError(
             f"custom mask of {total} elements exceeds int32 offsets; "
             "plan this batch with extend_path='paged'"
         )
-    limit = INT32_MAX  # the int32 staging copy must not wrap a far-off threshold
-    first = np.maximum(mask.first_visible, -limit)
-    np.minimum(first, limit, out=first)
-    offsets32 = seal_inplace(offsets)  # int32: total fits (checked above)
+    # the int32 staging copy must not wrap a far-off threshold: clamped, then cast
+    # (the ufuncs themselves: np.clip's Python wrapper costs more than both)
+    first = np.maximum(mask.first_visible, -INT32_MAX)
+    first = seal_inplace(np.minimum(first, INT32_MAX, out=first))
     g = f"g{index}.mask."
-    host[g + "first_visible"] = seal_inplace(first)
+    host[g + "first_visible"] = first
     host[g + "qo_lens"] = mask.qo_lens
     host[g + "kv_lens"] = mask.kv_lens
-    host[g + "byte_offsets"] = offsets32[:-1]
-    host[g + "indptr"] = offsets32  # FlashInfer's mask_indptr
+    host[g + "indptr"] = seal_inplace(offsets)  # int32: total fits (checked above)
     num_tokens = 0
     if isinstance(mask, TreeMask):
         num_tokens = int(mask.row_offsets.shape[1])
-        host[g + "row_offsets"] = seal_inplace(mask.row_offsets.reshape(-1))
-        host[g + "tail_start"] = seal_inplace(mask.tail_start)
+        host[g + "row_offsets"] = mask.row_offsets.reshape(-1)  # read-only int32, C order
+        host[g + "tail_start"] = seal_inplace(mask.tail_start)  # in [0, kv_len]
         # bool and uint8 share their bytes (0 / 1): a view of the mask's own bits
         bits_u8 = np.ascontiguousarray(mask.tail_bits).reshape(-1).view(np.uint8)
         host[g + "tail_bits"] = bytes_as_int32(bits_u8)
     return MaskRecipe(
-        max_bytes=(int(np.subtract(offsets[1:], offsets[:-1]).max()) + 7) // 8 if total else 0,
+        max_bytes=(int(np.maximum.reduce(sizes)) + 7) // 8 if total else 0,
         total_bytes=max(total, 1),
         num_tokens=num_tokens,
     )

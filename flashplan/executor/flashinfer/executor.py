@@ -79,7 +79,7 @@ from flashplan.executor.flashinfer.fast_prefill import (
     replannable,
 )
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
-from flashplan.executor.flashinfer.staging import JOB_COLUMNS, DevicePlan, device_plan
+from flashplan.executor.flashinfer.staging import JOBS, DevicePlan, device_plan
 from flashplan.executor.gathers import Region, gather_jobs, gather_jobs_steps
 from flashplan.kernels.fused import StagedMask, direct_launcher, launch_gather_and_mask
 from flashplan.kernels.gather import NO_BAD_JOB, new_status
@@ -339,12 +339,12 @@ class FlashInferExecutor:
         calls = self._skeleton(spec)
         dplan = self._device_plan(spec, calls, table)
         staged, slot = self._stage(dplan)
-        page, offset, masks = self._gather_and_mask(dplan, staged, table)
+        host_views, device_views = self._slice_views(dplan, slot)
+        page, offset, masks = self._gather_and_mask(dplan, staged, device_views, table)
         if self.check_pages:
             self._check_gathered(dplan, spec, table, page, offset)
 
         stream = torch.cuda.current_stream(self.device)
-        host_views, device_views = self._slice_views(dplan, slot)
         planned = self._plan_calls(calls, dplan, host_views, device_views, page, masks, stream)
         slot.mark_read(stream)
         self._spec, self._plan, self._table = spec, dplan, table
@@ -507,8 +507,8 @@ class FlashInferExecutor:
         prefixes = [f"s{k}/" for k in range(len(steps))]
         dplan = self._steps_device_plan(steps, table, prefixes)
         staged, slot = self._stage(dplan)
-        page, offset, _ = self._gather_and_mask(dplan, staged, table)
         host_views, device_views = self._slice_views(dplan, slot)
+        page, offset, _ = self._gather_and_mask(dplan, staged, device_views, table)
         stream = torch.cuda.current_stream(self.device)
         views = []
         while len(self._step_positions) < len(steps):
@@ -612,10 +612,15 @@ class FlashInferExecutor:
         return buf.get(size)
 
     def _gather_and_mask(
-        self, dplan: DevicePlan, staged: torch.Tensor, table: PageTable
+        self,
+        dplan: DevicePlan,
+        staged: torch.Tensor,
+        views: Mapping[str, torch.Tensor],
+        table: PageTable,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
         """The gather and the first masked group's mask in one launch, any further
-        mask in its own: (page ids, in-page offsets, each masked group's mask)."""
+        mask in its own: (page ids, in-page offsets, each masked group's mask).
+        ``staged`` is the device copy of the staging data, ``views`` its named views."""
         jobs = dplan.jobs
         page, offset = self._gather_out(max(jobs.total, 1))
         built: dict[int, torch.Tensor] = {}
@@ -628,9 +633,10 @@ class FlashInferExecutor:
                 fused = mask
             else:  # a batch's second and later masked groups: a launch each
                 mask.build()
-        num_jobs = dplan.manifest[JOB_COLUMNS[0]].size if jobs.total else 0
+        # [6, num_jobs] (none when the jobs gather nothing)
+        job_table = views[JOBS].view(6, -1) if jobs.total else staged[:0].view(6, 0)
         launch_gather_and_mask(
-            table.pages, staged[: 6 * num_jobs].view(6, num_jobs), page, offset,
+            table.pages, job_table, page, offset,
             page_map=self.page_map, num_pages=table.num_pages or 0, status=self._status,
             mask=fused, direct=self._direct,
         )  # fmt: skip
@@ -648,9 +654,10 @@ class FlashInferExecutor:
         if num_tokens:
             tree = (m[g + "row_offsets"].offset, m[g + "tail_start"].offset,
                     m[g + "tail_bits"].offset)  # fmt: skip
+        # each request's first byte: the first bs entries of FlashInfer's mask_indptr
         return StagedMask(
             staged, m[g + "first_visible"].offset, qo.offset, m[g + "kv_lens"].offset,
-            m[g + "byte_offsets"].offset, *tree, qo.size, num_tokens, recipe.max_bytes, out,
+            m[g + "indptr"].offset, *tree, qo.size, num_tokens, recipe.max_bytes, out,
         )  # fmt: skip
 
     def _fill_item_positions(

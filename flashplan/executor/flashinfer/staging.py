@@ -26,10 +26,11 @@ import numpy.typing as npt
 from flashplan.executor.flashinfer.calls import GroupCalls, MaskRecipe
 from flashplan.executor.gathers import GatherJobs
 
-__all__ = ["JOB_COLUMNS", "DevicePlan", "Slice", "StagingManifest", "device_plan"]
+__all__ = ["JOBS", "DevicePlan", "Slice", "StagingManifest", "device_plan"]
 
-#: Names of the job table's slices, in :func:`~flashplan.kernels.gather_slots` order.
-JOB_COLUMNS = ("jobs.rows", "jobs.first", "jobs.counts", "jobs.dst", "jobs.div", "jobs.use_map")
+#: Name of the job table's slice: :attr:`GatherJobs.table` flattened, ``6 * num_jobs``
+#: entries (its six columns end to end, in :func:`~flashplan.kernels.gather_slots` order).
+JOBS = "jobs"
 
 
 class Slice(NamedTuple):
@@ -145,7 +146,7 @@ def device_plan(
         ints, elements: :attr:`~flashplan.executor.flashinfer.calls.CallInputs.ints` and
             ``.elements`` (multi-item batches).
     """
-    arrays: dict[str, npt.NDArray[np.int32]] = dict(zip(JOB_COLUMNS, jobs.columns(), strict=True))
+    arrays: dict[str, npt.NDArray[np.int32]] = {JOBS: jobs.table.reshape(-1)}
     arrays.update(host)
     manifest = StagingManifest.of(arrays)
     return DevicePlan(
