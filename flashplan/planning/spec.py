@@ -324,7 +324,8 @@ class PagedPart:
     @cached_property
     def max_kv_len(self) -> int:
         """Longest span (tokens), 0 for an empty batch."""
-        return int(self.kv_lens.max()) if self.kv_lens.size else 0
+        # (the ufunc itself: ndarray.max's Python wrapper costs more at these sizes)
+        return int(np.maximum.reduce(self.kv_lens)) if self.kv_lens.size else 0
 
 
 @readonly_when_unpickled
@@ -351,7 +352,8 @@ class RaggedPart:
     @cached_property
     def max_kv_len(self) -> int:
         """Longest ragged span (tokens)."""
-        return int(self.kv_lens.max()) if self.kv_lens.size else 0
+        # (the ufunc itself: ndarray.max's Python wrapper costs more at these sizes)
+        return int(np.maximum.reduce(self.kv_lens)) if self.kv_lens.size else 0
 
 
 @readonly_when_unpickled

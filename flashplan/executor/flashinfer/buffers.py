@@ -16,7 +16,7 @@ read it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -31,6 +31,7 @@ __all__ = [
     "PinnedRing",
     "PinnedSlot",
     "SliceViews",
+    "StagedViews",
     "WrapperPool",
     "WrapperSlot",
 ]
@@ -119,15 +120,24 @@ class DeviceBuffer:
         return self.tensor[:size]
 
 
-class _LazyViews(dict[str, torch.Tensor]):
-    """Name -> view of one tensor's slice, each made on its first lookup."""
+class StagedViews(dict[str, torch.Tensor]):
+    """Name -> view of one tensor's slice, each made on its first lookup.
 
-    __slots__ = ("manifest", "tensor")
+    Attributes:
+        tensor: the staging tensor the views share memory with.
+        manifest: its named slices.
+        bound: values an owner derives from these views alone (the executor's
+            ``plan()`` arguments that depend only on the staging layout), kept as long
+            as the views are.
+    """
+
+    __slots__ = ("bound", "manifest", "tensor")
 
     def __init__(self, tensor: torch.Tensor, manifest: StagingManifest) -> None:
         super().__init__()
         self.tensor = tensor
         self.manifest = manifest
+        self.bound: dict[Hashable, Any] = {}
 
     def __missing__(self, name: str) -> torch.Tensor:
         s = self.manifest[name]
@@ -149,16 +159,16 @@ class SliceViews:
 
     def __init__(self, capacity: int = 8) -> None:
         self.capacity = capacity
-        self._entries: dict[tuple[int, StagingManifest], _LazyViews] = {}
+        self._entries: dict[tuple[int, StagingManifest], StagedViews] = {}
 
-    def of(self, tensor: torch.Tensor, manifest: StagingManifest) -> Mapping[str, torch.Tensor]:
+    def of(self, tensor: torch.Tensor, manifest: StagingManifest) -> StagedViews:
         """Each slice of ``manifest`` as a view of ``tensor`` (1-D, at least
         ``manifest.total`` entries), by name."""
         key = (id(tensor), manifest)
         views = self._entries.get(key)
         if views is not None and views.tensor is tensor:
             return views
-        views = _LazyViews(tensor, manifest)
+        views = StagedViews(tensor, manifest)
         if len(self._entries) >= self.capacity:
             del self._entries[next(iter(self._entries))]
         self._entries[key] = views

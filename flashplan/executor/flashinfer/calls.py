@@ -401,7 +401,7 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
     ints: dict[str, int] = {}
     if uses_qo:
         ints["qo.total"] = spec.total_q
-        ints["qo.max_len"] = int(spec.qo_lens.max()) if spec.batch_size else 0
+        ints["qo.max_len"] = int(np.maximum.reduce(spec.qo_lens)) if spec.batch_size else 0
     elements: dict[str, int] = {}
     for gc in calls:
         gp = spec.group_plans[gc.group_index]

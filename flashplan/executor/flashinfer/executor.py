@@ -48,6 +48,7 @@ from flashplan.executor.flashinfer.buffers import (
     PinnedRing,
     PinnedSlot,
     SliceViews,
+    StagedViews,
     WrapperPool,
     WrapperSlot,
 )
@@ -59,6 +60,7 @@ from flashplan.executor.flashinfer.calls import (
     HostArray,
     ItemPositions,
     MaskRecipe,
+    PlanCall,
     StagedArray,
     WrapperKey,
     WrapperKind,
@@ -126,6 +128,74 @@ def _cuda_device(device: torch.device | str | None) -> torch.device:
         # (torch's stubs type index as int; it is None for a bare "cuda")
         dev = torch.device("cuda", torch.cuda.current_device())  # type: ignore[unreachable]
     return dev
+
+
+_T = torch.Tensor
+#: A decode call's staged views in :class:`DecodeArrays` order (``indices`` excluded).
+_DecodeViews = tuple[_T, _T, _T, _T]
+#: A paged prefill call's staged views in :class:`PrefillArrays` order, up to
+#: ``kv_lens_device``.
+_PrefillViews = tuple[_T, _T, _T, _T, _T, _T, _T]
+
+
+@attrs.frozen(eq=False)
+class _BoundCall:
+    """One ``plan()`` call's arguments that depend only on the staging layout, resolved
+    against one pair of views (kept in the device views' ``bound``, so made once per
+    layout and pinned slot instead of every batch).
+
+    Attributes:
+        host: the host views the arguments were resolved against (held, so that the
+            entry is recognised by identity).
+        kwargs: the constant arguments and the host arrays' views (pinned).
+        dynamic: the placeholders each batch resolves (gathered page ids, built masks,
+            the batch's ints, multi-item tensors).
+        decode: a decode call's indptr and last-page lengths, host and device views
+            (:class:`DecodeArrays` order), else ``None``.
+        prefill: a paged prefill call's views in :class:`PrefillArrays` order (up to
+            ``kv_lens_device``), else ``None``.
+        mask_indptr: a masked paged prefill call's ``mask_indptr`` (device view).
+    """
+
+    host: StagedViews
+    kwargs: dict[str, Any]
+    dynamic: tuple[tuple[str, Any], ...]
+    decode: _DecodeViews | None
+    prefill: _PrefillViews | None
+    mask_indptr: torch.Tensor | None
+
+
+def _bound_call(
+    call: PlanCall, host: StagedViews, staged: StagedViews, prefix: str, index: int, part: str
+) -> _BoundCall:
+    """``call``'s :class:`_BoundCall` for these views (made on first use)."""
+    memo_key = (prefix, index, part, id(host))
+    bound: _BoundCall | None = staged.bound.get(memo_key)
+    if bound is not None and bound.host is host:
+        return bound
+    kwargs = dict(call.constants)
+    dynamic = []
+    for name, value in call.placeholders:
+        if isinstance(value, HostArray):
+            kwargs[name] = host[prefix + value.name]
+        else:
+            dynamic.append((name, value))
+    g = f"{prefix}g{index}"
+    decode: _DecodeViews | None = None
+    prefill: _PrefillViews | None = None
+    mask_indptr = None
+    if call.wrapper.kind is WrapperKind.DECODE:
+        ind, last = g + ".page_indptr", g + ".last_page_len"
+        decode = (host[ind], staged[ind], host[last], staged[last])
+    elif call.wrapper.kind is WrapperKind.PAGED_PREFILL:
+        qo, ind, kv = prefix + "qo_indptr", g + ".page_indptr", g + ".kv_lens"
+        prefill = (host[qo], staged[qo], host[ind], staged[ind], staged[g + ".last_page_len"],
+                   host[kv], staged[kv])  # fmt: skip
+        if any(isinstance(v, BuiltMask) for _, v in call.placeholders):
+            mask_indptr = staged[g + ".mask.indptr"]
+    bound = _BoundCall(host, kwargs, tuple(dynamic), decode, prefill, mask_indptr)
+    staged.bound[memo_key] = bound
+    return bound
 
 
 class FlashInferExecutor:
@@ -356,8 +426,8 @@ class FlashInferExecutor:
         self,
         calls: tuple[GroupCalls, ...],
         dplan: DevicePlan,
-        host: Mapping[str, torch.Tensor],
-        staged: Mapping[str, torch.Tensor],
+        host: StagedViews,
+        staged: StagedViews,
         page: torch.Tensor,
         masks: dict[int, torch.Tensor],
         stream: torch.cuda.Stream,
@@ -368,8 +438,6 @@ class FlashInferExecutor:
         regions and the built masks (names under ``prefix``)."""
 
         def resolve(value: Any) -> Any:
-            if isinstance(value, HostArray):
-                return host[prefix + value.name]
             if isinstance(value, StagedArray):
                 # A typed view of the persistent device staging buffer: FlashInfer keeps
                 # it for run(); it stays valid until the next apply rewrites the buffer.
@@ -384,7 +452,7 @@ class FlashInferExecutor:
                 return masks[value.group_index]
             if isinstance(value, ItemPositions):
                 return self._fill_item_positions(dplan, staged, prefix + value.name)
-            return value
+            raise AssertionError(f"unresolved placeholder {value!r}")  # pragma: no cover
 
         planned: dict[tuple[int, str], Any] = {}
         for gc in calls:
@@ -395,24 +463,31 @@ class FlashInferExecutor:
                 held = self._pool.acquire(
                     (prefix, key), partial(self._make_wrapper, key, index, prefix)
                 )
-                kwargs = dict(call.constants)
-                for name, value in call.placeholders:
+                bound = _bound_call(call, host, staged, prefix, index, part)
+                kwargs = dict(bound.kwargs)
+                for name, value in bound.dynamic:
                     kwargs[name] = resolve(value)
                 if (
                     self._fast_decode
-                    and key.kind is WrapperKind.DECODE
+                    and bound.decode is not None
                     and held.planned_with == call.constants  # None before a full plan()
                 ):
-                    arrays = self._decode_arrays(dplan, host, staged, index, prefix, kwargs)
+                    arrays = DecodeArrays(*bound.decode, indices=kwargs["indices"])
                     replan_decode(self._fi, held, kwargs, arrays, graph=self._graph_wrappers)
                     self.plan_counts["fast_decode_plan"] += 1
                 elif (
                     self._fast_prefill
-                    and key.kind is WrapperKind.PAGED_PREFILL
+                    and bound.prefill is not None
                     and held.planned_with == call.constants
                     and replannable(held.wrapper, kwargs)
                 ):
-                    prefill = self._prefill_arrays(dplan, host, staged, index, prefix, kwargs)
+                    g, ints = f"{prefix}g{index}", dplan.ints
+                    prefill = PrefillArrays(
+                        *bound.prefill, indices=kwargs["paged_kv_indices"],
+                        mask_indptr_device=bound.mask_indptr,
+                        total_rows=ints[prefix + "qo.total"],
+                        max_q_len=ints[prefix + "qo.max_len"], max_kv_len=ints[g + ".max_kv_len"],
+                    )  # fmt: skip
                     replan_prefill(held, kwargs, prefill)
                     self.plan_counts["fast_prefill_plan"] += 1
                 else:
@@ -423,58 +498,6 @@ class FlashInferExecutor:
                 self._pool.mark_planned(held, stream)
                 planned[(index, part)] = held.wrapper
         return planned
-
-    @staticmethod
-    def _decode_arrays(
-        dplan: DevicePlan,
-        host: Mapping[str, torch.Tensor],
-        staged: Mapping[str, torch.Tensor],
-        index: int,
-        prefix: str,
-        kwargs: dict[str, Any],
-    ) -> DecodeArrays:
-        """A decode call's indptr and last-page lengths on both sides of the staging
-        copy (:func:`~flashplan.executor.flashinfer.fast_plan.replan_decode`)."""
-        ind, last = f"{prefix}g{index}.page_indptr", f"{prefix}g{index}.last_page_len"
-        return DecodeArrays(
-            indptr_host=host[ind],
-            indptr_device=staged[ind],
-            last_page_len_host=host[last],
-            last_page_len_device=staged[last],
-            indices=kwargs["indices"],
-        )
-
-    @staticmethod
-    def _prefill_arrays(
-        dplan: DevicePlan,
-        host: Mapping[str, torch.Tensor],
-        staged: Mapping[str, torch.Tensor],
-        index: int,
-        prefix: str,
-        kwargs: dict[str, Any],
-    ) -> PrefillArrays:
-        """A paged prefill call's arrays on both sides of the staging copy, and the
-        batch's lengths (:func:`~flashplan.executor.flashinfer.fast_prefill.replan_prefill`)."""
-        g = f"{prefix}g{index}"
-        qo, ind = prefix + "qo_indptr", g + ".page_indptr"
-        last, kv = g + ".last_page_len", g + ".kv_lens"
-        mask_indptr = None
-        if kwargs.get("packed_custom_mask") is not None:
-            mask_indptr = staged[g + ".mask.indptr"]
-        return PrefillArrays(
-            qo_indptr_host=host[qo],
-            qo_indptr_device=staged[qo],
-            page_indptr_host=host[ind],
-            page_indptr_device=staged[ind],
-            last_page_len_device=staged[last],
-            kv_lens_host=host[kv],
-            kv_lens_device=staged[kv],
-            indices=kwargs["paged_kv_indices"],
-            mask_indptr_device=mask_indptr,
-            total_rows=dplan.ints[prefix + "qo.total"],
-            max_q_len=dplan.ints[prefix + "qo.max_len"],
-            max_kv_len=dplan.ints[g + ".max_kv_len"],
-        )
 
     # -- multi-step draft decode ------------------------------------------------------
     def apply_steps(
@@ -579,9 +602,7 @@ class FlashInferExecutor:
         """The gather's output buffers (page ids, in-page offsets) of at least ``size``."""
         return self._out_page.get(size), self._out_offset.get(size)
 
-    def _slice_views(
-        self, dplan: DevicePlan, slot: PinnedSlot
-    ) -> tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]:
+    def _slice_views(self, dplan: DevicePlan, slot: PinnedSlot) -> tuple[StagedViews, StagedViews]:
         """The staged arrays by name: views of the pinned slot and of the device copy
         (made once per buffer and manifest, :class:`SliceViews`)."""
         return (
