@@ -33,7 +33,7 @@ def _sm_scale(field: str, value: object) -> float | None:
     return scale
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # a dict key every step: hashed once
 class AttentionGroup:
     """One kind of attention layer; every layer of a group shares one plan.
 

@@ -22,7 +22,7 @@ def _float_dtype(
         )
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # a dict key every step: hashed once
 class HeadConfig:
     """Shapes and dtypes shared by every layer of a plan.
 

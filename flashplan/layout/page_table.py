@@ -138,7 +138,7 @@ class PageTable:
                 table_batch_size=self.batch_size,
                 plan_batch_size=int(pages_needed.shape[0]),
             )
-        if pages_needed.size and int(pages_needed.max()) > self.max_pages:
+        if pages_needed.size and int(np.maximum.reduce(pages_needed)) > self.max_pages:
             i = int(np.flatnonzero(pages_needed > self.max_pages)[0])
             raise PageTableError(
                 "pages",

@@ -133,14 +133,24 @@ def _plan_key(
     paths: tuple[KernelPath, ...],
     heads: HeadConfig,
 ) -> PlanKey:
-    return PlanKey(
-        mode=layout.mode,
-        groups=resolved,
-        paths=paths,
-        page_size=layout.page_size,
-        heads=heads,
-        multi_item=layout.is_multi_item,
+    return _interned_key(
+        layout.mode, resolved, paths, layout.page_size, heads, layout.is_multi_item
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def _interned_key(
+    mode: Mode,
+    groups: tuple[AttentionGroup, ...],
+    paths: tuple[KernelPath, ...],
+    page_size: int,
+    heads: HeadConfig,
+    multi_item: bool,
+) -> PlanKey:
+    """One :class:`PlanKey` object per distinct key (memoized: keys are immutable), so
+    that an executor's caches keyed on it match by identity instead of comparing
+    every field every step."""
+    return PlanKey(mode, groups, paths, page_size, heads, multi_item)
 
 
 def _encoder_indptr(layout: BatchLayout) -> IntArray | None:

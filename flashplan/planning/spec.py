@@ -90,7 +90,7 @@ class ExtendPath(enum.Enum):
         raise LayoutError("extend_path", "must be 'auto', 'paged' or 'ragged'", extend_path=value)
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # a dict key every step: hashed once
 class PlanKey:
     """The static, hashable part of a plan.
 

@@ -113,11 +113,16 @@ class DeviceBuffer:
 
     def get(self, size: int) -> torch.Tensor:
         """The first ``size`` entries of the buffer (grown if needed)."""
+        return self.reserve(size)[:size]
+
+    def reserve(self, size: int) -> torch.Tensor:
+        """The whole buffer, grown to at least ``size`` entries if needed (no slicing:
+        for readers that take their bounds from elsewhere)."""
         if self.tensor.shape[0] < size:
             self.tensor = torch.empty(
                 _grown(self.tensor.shape[0], size), dtype=self.dtype, device=self.device
             )
-        return self.tensor[:size]
+        return self.tensor
 
 
 class StagedViews(dict[str, torch.Tensor]):
@@ -184,7 +189,9 @@ class WrapperSlot:
         event: recorded after the copies of its last ``plan()`` (``None``: never planned).
         fixed: device buffers the wrapper was made with and reads at run time, by name
             (a graph-mode decode wrapper's ``"indptr"`` int32 ``[bs + 1]`` and
-            ``"last_page_len"`` int32 ``[bs]``); empty for eager wrappers.
+            ``"last_page_len"`` int32 ``[bs]``); for an eager prefill wrapper whose
+            field a re-plan pointed at the staging buffer, its own ``"kv_lens"`` buffer
+            (:func:`~flashplan.executor.flashinfer.fast_prefill.restore_own_buffers`).
         planned_with: the constant ``plan()`` arguments of its last full ``plan()``
             (:attr:`~flashplan.executor.flashinfer.calls.PlanCall.constants`), which
             fixed its compiled module; ``None`` before one, or after one that failed.

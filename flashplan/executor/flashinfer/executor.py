@@ -79,6 +79,7 @@ from flashplan.executor.flashinfer.fast_prefill import (
     fast_prefill_available,
     replan_prefill,
     replannable,
+    restore_own_buffers,
 )
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import JOBS, DevicePlan, device_plan
@@ -196,6 +197,14 @@ def _bound_call(
     bound = _BoundCall(host, kwargs, tuple(dynamic), decode, prefill, mask_indptr)
     staged.bound[memo_key] = bound
     return bound
+
+
+def _job_table(views: StagedViews) -> torch.Tensor:
+    """The staged job table as int32 ``[6, num_jobs]`` (made once per layout)."""
+    table = views.bound.get(JOBS)
+    if table is None:
+        table = views.bound[JOBS] = views[JOBS].view(6, -1)
+    return table
 
 
 class FlashInferExecutor:
@@ -408,9 +417,8 @@ class FlashInferExecutor:
             )
         calls = self._skeleton(spec)
         dplan = self._device_plan(spec, calls, table)
-        staged, slot = self._stage(dplan)
-        host_views, device_views = self._slice_views(dplan, slot)
-        page, offset, masks = self._gather_and_mask(dplan, staged, device_views, table)
+        slot, host_views, device_views = self._stage(dplan)
+        page, offset, masks = self._gather_and_mask(dplan, device_views, table)
         if self.check_pages:
             self._check_gathered(dplan, spec, table, page, offset)
 
@@ -492,6 +500,7 @@ class FlashInferExecutor:
                     self.plan_counts["fast_prefill_plan"] += 1
                 else:
                     held.planned_with = None  # until this plan() succeeds
+                    restore_own_buffers(held)
                     self._call_plan(held.wrapper, kwargs)
                     held.planned_with = call.constants
                     self.plan_counts["plan"] += 1
@@ -529,9 +538,8 @@ class FlashInferExecutor:
         self._check_table_device(table)
         prefixes = [f"s{k}/" for k in range(len(steps))]
         dplan = self._steps_device_plan(steps, table, prefixes)
-        staged, slot = self._stage(dplan)
-        host_views, device_views = self._slice_views(dplan, slot)
-        page, offset, _ = self._gather_and_mask(dplan, staged, device_views, table)
+        slot, host_views, device_views = self._stage(dplan)
+        page, offset, _ = self._gather_and_mask(dplan, device_views, table)
         stream = torch.cuda.current_stream(self.device)
         views = []
         while len(self._step_positions) < len(steps):
@@ -599,8 +607,9 @@ class FlashInferExecutor:
         )
 
     def _gather_out(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The gather's output buffers (page ids, in-page offsets) of at least ``size``."""
-        return self._out_page.get(size), self._out_offset.get(size)
+        """The gather's output buffers (page ids, in-page offsets) of at least ``size``
+        (whole: readers take their regions' bounds from the job table)."""
+        return self._out_page.reserve(size), self._out_offset.reserve(size)
 
     def _slice_views(self, dplan: DevicePlan, slot: PinnedSlot) -> tuple[StagedViews, StagedViews]:
         """The staged arrays by name: views of the pinned slot and of the device copy
@@ -610,9 +619,21 @@ class FlashInferExecutor:
             self._views.of(self._staged.tensor, dplan.manifest),
         )
 
-    def _stage(self, dplan: DevicePlan) -> tuple[torch.Tensor, Any]:
-        """Copy the staging data into a pinned slot and send it to the device at once."""
-        return self._upload(self._staged, dplan.manifest.total, dplan.write_into)
+    def _stage(self, dplan: DevicePlan) -> tuple[PinnedSlot, StagedViews, StagedViews]:
+        """Copy the staging data into a pinned slot and send it to the device at once:
+        the slot (the caller marks it read) and the views of both sides by name."""
+        total = dplan.manifest.total
+        slot = self._ring.acquire(total)
+        dplan.write_into(slot.array)
+        self._staged.reserve(total)
+        host, device = self._slice_views(dplan, slot)
+        # the copy's two [:total] views, made once per pair of views
+        key = ("upload", id(host))
+        pair = device.bound.get(key)
+        if pair is None or pair[0] is not host:
+            pair = device.bound[key] = (host, device.tensor[:total], slot.host[:total])
+        pair[1].copy_(pair[2], non_blocking=True)
+        return slot, host, device
 
     def _upload(
         self, target: DeviceBuffer, total: int, write: Callable[[np.ndarray], object]
@@ -626,36 +647,34 @@ class FlashInferExecutor:
         return staged, slot
 
     def _mask_out(self, group_index: int, size: int) -> torch.Tensor:
-        """The uint8 buffer (``size`` bytes) group ``group_index``'s mask is built into."""
+        """The uint8 buffer (at least ``size`` bytes, whole: FlashInfer finds each
+        request's bytes through ``mask_indptr``) group ``group_index``'s mask is built
+        into."""
         buf = self._mask_bufs.get(group_index)
         if buf is None:
             buf = self._mask_bufs[group_index] = DeviceBuffer(self.device, torch.uint8)
-        return buf.get(size)
+        return buf.reserve(size)
 
     def _gather_and_mask(
-        self,
-        dplan: DevicePlan,
-        staged: torch.Tensor,
-        views: Mapping[str, torch.Tensor],
-        table: PageTable,
+        self, dplan: DevicePlan, views: StagedViews, table: PageTable
     ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
         """The gather and the first masked group's mask in one launch, any further
         mask in its own: (page ids, in-page offsets, each masked group's mask).
-        ``staged`` is the device copy of the staging data, ``views`` its named views."""
+        ``views`` are the named views of the device copy of the staging data."""
         jobs = dplan.jobs
         page, offset = self._gather_out(max(jobs.total, 1))
         built: dict[int, torch.Tensor] = {}
         fused = None
         for index, recipe in dplan.masks.items():
             out = self._mask_out(index, recipe.total_bytes)
-            mask = self._staged_mask(dplan, staged, index, recipe, out)
+            mask = self._staged_mask(dplan, views, index, recipe, out)
             built[index] = mask.out
             if fused is None:
                 fused = mask
             else:  # a batch's second and later masked groups: a launch each
                 mask.build()
         # [6, num_jobs] (none when the jobs gather nothing)
-        job_table = views[JOBS].view(6, -1) if jobs.total else staged[:0].view(6, 0)
+        job_table = _job_table(views) if jobs.total else views.tensor[:0].view(6, 0)
         launch_gather_and_mask(
             table.pages, job_table, page, offset,
             page_map=self.page_map, num_pages=table.num_pages or 0, status=self._status,
@@ -665,10 +684,15 @@ class FlashInferExecutor:
 
     @staticmethod
     def _staged_mask(
-        dplan: DevicePlan, staged: torch.Tensor, index: int, recipe: MaskRecipe, out: torch.Tensor
+        dplan: DevicePlan, views: StagedViews, index: int, recipe: MaskRecipe, out: torch.Tensor
     ) -> StagedMask:
-        """Group ``index``'s mask: its inputs as offsets into the staging buffer, built
-        into ``out``."""
+        """Group ``index``'s mask: its inputs as offsets into the staged device tensor
+        (``views.tensor``), built into ``out`` (made once per layout, output buffer and
+        batch size)."""
+        key = ("mask", index)
+        held = views.bound.get(key)
+        if held is not None and held.out is out and held.max_bytes == recipe.max_bytes:
+            return held
         m, g, num_tokens = dplan.manifest, f"g{index}.mask.", recipe.num_tokens
         qo = m[g + "qo_lens"]
         tree = (0, 0, 0)
@@ -676,10 +700,12 @@ class FlashInferExecutor:
             tree = (m[g + "row_offsets"].offset, m[g + "tail_start"].offset,
                     m[g + "tail_bits"].offset)  # fmt: skip
         # each request's first byte: the first bs entries of FlashInfer's mask_indptr
-        return StagedMask(
-            staged, m[g + "first_visible"].offset, qo.offset, m[g + "kv_lens"].offset,
+        mask = StagedMask(
+            views.tensor, m[g + "first_visible"].offset, qo.offset, m[g + "kv_lens"].offset,
             m[g + "indptr"].offset, *tree, qo.size, num_tokens, recipe.max_bytes, out,
         )  # fmt: skip
+        views.bound[key] = mask
+        return mask
 
     def _fill_item_positions(
         self, dplan: DevicePlan, staged: Mapping[str, torch.Tensor], name: str

@@ -29,8 +29,9 @@ arguments, so it depends on that version's private fields. Hence:
 
 It issues no sync and no pageable copy: the scheduler reads pinned host arrays, the
 kernels read the staged device arrays (valid until the next ``apply`` rewrites the
-staging buffer, like the multi-item views), and the KV lengths FlashInfer keeps in its
-own buffer arrive by one device-to-device copy.
+staging buffer, like the multi-item views), the KV lengths field included (FlashInfer
+copies them into a buffer of its own that its FA2 kernels never read; the wrapper gets
+that buffer back before any full ``plan()``: :func:`restore_own_buffers`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,13 @@ import torch
 
 from flashplan.executor.flashinfer.buffers import WrapperSlot
 
-__all__ = ["FAST_PREFILL_VERSIONS", "PrefillArrays", "fast_prefill_available", "replan_prefill"]
+__all__ = [
+    "FAST_PREFILL_VERSIONS",
+    "PrefillArrays",
+    "fast_prefill_available",
+    "replan_prefill",
+    "restore_own_buffers",
+]
 
 #: flashinfer-python versions whose paged prefill ``plan()`` :func:`replan_prefill`
 #: re-creates (the GPU test ``test_fast_prefill_plan_equals_plan`` checks it).
@@ -70,6 +77,15 @@ def replannable(wrapper: Any, kwargs: dict[str, Any]) -> bool:
         and kwargs.get("q_data_type") in _HALF_DTYPES
         and kwargs.get("kv_data_type") in _HALF_DTYPES
     )
+
+
+def restore_own_buffers(slot: WrapperSlot) -> None:
+    """Give ``slot``'s wrapper back the buffers a re-plan pointed elsewhere (its own KV
+    lengths buffer: :func:`replan_prefill` aims the field at the staging buffer, which a
+    full ``plan()`` must not write into). Call it before every full ``plan()``."""
+    own = slot.fixed.pop("kv_lens", None)
+    if own is not None:
+        slot.wrapper._kv_lens_buffer = own
 
 
 @attrs.frozen
@@ -134,9 +150,12 @@ def replan_prefill(slot: WrapperSlot, kwargs: dict[str, Any], arrays: PrefillArr
     w._max_q_len = arrays.max_q_len
     w._max_kv_len = arrays.max_kv_len
     w._cudnn_paged_bounds = None
-    if bs > w._kv_lens_buffer.shape[0]:
-        w._kv_lens_buffer = torch.empty(bs, dtype=torch.int32, device=w.device)
-    w._kv_lens_buffer[:bs].copy_(arrays.kv_lens_device, non_blocking=True)
+    # plan() copies the KV lengths into the wrapper's own buffer, which the FA2 kernels
+    # never read: the re-plan points the field at the staged copy instead (no copy) and
+    # keeps the wrapper's own buffer, which restore_own_buffers() puts back before a
+    # full plan() writes into the field.
+    slot.fixed.setdefault("kv_lens", w._kv_lens_buffer)
+    w._kv_lens_buffer = arrays.kv_lens_device
     w._qo_indptr_buf = arrays.qo_indptr_device
     w._paged_kv_indptr_buf = arrays.page_indptr_device
     w._paged_kv_last_page_len_buf = arrays.last_page_len_device
