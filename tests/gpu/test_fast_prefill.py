@@ -150,5 +150,28 @@ def test_fast_prefill_plan_equals_plan(page_size: int) -> None:
                 for ex in (fast, full)
             )
             _assert_same_state(fast._planned[key], wrapper, built, f"step {step}, call {key}")
+        _check_kv_lens_fields(fast, step)
     assert fast.plan_counts["fast_prefill_plan"] >= 8  # every wrapper after its first plan
     assert full.plan_counts["fast_prefill_plan"] == 0
+    # The sequence makes full plan() calls on wrappers that were re-planned (a verify
+    # batch's tree mask changes the constants of the full group's wrapper, and the
+    # extend after it changes them back).
+    assert fast.plan_counts["plan"] > sum(len(slots) for slots in fast._pool.slots.values())
+
+
+def _check_kv_lens_fields(ex: FlashInferExecutor, step: int) -> None:
+    """A re-planned prefill wrapper's KV-lengths field is a view of the staging buffer
+    and it keeps its own buffer aside; after a full ``plan()`` the field is its own
+    buffer again (``plan()`` writes into it: never into the staging buffer)."""
+    staged = ex._staged.tensor
+    lo, hi = staged.data_ptr(), staged.data_ptr() + staged.numel() * staged.element_size()
+    for slots in ex._pool.slots.values():
+        for slot in slots:
+            field = getattr(slot.wrapper, "_kv_lens_buffer", None)
+            if field is None or slot.planned_with is None:
+                continue
+            inside = lo <= field.data_ptr() < hi
+            assert inside == ("kv_lens" in slot.fixed), (step, inside)
+            if inside:
+                own = slot.fixed["kv_lens"]
+                assert not lo <= own.data_ptr() < hi, step
