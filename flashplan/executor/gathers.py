@@ -270,7 +270,7 @@ def concat_jobs(tables: list[GatherJobs], prefixes: list[str]) -> GatherJobs:
         raise UnsupportedError(
             f"jobs that gather {int(shift[-1])} page ids and slots exceed int32 offsets"
         )
-    sizes = [t.rows.shape[0] for t in tables]
+    sizes = [t.num_jobs for t in tables]
     table = np.empty((6, sum(sizes)), dtype=np.int32)
     at = 0
     for t, size, base in zip(tables, sizes, shift.tolist(), strict=False):
