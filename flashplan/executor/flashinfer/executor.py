@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from functools import partial
 from typing import Any, Literal, overload
 
@@ -611,40 +611,36 @@ class FlashInferExecutor:
         (whole: readers take their regions' bounds from the job table)."""
         return self._out_page.reserve(size), self._out_offset.reserve(size)
 
-    def _slice_views(self, dplan: DevicePlan, slot: PinnedSlot) -> tuple[StagedViews, StagedViews]:
-        """The staged arrays by name: views of the pinned slot and of the device copy
-        (made once per buffer and manifest, :class:`SliceViews`)."""
-        return (
-            self._views.of(slot.host, dplan.manifest),
-            self._views.of(self._staged.tensor, dplan.manifest),
-        )
-
     def _stage(self, dplan: DevicePlan) -> tuple[PinnedSlot, StagedViews, StagedViews]:
-        """Copy the staging data into a pinned slot and send it to the device at once:
-        the slot (the caller marks it read) and the views of both sides by name."""
+        """Upload the staging data (:meth:`_upload`): the slot (the caller marks it read)
+        and the named views of both sides (made once per buffer and manifest,
+        :class:`SliceViews`; the copy's own views are kept with the device views)."""
         total = dplan.manifest.total
-        slot = self._ring.acquire(total)
-        dplan.write_into(slot.array)
-        self._staged.reserve(total)
-        host, device = self._slice_views(dplan, slot)
-        # the copy's two [:total] views, made once per pair of views
-        key = ("upload", id(host))
-        pair = device.bound.get(key)
-        if pair is None or pair[0] is not host:
-            pair = device.bound[key] = (host, device.tensor[:total], slot.host[:total])
-        pair[1].copy_(pair[2], non_blocking=True)
-        return slot, host, device
+        device = self._views.of(self._staged.reserve(total), dplan.manifest)
+        _, slot = self._upload(self._staged, total, dplan.write_into, memo=device.bound)
+        return slot, self._views.of(slot.host, dplan.manifest), device
 
     def _upload(
-        self, target: DeviceBuffer, total: int, write: Callable[[np.ndarray], object]
-    ) -> tuple[torch.Tensor, Any]:
+        self,
+        target: DeviceBuffer,
+        total: int,
+        write: Callable[[np.ndarray], object],
+        memo: dict[Hashable, Any] | None = None,
+    ) -> tuple[torch.Tensor, PinnedSlot]:
         """``write`` ``total`` int32 entries into an idle pinned slot, then one
-        non-blocking copy of them into ``target``; the caller marks the slot read."""
+        non-blocking copy of them into ``target``; the caller marks the slot read.
+        ``memo`` keeps the copy's two ``[:total]`` views per slot (for a caller whose
+        ``target`` and ``total`` it is tied to)."""
         slot = self._ring.acquire(total)
         write(slot.array)
-        staged = target.get(total)
-        staged.copy_(slot.host[:total], non_blocking=True)
-        return staged, slot
+        key = ("upload", id(slot.host))
+        pair = memo.get(key) if memo is not None else None
+        if pair is None or pair[0] is not slot.host:
+            pair = (slot.host, target.get(total), slot.host[:total])
+            if memo is not None:
+                memo[key] = pair
+        pair[1].copy_(pair[2], non_blocking=True)
+        return pair[1], slot
 
     def _mask_out(self, group_index: int, size: int) -> torch.Tensor:
         """The uint8 buffer (at least ``size`` bytes, whole: FlashInfer finds each
@@ -716,7 +712,7 @@ class FlashInferExecutor:
         keeps the tensor until the wrapper is planned again."""
         size = dplan.ints[name + ".size"]
         buf = self._item_bufs.setdefault(name, DeviceBuffer(self.device, torch.int16))
-        out = buf.get(max(size, 1))[:size]
+        out = buf.reserve(max(size, 1))[:size]
         out.zero_()  # int16: torch fills few uint16 tensors; the bytes are the same
         out = out.view(torch.uint16)
         fill_runs(
