@@ -7,7 +7,8 @@ object per request). Two ways to make one, named by whether they copy:
 * :func:`seal_inplace` never copies an array of the right dtype and layout: it marks
   the caller's own freshly computed array read-only.
 
-:func:`indptr` turns lengths into FlashInfer-style index pointers, and
+:func:`indptr` turns lengths into FlashInfer-style index pointers (checked int32; the
+plain int64 running sum under it is :func:`running_sum`), and
 :func:`checked_int32` casts a derived value computed in int64 to int32 after checking
 that it fits, so no derived length, offset or page id can wrap around.
 """
@@ -30,6 +31,7 @@ __all__ = [
     "copy_readonly",
     "indptr",
     "readonly_when_unpickled",
+    "running_sum",
     "seal_inplace",
 ]
 
@@ -81,13 +83,19 @@ def indptr(lengths: npt.NDArray[Any], field: str = "lengths") -> IntArray:
     Raises:
         LayoutError: the total exceeds int32 (named after ``field``).
     """
-    out = np.empty(lengths.shape[0] + 1, dtype=np.int64)
-    out[0] = 0
-    # The ufunc itself: np.cumsum's Python wrapper costs more than the sum at these sizes.
-    np.add.accumulate(lengths, dtype=np.int64, out=out[1:])
+    out = running_sum(lengths)
     if out[-1] > INT32_MAX:
         raise LayoutError(field, "total exceeds int32", total=int(out[-1]))
     return seal_inplace(out)
+
+
+def running_sum(values: npt.NDArray[Any]) -> npt.NDArray[np.int64]:
+    """``[0, v0, v0 + v1, …]``: int64 ``[n + 1]``, summed in int64 (no check, no seal)."""
+    out = np.empty(values.shape[0] + 1, dtype=np.int64)
+    out[0] = 0
+    # The ufunc itself: np.cumsum's Python wrapper costs more than the sum at these sizes.
+    np.add.accumulate(values, dtype=np.int64, out=out[1:])
+    return out
 
 
 def array_key(a: npt.NDArray[Any] | None) -> object:

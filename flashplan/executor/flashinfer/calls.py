@@ -29,7 +29,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from flashplan.arrays import INT32_MAX, IntArray, indptr, seal_inplace
+from flashplan.arrays import INT32_MAX, IntArray, indptr, running_sum, seal_inplace
 from flashplan.errors import UnsupportedError
 from flashplan.executor.flashinfer.policy import (
     ExecutorPolicy,
@@ -474,16 +474,7 @@ def flashinfer_mask_offsets(
     them to a *byte* pointer (known bug, flashinfer PR #2201). So request ``i``'s bytes
     must start at byte ``sum_{r<i} qo_r * kv_r``. Returns int64 ``[bs + 1]``.
     """
-    return _running_sum(np.multiply(qo_lens, kv_lens, dtype=np.int64))
-
-
-def _running_sum(values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    """int64 ``[n + 1]``: ``[0, v0, v0 + v1, …]``."""
-    out = np.empty(values.shape[0] + 1, dtype=np.int64)
-    out[0] = 0
-    # the ufunc itself: np.cumsum's Python wrapper costs more than the sum at these sizes
-    np.add.accumulate(values, out=out[1:])
-    return out
+    return running_sum(np.multiply(qo_lens, kv_lens, dtype=np.int64))
 
 
 def bytes_as_int32(values: npt.NDArray[np.uint8]) -> IntArray:
@@ -504,7 +495,7 @@ def _mask_recipe(index: int, mask: CustomMask, host: dict[str, IntArray]) -> Mas
     ``mask_indptr``, whose first ``bs`` entries are also where the mask kernel writes
     each request's bytes."""
     sizes = np.multiply(mask.qo_lens, mask.kv_lens, dtype=np.int64)  # bits per request
-    offsets = _running_sum(sizes)
+    offsets = running_sum(sizes)
     total = int(offsets[-1])
     if total > INT32_MAX - 8:  # the mask kernel's int32 element indices
         raise UnsupportedError(
