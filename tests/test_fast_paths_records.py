@@ -22,6 +22,7 @@ import flashplan as fp
 from flashplan.arrays import INT32_MAX
 from flashplan.errors import LayoutError
 from flashplan.layout.batch import BatchLayout, Mode
+from flashplan.planning.masks import TreeMask
 from flashplan.planning.spec import GroupPlan, PagedPart, PlanSpec, RaggedPart
 from flashplan.testing import (
     attention_groups,
@@ -76,6 +77,9 @@ def _validated_paged(part: PagedPart) -> PagedPart:
         assert part.mask == again and hash(part.mask) == hash(again)
         for name, value in _fields(part.mask).items():
             _same(value, getattr(again, name), f"mask.{name}")
+        derived = ("indptr", "tail_words") if isinstance(again, TreeMask) else ("indptr",)
+        for name in derived:  # a tree's packed bits are preset from its draft's
+            _same(getattr(part.mask, name), getattr(again, name), f"mask.{name}")
         fields["mask"] = again
     if part.items is not None:  # and multi-item tensors without theirs
         items = type(part.items)(**_fields(part.items))

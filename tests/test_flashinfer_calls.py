@@ -304,9 +304,13 @@ def _mask_buffer(index: int, gp: GroupPlan, kw: dict[str, Any], inputs: CallInpu
     tree = None
     if recipe.num_tokens:
         n = recipe.num_tokens
-        words = inputs.host[f"g{index}.mask.tail_bits"]
+        words = inputs.host[f"g{index}.mask.tail_words"]
         assert words.dtype == np.int32  # staged through the int32 buffer
-        bits = torch.from_numpy(words.copy().view(np.uint8)[: bs * n * n].copy())
+        packed = words.copy().view(np.uint8)[: bs * n * ((n + 7) // 8)]
+        np.testing.assert_array_equal(  # each row's bits, packed little-endian
+            packed, np.packbits(part.mask.tail_bits, axis=2, bitorder="little").reshape(-1)
+        )
+        bits = torch.from_numpy(packed.copy())
         tree = (
             _t(inputs.host[f"g{index}.mask.row_offsets"]),
             _t(inputs.host[f"g{index}.mask.tail_start"]),

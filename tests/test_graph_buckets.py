@@ -245,7 +245,8 @@ def _tree_mask_bytes(host: dict, recipe, index: int, n: int) -> np.ndarray:  # t
         return torch.from_numpy(np.array(host[f"g{index}.mask.{name}"]))
 
     bs = host[f"g{index}.mask.qo_lens"].shape[0]
-    bits = torch.from_numpy(np.array(host[f"g{index}.mask.tail_bits"]).view(np.uint8)[: bs * n * n])
+    words = np.array(host[f"g{index}.mask.tail_words"]).view(np.uint8)
+    bits = torch.from_numpy(words[: bs * n * ((n + 7) // 8)])
     out = torch.full((recipe.total_bytes,), 0xA5, dtype=torch.uint8)
     build_custom_mask_torch(
         t("first_visible"), t("qo_lens"), t("kv_lens"), t("indptr")[:bs], out,

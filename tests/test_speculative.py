@@ -41,6 +41,28 @@ def test_tree_shapes() -> None:
     assert not tree.ancestors.flags.writeable
 
 
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), bs=st.integers(0, 4))
+def test_ancestors_follow_the_parents(data: st.DataObject, bs: int) -> None:
+    """Each row holds its token and every token up its parent chain, walked one step at
+    a time; the packed rows are those bits, little-endian, and the depths their count."""
+    tree = data.draw(draft_trees(bs, max_tokens=40))
+    n = tree.num_tokens
+    want = np.zeros((bs, n, n), dtype=bool)
+    for i in range(bs):
+        for j in range(n):
+            k = j
+            while k >= 0:
+                want[i, j, k] = True
+                k = int(tree.parents[i, k])
+    np.testing.assert_array_equal(tree.ancestors, want)
+    words = tree.ancestor_words
+    assert words.dtype == np.uint8 and words.shape == (bs, n, (n + 7) // 8)
+    assert not words.flags.writeable and not tree.ancestors.flags.writeable
+    np.testing.assert_array_equal(words, np.packbits(want, axis=2, bitorder="little"))
+    np.testing.assert_array_equal(tree.depth, want.sum(axis=2) - 1)
+
+
 @pytest.mark.parametrize(
     ("parents", "req", "token"),
     [

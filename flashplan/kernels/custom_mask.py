@@ -7,11 +7,13 @@ Two shapes (:mod:`flashplan.planning.masks`), one kernel:
   trimmed prefix);
 * a *tree* mask — row ``t`` sees prefix columns ``c < tail_start[i]`` with
   ``c >= clamp(first_visible[i] + row_offsets[i, t], 0, kv_len)`` and draft column
-  ``tail_start[i] + a`` when ``tail_bits[i, t, a]`` (a speculative verify tree).
+  ``tail_start[i] + a`` when bit ``a`` of row ``t``'s ``tail_words`` is set (a
+  speculative verify tree; each row's ``N`` bits packed little-endian into
+  ``ceil(N / 8)`` bytes, as :attr:`~flashplan.planning.masks.TreeMask.tail_words`).
 
 Bits are packed little-endian (element ``e`` is bit ``e % 8`` of byte ``e // 8``),
 request ``i``'s bytes starting at byte ``byte_offsets[i]`` of ``out``. The host only
-describes the mask (an int or two per request, the N x N draft bits of a tree); the
+describes the mask (an int or two per request, the packed N x N draft bits of a tree); the
 mask itself — possibly hundreds of MB for long windowed prefixes — is written at device
 bandwidth.
 """
@@ -74,7 +76,7 @@ if HAS_TRITON:
         N,
         tail,
         row_offsets_ptr,
-        tail_bits_ptr,
+        tail_words_ptr,
         TREE: tl.constexpr,
         WIDE: tl.constexpr,
     ):
@@ -99,9 +101,11 @@ if HAS_TRITON:
                 in_prefix = (col >= thr) & (col < tail)
                 a = col - tail
                 in_tail = (a >= 0) & (a < N) & inside
-                draft = tl.load(tail_bits_ptr + (i * N + row) * N + a, mask=in_tail, other=0).to(
-                    tl.int32
-                )
+                width = (N + 7) // 8  # bytes per packed row
+                word = tl.load(
+                    tail_words_ptr + (i * N + row) * width + (a >> 3), mask=in_tail, other=0
+                ).to(tl.int32)
+                draft = (word >> (a & 7).to(tl.int32)) & 1
                 seen = inside & (in_prefix | (draft != 0))
             else:
                 row = row0 + wrap
@@ -122,7 +126,7 @@ if HAS_TRITON:
         out_ptr,
         row_offsets_ptr,
         tail_start_ptr,
-        tail_bits_ptr,
+        tail_words_ptr,
         N,
         TREE: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -160,7 +164,7 @@ if HAS_TRITON:
                     row0 = e0 // kv_safe
                     byte = _mask_byte(
                         e0, row0, e0 - row0 * kv_safe, kv_safe, n_elem, first, kv, i, N,
-                        tail, row_offsets_ptr, tail_bits_ptr, TREE=True, WIDE=True,
+                        tail, row_offsets_ptr, tail_words_ptr, TREE=True, WIDE=True,
                     )  # fmt: skip
                 else:
                     byte = _threshold_byte_wide(e0, kv32, n_elem, first)
@@ -168,7 +172,7 @@ if HAS_TRITON:
                 row0 = e0 // kv_safe
                 byte = _mask_byte(
                     e0, row0, e0 - row0 * kv_safe, kv_safe, n_elem, first, kv, i, N, tail,
-                    row_offsets_ptr, tail_bits_ptr, TREE=TREE, WIDE=False,
+                    row_offsets_ptr, tail_words_ptr, TREE=TREE, WIDE=False,
                 )  # fmt: skip
             tl.store(dst + b, byte.to(tl.uint8), mask=valid)
 
@@ -181,7 +185,7 @@ if HAS_TRITON:
         out_ptr,
         row_offsets_ptr,
         tail_start_ptr,
-        tail_bits_ptr,
+        tail_words_ptr,
         N,
         TREE: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -189,7 +193,7 @@ if HAS_TRITON:
         # Grid (bs, byte blocks): one program writes BLOCK bytes of one request.
         mask_block(
             tl.program_id(0), tl.program_id(1), first_visible_ptr, qo_lens_ptr, kv_lens_ptr,
-            byte_offsets_ptr, out_ptr, row_offsets_ptr, tail_start_ptr, tail_bits_ptr, N,
+            byte_offsets_ptr, out_ptr, row_offsets_ptr, tail_start_ptr, tail_words_ptr, N,
             TREE=TREE, BLOCK=BLOCK,
         )  # fmt: skip
 
@@ -212,11 +216,11 @@ def _check(
             f"out: expected a uint8 1-D tensor, got {out.dtype} {tuple(out.shape)}"
         )
     if tree is not None:
-        row_offsets, tail_start, tail_bits = tree
+        row_offsets, tail_start, tail_words = tree
         for name, t, dtypes in (
             ("row_offsets", row_offsets, (torch.int32, torch.int64)),
             ("tail_start", tail_start, (torch.int32, torch.int64)),
-            ("tail_bits", tail_bits, (torch.uint8, torch.bool)),
+            ("tail_words", tail_words, (torch.uint8,)),
         ):
             if t.dtype not in dtypes or t.dim() != 1 or t.device != out.device:
                 raise FlashplanError(f"{name}: expected a 1-D {dtypes} tensor on {out.device}")
@@ -246,8 +250,9 @@ def build_custom_mask(
         max_bytes: host int, the largest ``ceil(qo_len * kv_len / 8)`` (sizes the grid).
             Each request's ``qo_len * kv_len`` must be below ``2**31 - 8`` (the
             executor refuses larger masks: FlashInfer's offsets are int32 too).
-        tree: for a tree mask, ``(row_offsets [bs * N], tail_start [bs], tail_bits
-            [bs * N * N])`` (int32, int32, uint8 0/1), row-major per request.
+        tree: for a tree mask, ``(row_offsets [bs * N], tail_start [bs], tail_words
+            [bs * N * ceil(N / 8)])`` (int32, int32, uint8: each row's ``N`` draft bits
+            packed little-endian), row-major per request.
         num_tokens: ``N`` of a tree mask.
 
     Bytes outside the requests' ranges are left untouched. On CPU tensors the kernel
@@ -269,7 +274,7 @@ def build_custom_mask(
         return
     grid = (bs, triton.cdiv(max_bytes, _BLOCK))
     dummy = out if tree is None else None
-    row_offsets, tail_start, tail_bits = tree if tree is not None else (dummy, dummy, dummy)
+    row_offsets, tail_start, tail_words = tree if tree is not None else (dummy, dummy, dummy)
     with device_guard(out.device):
         _custom_mask_kernel[grid](
             first_visible,
@@ -279,7 +284,7 @@ def build_custom_mask(
             out,
             row_offsets,
             tail_start,
-            tail_bits,
+            tail_words,
             num_tokens,
             TREE=tree is not None,
             BLOCK=_BLOCK,
@@ -329,15 +334,20 @@ def build_custom_mask_torch(
         seen = (col >= thr) & inside
     else:
         n = num_tokens
-        row_offsets, tail_start, tail_bits = tree
+        width = (n + 7) // 8  # bytes per packed row
+        row_offsets, tail_start, tail_words = tree
         safe_row = torch.where(inside, row, 0)
         shift = row_offsets.long()[req[:, None] * n + safe_row]
         thr = torch.minimum((first + shift).clamp(min=0), kv_r)
         tail = tail_start.long()[req][:, None]
         a = col - tail
         in_tail = (a >= 0) & (a < n) & inside
-        index = torch.where(in_tail, (req[:, None] * n + safe_row) * n + a, 0)
-        draft = tail_bits.long()[index] != 0 if tail_bits.numel() else torch.zeros_like(in_tail)
+        safe_a = torch.where(in_tail, a, 0)
+        index = torch.where(in_tail, (req[:, None] * n + safe_row) * width + (safe_a >> 3), 0)
+        if tail_words.numel():
+            draft = ((tail_words.long()[index] >> (safe_a & 7)) & 1) != 0
+        else:
+            draft = torch.zeros_like(in_tail)
         seen = inside & (((col >= thr) & (col < tail)) | (in_tail & draft))
     byte = (seen.to(torch.int32) << torch.arange(8, device=dev, dtype=torch.int32)).sum(1)
     out[byte_offsets.long()[req] + local] = byte.to(torch.uint8)

@@ -41,15 +41,15 @@ class StagedMask(NamedTuple):
     """A custom mask whose inputs lie in an int32 staging tensor.
 
     Offsets count int32 entries of ``staged``; each array has one entry per request
-    (``row_offsets``: ``batch_size * num_tokens``; ``tail_bits``: the tree's
-    ``batch_size * N * N`` bytes, 0 / 1, packed four to an entry), as the arguments of
-    :func:`~flashplan.kernels.build_custom_mask`.
+    (``row_offsets``: ``batch_size * num_tokens``; ``tail_words``: the tree's
+    ``batch_size * N * ceil(N / 8)`` bytes of packed rows, four to an entry), as the
+    arguments of :func:`~flashplan.kernels.build_custom_mask`.
 
     Attributes:
         staged: int32 1-D tensor holding the arrays.
         first_visible, qo_lens, kv_lens, byte_offsets: offsets of the int32 ``[bs]``
             threshold base (columns), rows, columns (tokens) and output byte offsets.
-        row_offsets, tail_start, tail_bits: offsets of a tree mask's arrays (ignored
+        row_offsets, tail_start, tail_words: offsets of a tree mask's arrays (ignored
             when ``num_tokens`` is 0).
         batch_size: requests.
         num_tokens: ``N`` of a tree mask, 0 for a threshold mask.
@@ -64,7 +64,7 @@ class StagedMask(NamedTuple):
     byte_offsets: int
     row_offsets: int
     tail_start: int
-    tail_bits: int
+    tail_words: int
     batch_size: int
     num_tokens: int
     max_bytes: int
@@ -80,11 +80,11 @@ class StagedMask(NamedTuple):
         bs, n = self.batch_size, self.num_tokens
         tree = None
         if n:
-            start = 4 * self.tail_bits  # bytes: four 0 / 1 bytes to an int32 entry
+            start = 4 * self.tail_words  # bytes: four to an int32 entry
             tree = (
                 self.view(self.row_offsets, bs * n),
                 self.view(self.tail_start, bs),
-                self.staged.view(torch.uint8)[start : start + bs * n * n],
+                self.staged.view(torch.uint8)[start : start + bs * n * ((n + 7) // 8)],
             )
         arrays = (
             self.view(self.first_visible, bs),
@@ -210,7 +210,7 @@ def launch_gather_and_mask(
         return
     if mask is not None:
         tree = mask.num_tokens > 0
-        tree_offsets = (mask.row_offsets, mask.tail_start, mask.tail_bits) if tree else (0, 0, 0)
+        tree_offsets = (mask.row_offsets, mask.tail_start, mask.tail_words) if tree else (0, 0, 0)
         offsets: tuple[int, ...] = (
             mask.first_visible, mask.qo_lens, mask.kv_lens, mask.byte_offsets, *tree_offsets
         )  # fmt: skip

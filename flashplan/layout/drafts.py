@@ -175,17 +175,42 @@ class DraftTree:
         return int(self.parents.shape[1])
 
     @cached_property
+    def ancestor_words(self) -> npt.NDArray[np.uint8]:
+        """uint8 ``[bs, N, ceil(N / 8)]``: the rows of :attr:`ancestors` bit-packed
+        little-endian (token ``k`` of row ``j`` is bit ``k % 8`` of byte ``k // 8``,
+        FlashInfer's bit order), built directly by pointer doubling over the whole
+        batch: after round ``r`` a row holds the ancestors less than ``2**r`` steps up
+        and ``up`` the one ``2**r`` steps up, so ``ceil(log2(depth + 1))`` rounds of a
+        few batch-wide gathers suffice (6 for 64 tokens)."""
+        bs, n = self.parents.shape
+        width = (n + 7) // 8
+        words = np.zeros((bs, n, width), dtype=np.uint8)
+        own = np.arange(n)
+        words[:, own, own >> 3] = np.left_shift(1, own & 7).astype(np.uint8)
+        rows = words.reshape(bs * n, width)  # a view: row i * n + j is token j of request i
+        whole = rows.view(f"V{width}").reshape(-1)  # each row one item: a fast 1-D gather
+        base = np.arange(0, bs * n, n)[:, None]
+        up = self.parents.astype(np.intp)  # flat row index of the ancestor 2**r steps up
+        up += base
+        up[:, 0] = -1
+        flat = own + base  # each row's own flat index
+        while True:
+            has = up >= 0
+            if not has.any():
+                break
+            at = np.where(has, up, flat).reshape(-1)  # a root's own row: OR-ing it is a no-op
+            # the gather copies first, so every row reads the rows of the last round
+            rows |= whole[at].view(np.uint8).reshape(bs * n, width)
+            up = np.where(has, up.reshape(-1)[at].reshape(bs, n), -1)
+        return seal_inplace(words, np.uint8)
+
+    @cached_property
     def ancestors(self) -> npt.NDArray[np.bool_]:
         """bool ``[bs, N, N]``: ``[i, j, k]`` when token ``k`` is ``j`` or an ancestor of
-        ``j`` (vectorized over the batch: one pass per token, parents come first)."""
-        bs, n = self.parents.shape
-        anc = np.zeros((bs, n, n), dtype=bool)
-        rows = np.arange(bs)
-        for j in range(n):  # N is small (<= a few hundred); each step is batch-wide
-            anc[:, j, j] = True
-            if j:
-                anc[:, j] |= anc[rows, self.parents[:, j]]
-        return seal_inplace(anc, bool)
+        ``j`` (:attr:`ancestor_words` unpacked)."""
+        n = self.num_tokens
+        bits = np.unpackbits(self.ancestor_words, axis=2, count=n, bitorder="little")
+        return seal_inplace(bits.view(np.bool_), bool)
 
     @cached_property
     def depth(self) -> npt.NDArray[np.int32]:

@@ -152,6 +152,8 @@ class TreeMask:
         row_offsets: int32 ``[bs, N]`` (columns): each row's shift of that threshold.
         tail_start: int64 ``[bs]`` (columns): where the draft columns begin.
         tail_bits: bool ``[bs, N, N]``: which draft key each row sees.
+
+    :attr:`tail_words` holds the same bits packed (what the executors stage).
     """
 
     qo_lens: IntArray = attrs.field(converter=lambda v: _mask_lengths("qo_lens", v), eq=array_key)
@@ -178,10 +180,13 @@ class TreeMask:
         row_offsets: npt.NDArray[np.int32],
         tail_start: npt.NDArray[np.int64],
         tail_bits: npt.NDArray[np.bool_],
+        tail_words: npt.NDArray[np.uint8] | None = None,
     ) -> TreeMask:
         """Internal (the planner): a mask from read-only arrays of the converters' dtypes
         and shapes that pass ``__init__``'s checks; nothing is copied or checked again
-        (the ``[bs, N, N]`` bits of a large tree are not copied)."""
+        (the ``[bs, N, N]`` bits of a large tree are not copied). ``tail_words`` presets
+        :attr:`tail_words` with the same bits packed (a draft's
+        :attr:`~flashplan.DraftTree.ancestor_words`)."""
         self = object.__new__(cls)
         _set = object.__setattr__
         _set(self, "qo_lens", qo_lens)
@@ -190,6 +195,8 @@ class TreeMask:
         _set(self, "row_offsets", row_offsets)
         _set(self, "tail_start", tail_start)
         _set(self, "tail_bits", tail_bits)
+        if tail_words is not None:
+            _set(self, "tail_words", tail_words)
         return self
 
     def __attrs_post_init__(self) -> None:
@@ -208,6 +215,14 @@ class TreeMask:
     def indptr(self) -> IntArray:
         """int32 ``[bs + 1]`` (bytes) offsets of the compact packed form."""
         return mask_indptr(self.qo_lens, self.kv_lens)
+
+    @cached_property
+    def tail_words(self) -> npt.NDArray[np.uint8]:
+        """uint8 ``[bs, N, ceil(N / 8)]``: each row of :attr:`tail_bits` bit-packed
+        little-endian (draft key ``a`` is bit ``a % 8`` of byte ``a // 8``): an eighth
+        of the bytes, which is what the executors send to the device."""
+        words = np.packbits(self.tail_bits, axis=2, bitorder="little")
+        return seal_inplace(words, np.uint8)
 
     def dense(self, request: int) -> npt.NDArray[np.bool_]:
         """bool ``[N, kv_len]``: request ``request``'s mask."""

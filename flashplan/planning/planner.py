@@ -187,12 +187,19 @@ def _plan_decode(layout: BatchLayout, heads: HeadConfig) -> PlanSpec:
     )
 
 
-def _ones(n: int) -> IntArray:
-    """A fresh read-only int32 ``[n]`` of ones."""
-    out = np.empty(n, dtype=np.int32)
-    out.fill(1)  # cheaper than np.ones
+@functools.lru_cache(maxsize=64)
+def _filled(value: int, shape: tuple[int, ...]) -> IntArray:
+    """A read-only int32 array of ``shape`` holding ``value`` everywhere, made once per
+    shape (read-only, so plans may share it: a step loop meets the same few shapes)."""
+    out = np.empty(shape, dtype=np.int32)
+    out.fill(value)  # cheaper than np.full
     out.setflags(write=False)
     return out
+
+
+def _ones(n: int) -> IntArray:
+    """A read-only int32 ``[n]`` of ones (shared: :func:`_filled`)."""
+    return _filled(1, (n,))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -364,25 +371,29 @@ def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
         depth = draft.depth
         prefix64 = prefix.astype(np.int64)
         bits = draft.ancestors
+        words = None  # packed when first staged
         if window >= 0:
             threshold = prefix64 - window - span_first
             offsets = depth
             bits = bits & (depth[:, None, :] >= depth[:, :, None] - window)
             bits.setflags(write=False)
         else:
+            words = draft.ancestor_words  # the tree's own packed rows: no packing per plan
             threshold = -span_first  # only the leading keys of the first page
-            offsets = np.zeros(depth.shape, dtype=np.int32)
-            offsets.setflags(write=False)
+            offsets = _filled(0, depth.shape)
         tail = prefix64 - span_first  # column of draft token 0
         threshold.setflags(write=False)
         tail.setflags(write=False)
         # Fresh arrays of the mask's dtypes (the bits: the draft's own sealed array, or
         # a fresh one), which hold its checks by construction: no copy of the N x N bits.
-        mask = TreeMask._from_checked(layout.extend_lens, kv_lens, threshold, offsets, tail, bits)
+        mask = TreeMask._from_checked(
+            layout.extend_lens, kv_lens, threshold, offsets, tail, bits, words
+        )
     paged = PagedPart._from_checked(
         first, end, ps, draft.is_chain, window if draft.is_chain else -1, mask, None,
         start_page=start_page, kv_lens=kv_lens, num_pages=num_pages,
-        last_page_len=last_page_len,
+        last_page_len=last_page_len, page_indptr=indptr(num_pages, "pages"),
+        max_kv_len=int(np.maximum.reduce(kv_lens)) if kv_lens.size else 0,
     )  # fmt: skip
     return GroupPlan._from_checked(
         group, KernelPath.PAGED, paged, None, layout.decoder_start, layout.seq_lens

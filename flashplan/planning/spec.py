@@ -198,6 +198,8 @@ class PagedPart:
         kv_lens: IntArray | None = None,
         num_pages: IntArray | None = None,
         last_page_len: IntArray | None = None,
+        page_indptr: IntArray | None = None,
+        max_kv_len: int | None = None,
     ) -> PagedPart:
         """Internal (the planner): a part from values that already are what the
         converters return (read-only int32 arrays of one length, ``first_token >= 0``, a
@@ -222,6 +224,10 @@ class PagedPart:
             _set(self, "num_pages", num_pages)
         if last_page_len is not None:
             _set(self, "last_page_len", last_page_len)
+        if page_indptr is not None:
+            _set(self, "page_indptr", page_indptr)
+        if max_kv_len is not None:
+            _set(self, "max_kv_len", max_kv_len)
         return self
 
     @staticmethod

@@ -62,9 +62,10 @@ def _case(seed: int, num_jobs: int, bs: int, n: int, with_map: bool) -> dict[str
     if n:
         row_offsets = rng.integers(0, 4, (bs, n)).reshape(-1)
         tail_start = kv - n
-        bits = (rng.random((bs, n, n)) < 0.5).astype(np.uint8).reshape(-1)
-        words = np.zeros((bits.shape[0] + 3) // 4 * 4, np.uint8)
-        words[: bits.shape[0]] = bits
+        bits = rng.random((bs, n, n)) < 0.5
+        packed = np.packbits(bits, axis=2, bitorder="little").reshape(-1)  # rows packed
+        words = np.zeros((packed.shape[0] + 3) // 4 * 4, np.uint8)
+        words[: packed.shape[0]] = packed
         arrays += [row_offsets, tail_start, words.view(np.int32)]
     sizes = [a.shape[0] for a in arrays]
     offsets = np.concatenate([[0], np.cumsum(sizes)])
@@ -119,7 +120,8 @@ def _run(
             num_pages=case["num_pages"], status=status,  # type: ignore[arg-type]
         )  # fmt: skip
         v = [staged[off[k] : off[k + 1]] for k in range(len(off) - 1)]
-        tree_args = (v[5], v[6], v[7].view(torch.uint8)[: bs * n * n]) if n and bs else None
+        row_bytes = n * ((n + 7) // 8)
+        tree_args = (v[5], v[6], v[7].view(torch.uint8)[: bs * row_bytes]) if n and bs else None
         build_custom_mask(v[1], v[2], v[3], v[4], mask_out, max_bytes, tree=tree_args, num_tokens=n)
     return out_page.cpu(), out_offset.cpu(), mask_out.cpu(), status.cpu()
 

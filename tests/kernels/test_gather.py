@@ -308,7 +308,7 @@ def test_threshold_mask_kernel_row_boundaries() -> None:
 @settings(max_examples=25, deadline=None)
 @given(
     bs=st.integers(0, 4),
-    n=st.integers(1, 5),
+    n=st.integers(1, 12),
     prefix=st.integers(0, 20),
     seed=st.integers(0, 2**31 - 1),
 )
@@ -330,7 +330,8 @@ def test_tree_mask_kernel_matches_torch_twin(bs: int, n: int, prefix: int, seed:
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
 
-    tree = (t(offsets.reshape(-1)), t(tail), torch.from_numpy(bits.reshape(-1).astype(np.uint8)))
+    words = np.packbits(bits, axis=2, bitorder="little").reshape(-1)
+    tree = (t(offsets.reshape(-1)), t(tail), torch.from_numpy(words))
     args = (t(first), t(np.full(bs, n)), t(kv), t(starts))
     want = torch.full((size,), 0xA5, dtype=torch.uint8)
     got = want.clone()

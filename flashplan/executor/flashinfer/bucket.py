@@ -317,11 +317,12 @@ def _padded_mask_array(
     if field == "indptr":  # FlashInfer's offsets run on: n x 1 elements each
         tail = int(values[-1]) + n * np.arange(1, pads + 1, dtype=np.int64)
         return seal_inplace(np.concatenate([values.astype(np.int64), tail]))
-    if field == "tail_bits":  # bytes of [bs, n, n] bits as int32 words: no draft bits
-        used = int(host[prefix + "qo_lens"].shape[0]) * n * n
-        bits = np.zeros(used + pads * n * n, dtype=np.uint8)
-        bits[:used] = values.view(np.uint8)[:used]
-        return bytes_as_int32(bits)
+    if field == "tail_words":  # [bs, n, ceil(n / 8)] packed rows as int32: no draft bits
+        row_bytes = n * ((n + 7) // 8)
+        used = int(host[prefix + "qo_lens"].shape[0]) * row_bytes
+        words = np.zeros(used + pads * row_bytes, dtype=np.uint8)
+        words[:used] = values.view(np.uint8)[:used]
+        return bytes_as_int32(words)
     if field == "qo_lens":
         value = n
     elif field in _MASK_PAD:

@@ -222,7 +222,7 @@ class MaskRecipe:
         max_bytes: largest per-request packed size (bytes; sizes the kernel's grid).
         total_bytes: size of the buffer flashinfer reads (bytes).
         num_tokens: ``N`` of a tree mask (its ``row_offsets``, ``tail_start`` and
-            ``tail_bits`` arrays are staged too), 0 for a threshold mask.
+            ``tail_words`` arrays are staged too), 0 for a threshold mask.
     """
 
     max_bytes: int
@@ -516,9 +516,8 @@ def _mask_recipe(index: int, mask: CustomMask, host: dict[str, IntArray]) -> Mas
         num_tokens = int(mask.row_offsets.shape[1])
         host[g + "row_offsets"] = mask.row_offsets.reshape(-1)  # read-only int32, C order
         host[g + "tail_start"] = seal_inplace(mask.tail_start)  # in [0, kv_len]
-        # bool and uint8 share their bytes (0 / 1): a view of the mask's own bits
-        bits_u8 = np.ascontiguousarray(mask.tail_bits).reshape(-1).view(np.uint8)
-        host[g + "tail_bits"] = bytes_as_int32(bits_u8)
+        # the rows' packed bits (a view of the mask's own: a tree's, preset by the planner)
+        host[g + "tail_words"] = bytes_as_int32(mask.tail_words.reshape(-1))
     return MaskRecipe(
         max_bytes=(int(np.maximum.reduce(sizes)) + 7) // 8 if total else 0,
         total_bytes=max(total, 1),

@@ -694,7 +694,7 @@ class FlashInferExecutor:
         tree = (0, 0, 0)
         if num_tokens:
             tree = (m[g + "row_offsets"].offset, m[g + "tail_start"].offset,
-                    m[g + "tail_bits"].offset)  # fmt: skip
+                    m[g + "tail_words"].offset)  # fmt: skip
         # each request's first byte: the first bs entries of FlashInfer's mask_indptr
         mask = StagedMask(
             views.tensor, m[g + "first_visible"].offset, qo.offset, m[g + "kv_lens"].offset,
