@@ -147,9 +147,12 @@ class DirectLaunch:
         stream = driver.get_current_stream(device)
         # what JITFunction.run does after finding the variant (launch hooks included)
         hooks = triton.knobs.runtime
-        metadata = variant.launch_metadata((grid,), stream, *args)
+        enter = hooks.launch_enter_hook
+        # launch_metadata returns None without an enter hook (these versions): skip
+        # binding every argument to it then
+        metadata = None if enter is None else variant.launch_metadata((grid,), stream, *args)
         variant.run(
             grid, 1, 1, stream, variant.function, variant.packed_metadata, metadata,
-            hooks.launch_enter_hook, hooks.launch_exit_hook, *args,
+            enter, hooks.launch_exit_hook, *args,
         )  # fmt: skip
         self.direct += 1

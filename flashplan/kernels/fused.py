@@ -114,7 +114,7 @@ if HAS_TRITON:
         ],
         do_not_specialize_on_alignment=[
             "pages_ptr", "jobs_ptr", "out_page_ptr", "out_offset_ptr", "page_map_ptr",
-            "status_ptr", "staged_ptr", "staged_bytes_ptr", "mask_out_ptr",
+            "status_ptr", "staged_ptr", "mask_out_ptr",
         ],
     )  # fmt: skip
     def _gather_and_mask_kernel(
@@ -130,7 +130,6 @@ if HAS_TRITON:
         num_pages,
         status_ptr,
         staged_ptr,
-        staged_bytes_ptr,
         fv_off,
         qo_off,
         kv_off,
@@ -158,10 +157,12 @@ if HAS_TRITON:
         elif HAS_MASK:
             m = p - num_jobs
             i = m // mask_blocks
+            # the tree's packed rows are bytes of the int32 staging data (four to an entry)
+            staged_bytes = staged_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
             mask_block(
                 i, m - i * mask_blocks, staged_ptr + fv_off, staged_ptr + qo_off,
                 staged_ptr + kv_off, staged_ptr + bo_off, mask_out_ptr, staged_ptr + ro_off,
-                staged_ptr + ts_off, staged_bytes_ptr + 4 * tb_off.to(tl.int64), N, TREE=TREE,
+                staged_ptr + ts_off, staged_bytes + 4 * tb_off.to(tl.int64), N, TREE=TREE,
                 BLOCK=MASK_BLOCK,
             )  # fmt: skip
 
@@ -215,12 +216,12 @@ def launch_gather_and_mask(
             mask.first_visible, mask.qo_lens, mask.kv_lens, mask.byte_offsets, *tree_offsets
         )  # fmt: skip
         sizes = (mask_blocks, mask.num_tokens)
-        staged, staged_bytes, mask_out = mask.staged, mask.staged.view(torch.uint8), mask.out
+        staged, mask_out = mask.staged, mask.out
         programs = num_jobs + mask.batch_size * mask_blocks
     else:
         tree = False
         offsets, sizes = (0,) * 7, (0, 0)
-        staged, staged_bytes, mask_out = jobs, out_page, out_page
+        staged, mask_out = jobs, out_page
         programs = num_jobs
     other = device.type == "cuda" and device.index != torch.cuda.current_device()
     guard = device_guard(device) if other else None
@@ -238,7 +239,7 @@ def launch_gather_and_mask(
         args = (
             pages, ints[0], ints[1], jobs, num_jobs, out_page, out_offset,
             page_map if page_map is not None else out_page, ints[3], num_pages,
-            status if status is not None else out_page, staged, staged_bytes, *offsets,
+            status if status is not None else out_page, staged, *offsets,
             mask_out, *sizes, has_map, has_status, mask is not None, tree, _GATHER_BLOCK,
             _MASK_BLOCK,
         )  # fmt: skip

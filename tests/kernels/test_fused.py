@@ -191,3 +191,27 @@ def test_direct_launches_equal_the_jit_launches(n: int) -> None:
     variants = len(direct.variants)  # 2 when a case's mask has no byte
     assert variants in (1, 2)
     assert direct.direct == 6 - variants  # every launch after a variant's first
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_direct_launches_call_the_launch_hooks() -> None:
+    """A profiler's launch hook sees every direct launch (with its metadata), as it sees
+    ``kernel[grid]`` launches; without a hook none is built."""
+    import triton
+
+    dev = torch.device("cuda")
+    direct = direct_launcher()
+    assert direct is not None
+    runtime = triton.knobs.runtime
+    seen: list[str] = []
+    old = runtime.launch_enter_hook
+    runtime.launch_enter_hook = lambda meta: seen.append(meta.get()["name"])
+    try:
+        for seed in range(3):
+            _run(_case(seed, 3, 2, 4, True), True, dev, direct=direct)
+    finally:
+        runtime.launch_enter_hook = old
+    torch.cuda.synchronize()
+    assert direct.direct == 3 - len(direct.variants)  # a variant's first goes through jit
+    assert seen == ["_gather_and_mask_kernel"] * 3

@@ -83,6 +83,7 @@ from flashplan.executor.flashinfer.fast_prefill import (
 )
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import JOBS, DevicePlan, device_plan
+from flashplan.executor.flashinfer.streams import CurrentStream
 from flashplan.executor.gathers import Region, gather_jobs, gather_jobs_steps
 from flashplan.kernels.fused import StagedMask, direct_launcher, launch_gather_and_mask
 from flashplan.kernels.gather import NO_BAD_JOB, new_status
@@ -300,6 +301,7 @@ class FlashInferExecutor:
         self._mask_bufs: dict[int, DeviceBuffer] = {}
         self._item_bufs: dict[str, DeviceBuffer] = {}
         self._status = new_status(self.device)
+        self._stream = CurrentStream(self.device)
         self._views = SliceViews()
         self._direct = direct_launcher()  # the fused launch's compiled variants
         self._spec: PlanSpec | None = None
@@ -357,7 +359,7 @@ class FlashInferExecutor:
         )
         out = self._positions_buf.get(spec.total_q)
         fill_runs(staged[:n], staged[n : 2 * n], staged[2 * n : 3 * n], out, runs.max_length)
-        slot.mark_read(torch.cuda.current_stream(self.device))
+        slot.mark_read(self._stream())
         self._positions = out
         return out
 
@@ -422,7 +424,7 @@ class FlashInferExecutor:
         if self.check_pages:
             self._check_gathered(dplan, spec, table, page, offset)
 
-        stream = torch.cuda.current_stream(self.device)
+        stream = self._stream()
         planned = self._plan_calls(calls, dplan, host_views, device_views, page, masks, stream)
         slot.mark_read(stream)
         self._spec, self._plan, self._table = spec, dplan, table
@@ -540,7 +542,7 @@ class FlashInferExecutor:
         dplan = self._steps_device_plan(steps, table, prefixes)
         slot, host_views, device_views = self._stage(dplan)
         page, offset, _ = self._gather_and_mask(dplan, device_views, table)
-        stream = torch.cuda.current_stream(self.device)
+        stream = self._stream()
         views = []
         while len(self._step_positions) < len(steps):
             self._step_positions.append(DeviceBuffer(self.device, torch.int32))
