@@ -195,12 +195,15 @@ class WrapperSlot:
         planned_with: the constant ``plan()`` arguments of its last full ``plan()``
             (:attr:`~flashplan.executor.flashinfer.calls.PlanCall.constants`), which
             fixed its compiled module; ``None`` before one, or after one that failed.
+        replannable: whether its last full ``plan()`` took the path a prefill re-plan
+            re-creates (:func:`~flashplan.executor.flashinfer.fast_prefill.replannable`).
     """
 
     wrapper: Any
     event: torch.cuda.Event | None = None
     fixed: dict[str, torch.Tensor] = attrs.field(factory=dict)
     planned_with: tuple[tuple[str, Any], ...] | None = None
+    replannable: bool = False
 
     def idle(self) -> bool:
         """The copies the wrapper's last ``plan()`` queued have run (never waits)."""

@@ -157,6 +157,8 @@ class _BoundCall:
         prefill: a paged prefill call's views in :class:`PrefillArrays` order (up to
             ``kv_lens_device``), else ``None``.
         mask_indptr: a masked paged prefill call's ``mask_indptr`` (device view).
+        prefill_ints: a paged prefill call's names in the device plan's ``ints`` of its
+            total query rows, longest query and longest KV.
     """
 
     host: StagedViews
@@ -165,6 +167,7 @@ class _BoundCall:
     decode: _DecodeViews | None
     prefill: _PrefillViews | None
     mask_indptr: torch.Tensor | None
+    prefill_ints: tuple[str, str, str] = ("", "", "")
 
 
 def _bound_call(
@@ -195,7 +198,8 @@ def _bound_call(
                    host[kv], staged[kv])  # fmt: skip
         if any(isinstance(v, BuiltMask) for _, v in call.placeholders):
             mask_indptr = staged[g + ".mask.indptr"]
-    bound = _BoundCall(host, kwargs, tuple(dynamic), decode, prefill, mask_indptr)
+    ints = (prefix + "qo.total", prefix + "qo.max_len", g + ".max_kv_len")
+    bound = _BoundCall(host, kwargs, tuple(dynamic), decode, prefill, mask_indptr, ints)
     staged.bound[memo_key] = bound
     return bound
 
@@ -488,23 +492,29 @@ class FlashInferExecutor:
                 elif (
                     self._fast_prefill
                     and bound.prefill is not None
+                    and held.replannable  # its last full plan() took replan_prefill's path
                     and held.planned_with == call.constants
-                    and replannable(held.wrapper, kwargs)
                 ):
-                    g, ints = f"{prefix}g{index}", dplan.ints
+                    ints = dplan.ints
+                    total, max_q, max_kv = bound.prefill_ints
                     prefill = PrefillArrays(
                         *bound.prefill, indices=kwargs["paged_kv_indices"],
-                        mask_indptr_device=bound.mask_indptr,
-                        total_rows=ints[prefix + "qo.total"],
-                        max_q_len=ints[prefix + "qo.max_len"], max_kv_len=ints[g + ".max_kv_len"],
+                        mask_indptr_device=bound.mask_indptr, total_rows=ints[total],
+                        max_q_len=ints[max_q], max_kv_len=ints[max_kv],
                     )  # fmt: skip
                     replan_prefill(held, kwargs, prefill)
                     self.plan_counts["fast_prefill_plan"] += 1
                 else:
                     held.planned_with = None  # until this plan() succeeds
+                    held.replannable = False
                     restore_own_buffers(held)
                     self._call_plan(held.wrapper, kwargs)
                     held.planned_with = call.constants
+                    # what replannable() reads is fixed by the constructor, the constant
+                    # arguments and this plan(): checked once per full plan()
+                    held.replannable = bound.prefill is not None and replannable(
+                        held.wrapper, kwargs
+                    )
                     self.plan_counts["plan"] += 1
                 self._pool.mark_planned(held, stream)
                 planned[(index, part)] = held.wrapper

@@ -25,7 +25,9 @@ arguments, so it depends on that version's private fields. Hence:
   arguments (:attr:`WrapperSlot.planned_with`); the first plan of a wrapper, or any with
   other constants, goes through ``plan()``;
 * **the path it re-creates:** :func:`replannable` (eager, FA2, no JIT variant, no
-  per-token scales, fp16 / bf16 q and KV). Anything else goes through ``plan()``.
+  per-token scales, fp16 / bf16 q and KV), checked after each full ``plan()`` and kept
+  with the wrapper (:attr:`WrapperSlot.replannable`). Anything else goes through
+  ``plan()``.
 
 It issues no sync and no pageable copy: the scheduler reads pinned host arrays, the
 kernels read the staged device arrays (valid until the next ``apply`` rewrites the
