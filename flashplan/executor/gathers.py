@@ -19,6 +19,7 @@ of each purpose:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -228,6 +229,15 @@ def _job_parts(
     return parts
 
 
+@functools.lru_cache(maxsize=256)
+def _divisors_and_flags(per_part: tuple[tuple[int, int], ...]) -> IntArray:
+    """int32 ``[2, parts, 1]``: each part's divisor and page-map flag, ready to broadcast
+    over its jobs (read-only, made once per parts signature)."""
+    out = np.array(per_part, dtype=np.int32).T[..., None].copy()
+    out.setflags(write=False)
+    return out
+
+
 def _job_table(parts: list[_Part], rows: IntArray, bs: int) -> GatherJobs:
     """The job table of ``parts`` (name, first, counts, div, use_map), each ``[bs]``.
 
@@ -244,7 +254,7 @@ def _job_table(parts: list[_Part], rows: IntArray, bs: int) -> GatherJobs:
     for k, part in enumerate(parts):
         by_part[1, k] = part[1]
         by_part[2, k] = part[2]
-    by_part[4:6] = np.array([[p[3] for p in parts], [p[4] for p in parts]], np.int32)[..., None]
+    by_part[4:6] = _divisors_and_flags(tuple([(p[3], p[4]) for p in parts]))
     ends = np.add.accumulate(table[2], dtype=np.int64) if size else np.zeros(0, np.int64)
     total = int(ends[-1]) if size else 0
     if total > INT32_MAX:
