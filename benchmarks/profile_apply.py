@@ -2,7 +2,7 @@
 """Where does the host time of ``FlashInferExecutor.apply`` go? (GPU machine)
 
     python3 benchmarks/profile_apply.py [--batch 256] [--page-size 16] [--n 200]
-                                        [--no-graph] [--no-cprofile]
+                                        [--no-graph] [--no-cprofile] [--fixed]
 
 For a decode batch (kv 4096, 32/8 heads x 128, bf16) it times, on an idle GPU, every
 stage of ``apply`` (``GraphExecutor.apply`` too: the CUDA-graph replay planning) with
@@ -25,7 +25,8 @@ manual timers wrapped around the executor's own steps:
   other              the rest of apply (placeholder resolution, bookkeeping)
 
 Each apply gets a fresh plan (as in a step loop: the plan's derived arrays are cached
-properties, computed by their first reader). Medians per apply over ``--n`` applies;
+properties, computed by their first reader); ``--fixed`` times the stages once more with
+one plan applied again and again. Medians per apply over ``--n`` applies;
 then a cProfile of the same loop (sorted by own time).
 
 The stage names follow ``flashplan/executor/flashinfer/executor.py``; a stage whose
@@ -306,6 +307,11 @@ def main() -> None:
     parser.add_argument("--no-graph", action="store_true", help="skip GraphExecutor.apply")
     parser.add_argument("--no-cprofile", action="store_true")
     parser.add_argument(
+        "--fixed", action="store_true",
+        help="also time the stages with one plan applied again and again (a fresh plan's "
+        "extra cost is the difference)",
+    )  # fmt: skip
+    parser.add_argument(
         "--case", choices=("decode", "extend", "verify", "multi_item", "draft"),
         default="decode",
         help="decode (the default); extend: 64 x 512 new tokens over 2048 cached (page "
@@ -354,6 +360,10 @@ def main() -> None:
     )
     run("FlashInferExecutor.apply", FlashInferExecutor(policy=policy), make, table, args.n,
         not args.no_cprofile)  # fmt: skip
+    if args.fixed:
+        one = make()
+        run("FlashInferExecutor.apply, one plan applied again and again",
+            FlashInferExecutor(policy=policy), lambda: one, table, args.n, False)  # fmt: skip
     if args.case == "decode" and not args.no_graph:
         max_pages = -(-args.kv // ps)
         gx = GraphExecutor(FlashInferExecutor(), GraphBucket.decode(args.batch, max_pages))
