@@ -191,5 +191,6 @@ def main() -> None:
         print(f"{cond}: flashplan plan + apply {med:.0f} µs, bare plan() {raw_med:.0f} µs "
               "(medians under the line profiler)")  # fmt: skip
 
+
 if __name__ == "__main__":
     main()
