@@ -33,9 +33,8 @@ What it is given, per mode:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-import attrs
 import torch
 
 from flashplan.executor.flashinfer.buffers import WrapperSlot
@@ -78,8 +77,7 @@ def fast_decode_available(fi: Any) -> bool:
     return version in FAST_DECODE_VERSIONS and callable(getattr(fi, "fast_decode_plan", None))
 
 
-@attrs.frozen
-class DecodeArrays:
+class DecodeArrays(NamedTuple):
     """The arrays of one decode ``plan()`` call, on both sides of the staging copy.
 
     Attributes:

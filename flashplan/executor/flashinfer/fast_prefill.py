@@ -38,9 +38,8 @@ that buffer back before any full ``plan()``: :func:`restore_own_buffers`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-import attrs
 import torch
 
 from flashplan.executor.flashinfer.buffers import WrapperSlot
@@ -90,8 +89,7 @@ def restore_own_buffers(slot: WrapperSlot) -> None:
         slot.wrapper._kv_lens_buffer = own
 
 
-@attrs.frozen
-class PrefillArrays:
+class PrefillArrays(NamedTuple):
     """The arrays of one paged prefill ``plan()`` call, on both sides of the staging copy.
 
     Host tensors are pinned views of the staging slot (what the scheduler reads); device
