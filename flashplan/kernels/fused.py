@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from flashplan.arrays import INT32_MAX
 from flashplan.kernels._triton import (
     HAS_TRITON,
     DirectLaunch,
@@ -31,7 +32,13 @@ from flashplan.kernels._triton import (
 from flashplan.kernels.custom_mask import build_custom_mask, build_custom_mask_torch
 from flashplan.kernels.gather import gather_slots_torch
 
-__all__ = ["StagedMask", "direct_launcher", "launch_gather_and_mask"]
+__all__ = [
+    "BoundGatherAndMask",
+    "StagedMask",
+    "bind_gather_and_mask",
+    "direct_launcher",
+    "launch_gather_and_mask",
+]
 
 _GATHER_BLOCK = 1024
 _MASK_BLOCK = 2048
@@ -251,6 +258,106 @@ def launch_gather_and_mask(
     finally:
         if guard is not None:
             guard.__exit__(None, None, None)
+
+
+class BoundGatherAndMask:
+    """:func:`launch_gather_and_mask` with every argument that one staging layout fixes
+    resolved once (made by :func:`bind_gather_and_mask`): a call passes only the
+    batch's page count and largest mask size.
+
+    Building the 28-argument list, its variant key and the int32 checks costs more host
+    time than the compiled launcher itself, and an executor's step loop launches with
+    the same tensors and offsets every batch of a layout. A call launches exactly what
+    :func:`launch_gather_and_mask` launches for the same arguments (a mask with no
+    bytes runs its variant with no mask programs instead of the gathers-only variant:
+    the same writes).
+
+    Attributes:
+        tensors: the bound tensors (``pages``, ``jobs``, ``out_page``, ``out_offset``,
+            ``page_map``, ``status``, the mask's staging and output tensors), which an
+            owner compares by identity before reusing the binding.
+    """
+
+    __slots__ = ("_direct", "_head", "_index", "_key", "_mask_rows", "_middle", "_tail",
+                 "num_jobs", "tensors")  # fmt: skip
+
+    def __init__(
+        self,
+        tensors: tuple[torch.Tensor | None, ...],
+        direct: DirectLaunch,
+        key: tuple[object, ...],
+        args: tuple[object, ...],
+        num_jobs: int,
+        mask_rows: int,
+        index: int,
+    ) -> None:
+        self.tensors = tensors
+        self.num_jobs = num_jobs
+        self._direct = direct
+        self._key = key
+        self._head, self._middle, self._tail = args[:9], args[10:20], args[21:]
+        self._mask_rows = mask_rows
+        self._index = index
+
+    def __call__(self, num_pages: int, max_bytes: int) -> None:
+        """Launch for a batch of ``num_pages`` pool pages (0: unchecked) whose largest
+        mask has ``max_bytes`` bytes (no sync, no checks)."""
+        blocks = -(-max_bytes // _MASK_BLOCK) if self._mask_rows and max_bytes > 0 else 0
+        programs = self.num_jobs + self._mask_rows * blocks
+        if programs == 0:
+            return
+        args = (*self._head, num_pages, *self._middle, blocks, *self._tail)
+        if torch.cuda.current_device() == self._index:
+            self._direct(programs, self._key, args, (num_pages, blocks))
+            return
+        with device_guard(torch.device("cuda", self._index)):
+            self._direct(programs, self._key, args, (num_pages, blocks))
+
+
+def bind_gather_and_mask(
+    pages: torch.Tensor,
+    jobs: torch.Tensor,
+    out_page: torch.Tensor,
+    out_offset: torch.Tensor,
+    *,
+    page_map: torch.Tensor | None,
+    status: torch.Tensor | None,
+    mask: StagedMask | None,
+    direct: DirectLaunch | None,
+) -> BoundGatherAndMask | None:
+    """The launch of :func:`launch_gather_and_mask` with these tensors bound
+    (:class:`BoundGatherAndMask`; ``mask.max_bytes`` is not bound: each call gives its
+    batch's), or ``None`` where it must go through :func:`launch_gather_and_mask`: no
+    :class:`DirectLaunch`, not a CUDA device, or a bound int beyond int32."""
+    device = pages.device
+    if direct is None or device.type != "cuda" or not runs_on_triton(device, ""):
+        return None
+    num_jobs = jobs.shape[1]
+    if mask is not None:
+        tree = mask.num_tokens > 0
+        tree_offsets = (mask.row_offsets, mask.tail_start, mask.tail_words) if tree else (0, 0, 0)
+        offsets: tuple[int, ...] = (
+            mask.first_visible, mask.qo_lens, mask.kv_lens, mask.byte_offsets, *tree_offsets
+        )  # fmt: skip
+        staged, mask_out, n, rows = mask.staged, mask.out, mask.num_tokens, mask.batch_size
+    else:
+        tree, offsets = False, (0,) * 7
+        staged, mask_out, n, rows = jobs, out_page, 0, 0
+    map_len = page_map.shape[0] if page_map is not None else 0
+    ints = (pages.stride(0), pages.stride(1), num_jobs, map_len, n, *offsets)
+    if max(ints) > INT32_MAX or min(ints) < -INT32_MAX:
+        return None
+    has_map, has_status, has_mask = page_map is not None, status is not None, mask is not None
+    args = (
+        pages, ints[0], ints[1], jobs, num_jobs, out_page, out_offset,
+        page_map if page_map is not None else out_page, map_len, 0,
+        status if status is not None else out_page, staged, *offsets,
+        mask_out, 0, n, has_map, has_status, has_mask, tree, _GATHER_BLOCK, _MASK_BLOCK,
+    )  # fmt: skip
+    key = (has_map, has_status, has_mask, tree, out_page.dtype, out_offset.dtype)
+    tensors = (pages, jobs, out_page, out_offset, page_map, status, staged, mask_out)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return BoundGatherAndMask(tensors, direct, key, args, num_jobs, rows, index)
 
 
 def _torch_twins(

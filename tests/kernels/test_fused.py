@@ -20,6 +20,7 @@ from flashplan.kernels._triton import DirectLaunch
 from flashplan.kernels.fused import (
     StagedMask,
     _torch_twins,
+    bind_gather_and_mask,
     direct_launcher,
     launch_gather_and_mask,
 )
@@ -85,6 +86,7 @@ def _run(
     dev: torch.device,
     twins: bool = False,
     direct: DirectLaunch | None = None,
+    bound: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     pages = torch.from_numpy(case["pages"]).to(dev)  # type: ignore[arg-type]
     pm = case["page_map"]
@@ -109,6 +111,13 @@ def _run(
             num_pages = case["num_pages"]
             assert isinstance(num_pages, int)
             _torch_twins(pages, jobs, out_page, out_offset, page_map, num_pages, status, mask)
+        elif bound:  # bound without the batch's mask size, which the call gives
+            launch = bind_gather_and_mask(
+                pages, jobs, out_page, out_offset, page_map=page_map, status=status,
+                mask=mask._replace(max_bytes=0), direct=direct,
+            )  # fmt: skip
+            assert launch is not None
+            launch(case["num_pages"], max_bytes)  # type: ignore[arg-type]
         else:
             launch_gather_and_mask(
                 pages, jobs, out_page, out_offset, page_map=page_map,
@@ -215,3 +224,27 @@ def test_direct_launches_call_the_launch_hooks() -> None:
     torch.cuda.synchronize()
     assert direct.direct == 3 - len(direct.variants)  # a variant's first goes through jit
     assert seen == ["_gather_and_mask_kernel"] * 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [0, 4, 9])
+def test_bound_launches_equal_the_unbound_launches(n: int) -> None:
+    """A launch bound once (BoundGatherAndMask: tensors, offsets and ints fixed, the
+    batch's mask size given per call) writes what launch_gather_and_mask writes,
+    batches without mask bytes included."""
+    dev = torch.device("cuda")
+    direct = direct_launcher()
+    for seed in range(6):
+        case = _case(seed, 2 + seed % 4, seed % 3, n, seed % 2 == 0)  # bs 0: no mask byte
+        want = _run(case, True, dev, direct=direct)
+        got = _run(case, True, dev, direct=direct, bound=True)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), seed
+    cpu = _case(0, 2, 1, n, False)
+    pages = torch.from_numpy(cpu["pages"])  # type: ignore[arg-type]
+    jobs = torch.from_numpy(cpu["staged"])[:12].view(6, 2)  # type: ignore[arg-type]
+    assert (  # CPU tensors go through launch_gather_and_mask
+        bind_gather_and_mask(pages, jobs, pages.view(-1), pages.view(-1), page_map=None,
+                             status=None, mask=None, direct=direct) is None
+    )  # fmt: skip

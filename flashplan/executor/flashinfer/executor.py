@@ -85,7 +85,13 @@ from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import JOBS, DevicePlan, device_plan
 from flashplan.executor.flashinfer.streams import CurrentStream
 from flashplan.executor.gathers import Region, gather_jobs, gather_jobs_steps
-from flashplan.kernels.fused import StagedMask, direct_launcher, launch_gather_and_mask
+from flashplan.kernels.fused import (
+    BoundGatherAndMask,
+    StagedMask,
+    bind_gather_and_mask,
+    direct_launcher,
+    launch_gather_and_mask,
+)
 from flashplan.kernels.gather import NO_BAD_JOB, new_status
 from flashplan.kernels.merge_state import merge_state_triton
 from flashplan.kernels.runs import fill_runs
@@ -683,23 +689,55 @@ class FlashInferExecutor:
                 mask.build()
         # [6, num_jobs] (none when the jobs gather nothing)
         job_table = _job_table(views) if jobs.total else views.tensor[:0].view(6, 0)
-        launch_gather_and_mask(
-            table.pages, job_table, page, offset,
-            page_map=self.page_map, num_pages=table.num_pages or 0, status=self._status,
-            mask=fused, direct=self._direct,
-        )  # fmt: skip
+        num_pages = table.num_pages or 0
+        launch = self._bound_launch(views, table.pages, job_table, page, offset, fused)
+        if launch is not None:
+            launch(num_pages, fused.max_bytes if fused is not None else 0)
+        else:
+            launch_gather_and_mask(
+                table.pages, job_table, page, offset, page_map=self.page_map,
+                num_pages=num_pages, status=self._status, mask=fused, direct=self._direct,
+            )  # fmt: skip
         return page, offset, built
+
+    def _bound_launch(
+        self,
+        views: StagedViews,
+        pages: torch.Tensor,
+        job_table: torch.Tensor,
+        page: torch.Tensor,
+        offset: torch.Tensor,
+        mask: StagedMask | None,
+    ) -> BoundGatherAndMask | None:
+        """The fused launch bound to these tensors (:func:`bind_gather_and_mask`), made
+        once per layout and set of buffers (kept in ``views.bound``); ``None``: launch
+        unbound."""
+        tensors = (pages, job_table, page, offset, self.page_map, self._status,
+                   mask.staged if mask is not None else job_table,
+                   mask.out if mask is not None else page)  # fmt: skip
+        held: BoundGatherAndMask | None = views.bound.get("launch")
+        if held is not None and all(a is b for a, b in zip(held.tensors, tensors, strict=True)):
+            return held
+        bound = bind_gather_and_mask(
+            pages, job_table, page, offset, page_map=self.page_map, status=self._status,
+            mask=mask, direct=self._direct,
+        )  # fmt: skip
+        if bound is not None:
+            views.bound["launch"] = bound
+        return bound
 
     @staticmethod
     def _staged_mask(
         dplan: DevicePlan, views: StagedViews, index: int, recipe: MaskRecipe, out: torch.Tensor
     ) -> StagedMask:
         """Group ``index``'s mask: its inputs as offsets into the staged device tensor
-        (``views.tensor``), built into ``out`` (made once per layout, output buffer and
-        batch size)."""
+        (``views.tensor``), built into ``out`` (made once per layout and output buffer;
+        a batch with another largest mask only replaces ``max_bytes``)."""
         key = ("mask", index)
         held = views.bound.get(key)
-        if held is not None and held.out is out and held.max_bytes == recipe.max_bytes:
+        if held is not None and held.out is out:
+            if held.max_bytes != recipe.max_bytes:  # the batch's own size, same arrays
+                held = views.bound[key] = held._replace(max_bytes=recipe.max_bytes)
             return held
         m, g, num_tokens = dplan.manifest, f"g{index}.mask.", recipe.num_tokens
         qo = m[g + "qo_lens"]
