@@ -96,7 +96,10 @@ def plan(
     if layout.mode is Mode.DECODE:
         return _plan_decode(layout, heads)
     qo_lens = layout.extend_lens
-    qo_indptr = indptr(qo_lens, "extend_lens")
+    if layout.draft is not None:  # every request adds the draft's N tokens (validated)
+        qo_indptr = _uniform_indptr(layout.batch_size, layout.draft.num_tokens)
+    else:
+        qo_indptr = indptr(qo_lens, "extend_lens")
     items: MultiItemTensors | None = None
     positions: IntArray | None = None  # preset when it is cheaper than the runs
     if layout.draft is not None:
@@ -193,6 +196,22 @@ def _filled(value: int, shape: tuple[int, ...]) -> IntArray:
     shape (read-only, so plans may share it: a step loop meets the same few shapes)."""
     out = np.empty(shape, dtype=np.int32)
     out.fill(value)  # cheaper than np.full
+    out.setflags(write=False)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _uniform_indptr(batch_size: int, length: int) -> IntArray:
+    """``[0, n, 2n, …]``: read-only int32 ``[batch_size + 1]`` index pointers of requests
+    of ``length`` tokens each (shared per shape: a verify loop meets one or two).
+
+    Raises:
+        LayoutError: the total exceeds int32 (named after ``extend_lens``).
+    """
+    total = batch_size * length
+    if total > INT32_MAX:
+        raise LayoutError("extend_lens", "total exceeds int32", total=total)
+    out = np.arange(0, total + 1, length, dtype=np.int32)  # length >= 1: a draft's N
     out.setflags(write=False)
     return out
 
@@ -358,16 +377,19 @@ def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
     ps = layout.page_size
     prefix = layout.prefix_lens
     base = layout.decoder_start
-    end = base + layout.seq_lens
+    # decoder_start is 0 without an encoder: the layout's own (read-only) lengths then
+    end = layout.seq_lens if layout.encoder_lens is None else base + layout.seq_lens
     window = _window(group)
     first = base + np.maximum(prefix - window, 0) if window >= 0 else base
     for a in (first, end):
-        if a is not base:
+        if a is not base and a is not layout.seq_lens:
             a.setflags(write=False)  # fresh int32 arrays of ours
     start_page, kv_lens, num_pages, last_page_len = PagedPart._derived_nonempty(first, end, ps)
     mask = None
     if not draft.is_chain:
-        span_first = (start_page * ps - base).astype(np.int64)  # decoder positions
+        span_first = np.multiply(start_page, ps, dtype=np.int64)  # decoder positions
+        if layout.encoder_lens is not None:
+            span_first -= base
         depth = draft.depth
         prefix64 = prefix.astype(np.int64)
         bits = draft.ancestors

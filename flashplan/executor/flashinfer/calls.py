@@ -411,7 +411,7 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
         index = gc.group_index
         start, num = part.start_page, part.num_pages
         page_indptr = part.page_indptr
-        if gc.masked and part.kv_lens.size and not part.kv_lens.all():
+        if gc.masked and part.kv_lens.size and not np.logical_and.reduce(part.kv_lens):
             empty = part.kv_lens == 0
             start = seal_inplace(np.where(empty, 0, start))
             num = seal_inplace(np.where(empty, 1, num))
