@@ -15,8 +15,8 @@ manual timers wrapped around the executor's own steps:
                      padded_inputs for a graph) + device_plan (the staging buffer)
   stage              pinned ring slot + numpy copy into it + the one host-to-device copy
   gather + mask      the one launch of the gathers and the first custom mask
-                     (launch_gather_and_mask, through the compiled launcher), and
-                     the views around it
+                     (launch_gather_and_mask, or its binding BoundGatherAndMask, through
+                     the compiled launcher), and the views around it
   extra masks        mask launches of the second and later masked groups
   pool.acquire       picking an idle FlashInfer wrapper
   plan()             FlashInfer's own plan() calls (via ``_call_plan``)
@@ -65,7 +65,7 @@ from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 from flashplan.executor.flashinfer.bucket import GraphBucket
 from flashplan.executor.flashinfer.buffers import PinnedSlot
 from flashplan.executor.flashinfer.graphs import GraphExecutor
-from flashplan.kernels.fused import StagedMask
+from flashplan.kernels.fused import BoundGatherAndMask, StagedMask
 from flashplan.testing.batches import bushy_tree_parents, scoring_batch
 
 HEADS = fp.HeadConfig(num_qo_heads=32, num_kv_heads=8, head_dim=128)
@@ -160,6 +160,7 @@ def instrument(timer: StageTimer, ex: FlashInferExecutor, graph: bool) -> None:
     timer.wrap(ex._ring, "acquire", "ring.acquire")
     timer.wrap(ex, "_gather_and_mask", "gather + mask")
     timer.wrap(executor_mod, "launch_gather_and_mask", "fused launch")
+    timer.wrap(BoundGatherAndMask, "__call__", "fused launch")  # the bound launches
     timer.wrap(StagedMask, "build", "extra masks")
     pool = getattr(ex, "_pool", None)
     if pool is not None:
