@@ -46,7 +46,7 @@ def test_tree_shapes() -> None:
 def test_ancestors_follow_the_parents(data: st.DataObject, bs: int) -> None:
     """Each row holds its token and every token up its parent chain, walked one step at
     a time; the packed rows are those bits, little-endian, and the depths their count."""
-    tree = data.draw(draft_trees(bs, max_tokens=40))
+    tree = data.draw(draft_trees(bs, max_tokens=70))  # rows of one to nine bytes
     n = tree.num_tokens
     want = np.zeros((bs, n, n), dtype=bool)
     for i in range(bs):

@@ -23,6 +23,25 @@ from flashplan.layout.convert import as_int
 __all__ = ["DraftTree"]
 
 
+def _row_popcounts(words: npt.NDArray[np.uint8]) -> npt.NDArray[np.int32]:
+    """int32 ``[bs, N]``: the set bits of each ``[bs, N, W]`` row of bytes, counted eight
+    bytes at a time (a row zero-padded to whole uint64 words; the bit-parallel popcount:
+    a dozen batch-wide operations instead of a sum over ``N x N`` bools)."""
+    bs, n, width = words.shape
+    k = (width + 7) // 8
+    if width != 8 * k:
+        padded = np.zeros((bs, n, 8 * k), dtype=np.uint8)
+        padded[..., :width] = words
+        words = padded
+    x = words.view(np.uint64)  # [bs, N, k]
+    x = x - ((x >> np.uint64(1)) & np.uint64(0x5555555555555555))
+    x = (x & np.uint64(0x3333333333333333)) + ((x >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    x = (x + (x >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    x = (x * np.uint64(0x0101010101010101)) >> np.uint64(56)  # each word's count, < 65
+    counts = x[..., 0] if k == 1 else np.add.reduce(x, axis=2)
+    return counts.astype(np.int32)
+
+
 def _parents(field: str, value: object) -> npt.NDArray[np.int32]:
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
@@ -214,8 +233,15 @@ class DraftTree:
 
     @cached_property
     def depth(self) -> npt.NDArray[np.int32]:
-        """int32 ``[bs, N]``: each token's depth (the root's is 0)."""
-        return seal_inplace(self.ancestors.sum(axis=2) - 1)
+        """int32 ``[bs, N]``: each token's depth (the root's is 0): a chain's token ``j``
+        is at depth ``j``; a tree's depth is its row of :attr:`ancestor_words` counted,
+        less one (itself)."""
+        bs, n = self.parents.shape
+        if self.is_chain:
+            depth = np.empty((bs, n), dtype=np.int32)
+            depth[:] = np.arange(n, dtype=np.int32)
+            return seal_inplace(depth)
+        return seal_inplace(_row_popcounts(self.ancestor_words) - 1)
 
     @cached_property
     def is_chain(self) -> bool:
