@@ -199,7 +199,14 @@ def measure_verify(reps: int) -> dict[str, float]:
     def s_write(spec: fp.PlanSpec, st: dict) -> None:
         st["dplan"].write_into(slot)
 
+    parents = tree.parents
+
+    def fresh_layout_plan() -> fp.PlanSpec:  # an engine's per-step host work before apply
+        draft = fp.DraftTree.from_parents(parents)
+        return fp.plan(fp.BatchLayout.verify([KV] * bs, draft, page_size=PAGE), HEADS)
+
     out = {"plan_us": median_us(make, reps)}
+    out["tree_layout_plan_us"] = median_us(fresh_layout_plan, max(reps // 4, 50))
     stages = [*apply_stages(calls, rows), ("write_into", s_write)]
     eager = staged_us(make, stages, reps)
     out.update({f"{k}_us": v for k, v in eager.items()})
@@ -216,6 +223,7 @@ def measure_verify(reps: int) -> dict[str, float]:
 
 
 VERIFY_ROWS = [
+    ("tree + layout + plan (a fresh DraftTree each time)", "tree_layout_plan_us"),
     ("plan (fixed layout)", "plan_us"),
     ("call_inputs", "call_inputs_us"),
     ("gather_jobs", "gather_jobs_us"),

@@ -198,9 +198,10 @@ class DraftTree:
         """uint8 ``[bs, N, ceil(N / 8)]``: the rows of :attr:`ancestors` bit-packed
         little-endian (token ``k`` of row ``j`` is bit ``k % 8`` of byte ``k // 8``,
         FlashInfer's bit order), built directly by pointer doubling over the whole
-        batch: after round ``r`` a row holds the ancestors less than ``2**r`` steps up
-        and ``up`` the one ``2**r`` steps up, so ``ceil(log2(depth + 1))`` rounds of a
-        few batch-wide gathers suffice (6 for 64 tokens)."""
+        batch: after round ``r`` a row holds its ancestors less than ``2**r`` steps up
+        and ``up`` points ``2**r`` steps up (at the root once past it: the root's row is
+        in every row, so OR-ing it again changes nothing), so ``ceil(log2(depth + 1))``
+        rounds of a few batch-wide gathers suffice (6 for 64 tokens)."""
         bs, n = self.parents.shape
         width = (n + 7) // 8
         words = np.zeros((bs, n, width), dtype=np.uint8)
@@ -208,19 +209,17 @@ class DraftTree:
         words[:, own, own >> 3] = np.left_shift(1, own & 7).astype(np.uint8)
         rows = words.reshape(bs * n, width)  # a view: row i * n + j is token j of request i
         whole = rows.view(f"V{width}").reshape(-1)  # each row one item: a fast 1-D gather
-        base = np.arange(0, bs * n, n)[:, None]
-        up = self.parents.astype(np.intp)  # flat row index of the ancestor 2**r steps up
-        up += base
-        up[:, 0] = -1
-        flat = own + base  # each row's own flat index
+        up = self.parents.astype(np.intp)
+        up[:, 0] = 0  # the root points at itself
+        up += np.arange(0, bs * n, n)[:, None]  # flat row indices
+        up = up.reshape(-1)
         while True:
-            has = up >= 0
-            if not has.any():
-                break
-            at = np.where(has, up, flat).reshape(-1)  # a root's own row: OR-ing it is a no-op
             # the gather copies first, so every row reads the rows of the last round
-            rows |= whole[at].view(np.uint8).reshape(bs * n, width)
-            up = np.where(has, up.reshape(-1)[at].reshape(bs, n), -1)
+            rows |= whole[up].view(np.uint8).reshape(bs * n, width)
+            further = up[up]
+            if np.array_equal(further, up):  # every pointer at its root: rows complete
+                break
+            up = further
         return seal_inplace(words, np.uint8)
 
     @cached_property
