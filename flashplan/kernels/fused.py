@@ -216,45 +216,19 @@ def launch_gather_and_mask(
     if not runs_on_triton(device, "gather_slots_torch"):
         _torch_twins(pages, jobs, out_page, out_offset, page_map, num_pages, status, mask)
         return
-    if mask is not None:
-        tree = mask.num_tokens > 0
-        tree_offsets = (mask.row_offsets, mask.tail_start, mask.tail_words) if tree else (0, 0, 0)
-        offsets: tuple[int, ...] = (
-            mask.first_visible, mask.qo_lens, mask.kv_lens, mask.byte_offsets, *tree_offsets
-        )  # fmt: skip
-        sizes = (mask_blocks, mask.num_tokens)
-        staged, mask_out = mask.staged, mask.out
-        programs = num_jobs + mask.batch_size * mask_blocks
-    else:
-        tree = False
-        offsets, sizes = (0,) * 7, (0, 0)
-        staged, mask_out = jobs, out_page
-        programs = num_jobs
+    programs = num_jobs + (mask.batch_size * mask_blocks if mask is not None else 0)
+    args, key, ints = _kernel_arguments(
+        pages, jobs, out_page, out_offset, page_map, num_pages, status, mask, mask_blocks
+    )
     other = device.type == "cuda" and device.index != torch.cuda.current_device()
     guard = device_guard(device) if other else None
     if guard is not None:
         guard.__enter__()
     try:
-        has_map, has_status = page_map is not None, status is not None
-        ints = (
-            pages.stride(0),
-            pages.stride(1),
-            num_jobs,
-            page_map.shape[0] if page_map is not None else 0,
-            num_pages,
-        )
-        args = (
-            pages, ints[0], ints[1], jobs, num_jobs, out_page, out_offset,
-            page_map if page_map is not None else out_page, ints[3], num_pages,
-            status if status is not None else out_page, staged, *offsets,
-            mask_out, *sizes, has_map, has_status, mask is not None, tree, _GATHER_BLOCK,
-            _MASK_BLOCK,
-        )  # fmt: skip
         if direct is None:
             _gather_and_mask_kernel[(programs,)](*args)
         else:
-            key = (has_map, has_status, mask is not None, tree, out_page.dtype, out_offset.dtype)
-            direct(programs, key, args, ints + offsets + sizes)
+            direct(programs, key, args, ints)
     finally:
         if guard is not None:
             guard.__exit__(None, None, None)
@@ -299,6 +273,22 @@ class BoundGatherAndMask:
         self._mask_rows = mask_rows
         self._index = index
 
+    def binds(
+        self,
+        pages: torch.Tensor,
+        jobs: torch.Tensor,
+        out_page: torch.Tensor,
+        out_offset: torch.Tensor,
+        *,
+        page_map: torch.Tensor | None,
+        status: torch.Tensor | None,
+        mask: StagedMask | None,
+    ) -> bool:
+        """Whether this binding holds these very tensors (:func:`bind_gather_and_mask`'s
+        arguments; the mask's ``max_bytes`` is not bound)."""
+        now = _bound_tensors(pages, jobs, out_page, out_offset, page_map, status, mask)
+        return all(a is b for a, b in zip(self.tensors, now, strict=True))
+
     def __call__(self, num_pages: int, max_bytes: int) -> None:
         """Launch for a batch of ``num_pages`` pool pages (0: unchecked) whose largest
         mask has ``max_bytes`` bytes (no sync, no checks)."""
@@ -332,6 +322,46 @@ def bind_gather_and_mask(
     device = pages.device
     if direct is None or device.type != "cuda" or not runs_on_triton(device, ""):
         return None
+    args, key, ints = _kernel_arguments(
+        pages, jobs, out_page, out_offset, page_map, 0, status, mask, 0
+    )
+    if max(ints) > INT32_MAX or min(ints) < -INT32_MAX:
+        return None
+    tensors = _bound_tensors(pages, jobs, out_page, out_offset, page_map, status, mask)
+    rows = mask.batch_size if mask is not None else 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return BoundGatherAndMask(tensors, direct, key, args, jobs.shape[1], rows, index)
+
+
+def _bound_tensors(
+    pages: torch.Tensor,
+    jobs: torch.Tensor,
+    out_page: torch.Tensor,
+    out_offset: torch.Tensor,
+    page_map: torch.Tensor | None,
+    status: torch.Tensor | None,
+    mask: StagedMask | None,
+) -> tuple[torch.Tensor | None, ...]:
+    """The tensors a binding holds (:attr:`BoundGatherAndMask.tensors`)."""
+    staged, mask_out = (mask.staged, mask.out) if mask is not None else (jobs, out_page)
+    return (pages, jobs, out_page, out_offset, page_map, status, staged, mask_out)
+
+
+def _kernel_arguments(
+    pages: torch.Tensor,
+    jobs: torch.Tensor,
+    out_page: torch.Tensor,
+    out_offset: torch.Tensor,
+    page_map: torch.Tensor | None,
+    num_pages: int,
+    status: torch.Tensor | None,
+    mask: StagedMask | None,
+    mask_blocks: int,
+) -> tuple[tuple[object, ...], tuple[object, ...], tuple[int, ...]]:
+    """The fused kernel's arguments in order (``num_pages`` at index 9, the mask's
+    staging tensor at 11, its output at 19, ``mask_blocks`` at 20), the variant key a
+    :class:`DirectLaunch` files them under, and every int argument (to check against
+    int32). Absent optional tensors are stood in for by ``out_page`` (never read)."""
     num_jobs = jobs.shape[1]
     if mask is not None:
         tree = mask.num_tokens > 0
@@ -339,25 +369,23 @@ def bind_gather_and_mask(
         offsets: tuple[int, ...] = (
             mask.first_visible, mask.qo_lens, mask.kv_lens, mask.byte_offsets, *tree_offsets
         )  # fmt: skip
-        staged, mask_out, n, rows = mask.staged, mask.out, mask.num_tokens, mask.batch_size
+        staged, mask_out, n = mask.staged, mask.out, mask.num_tokens
     else:
         tree, offsets = False, (0,) * 7
-        staged, mask_out, n, rows = jobs, out_page, 0, 0
+        staged, mask_out, n = jobs, out_page, 0
     map_len = page_map.shape[0] if page_map is not None else 0
-    ints = (pages.stride(0), pages.stride(1), num_jobs, map_len, n, *offsets)
-    if max(ints) > INT32_MAX or min(ints) < -INT32_MAX:
-        return None
     has_map, has_status, has_mask = page_map is not None, status is not None, mask is not None
+    strides = (pages.stride(0), pages.stride(1))
     args = (
-        pages, ints[0], ints[1], jobs, num_jobs, out_page, out_offset,
-        page_map if page_map is not None else out_page, map_len, 0,
+        pages, *strides, jobs, num_jobs, out_page, out_offset,
+        page_map if page_map is not None else out_page, map_len, num_pages,
         status if status is not None else out_page, staged, *offsets,
-        mask_out, 0, n, has_map, has_status, has_mask, tree, _GATHER_BLOCK, _MASK_BLOCK,
+        mask_out, mask_blocks, n, has_map, has_status, has_mask, tree, _GATHER_BLOCK,
+        _MASK_BLOCK,
     )  # fmt: skip
     key = (has_map, has_status, has_mask, tree, out_page.dtype, out_offset.dtype)
-    tensors = (pages, jobs, out_page, out_offset, page_map, status, staged, mask_out)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return BoundGatherAndMask(tensors, direct, key, args, num_jobs, rows, index)
+    ints = (*strides, num_jobs, map_len, num_pages, *offsets, mask_blocks, n)
+    return args, key, ints
 
 
 def _torch_twins(

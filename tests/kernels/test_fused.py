@@ -117,6 +117,9 @@ def _run(
                 mask=mask._replace(max_bytes=0), direct=direct,
             )  # fmt: skip
             assert launch is not None
+            same = dict(page_map=page_map, status=status, mask=mask)  # any max_bytes
+            assert launch.binds(pages, jobs, out_page, out_offset, **same)  # type: ignore[arg-type]
+            assert not launch.binds(pages, jobs, out_offset, out_page, **same)  # type: ignore[arg-type]
             launch(case["num_pages"], max_bytes)  # type: ignore[arg-type]
         else:
             launch_gather_and_mask(

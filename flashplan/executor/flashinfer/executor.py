@@ -712,15 +712,15 @@ class FlashInferExecutor:
         """The fused launch bound to these tensors (:func:`bind_gather_and_mask`), made
         once per layout and set of buffers (kept in ``views.bound``); ``None``: launch
         unbound."""
-        tensors = (pages, job_table, page, offset, self.page_map, self._status,
-                   mask.staged if mask is not None else job_table,
-                   mask.out if mask is not None else page)  # fmt: skip
+        page_map, status = self.page_map, self._status
         held: BoundGatherAndMask | None = views.bound.get("launch")
-        if held is not None and all(a is b for a, b in zip(held.tensors, tensors, strict=True)):
+        if held is not None and held.binds(
+            pages, job_table, page, offset, page_map=page_map, status=status, mask=mask
+        ):
             return held
         bound = bind_gather_and_mask(
-            pages, job_table, page, offset, page_map=self.page_map, status=self._status,
-            mask=mask, direct=self._direct,
+            pages, job_table, page, offset, page_map=page_map, status=status, mask=mask,
+            direct=self._direct,
         )  # fmt: skip
         if bound is not None:
             views.bound["launch"] = bound
