@@ -30,6 +30,7 @@ import statistics
 import sys
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,6 +66,41 @@ def pinned(a: np.ndarray) -> torch.Tensor:
     return t
 
 
+def bare_verify_plan(
+    spec: fp.PlanSpec, table: fp.PageTable, workspace: torch.Tensor
+) -> tuple[Callable[[], None], Any]:
+    """FlashInfer's bare ``plan()`` of a verify plan's first group with every input
+    prepared ahead, as an engine would: the packed mask laid out where flashinfer 0.7.4's
+    kernel reads it (bit offsets used as byte offsets, flashinfer PR #2201), pinned
+    indptrs and the gathered page ids, and ``workspace`` as its float workspace. Returns
+    the call and its wrapper."""
+    part = spec.group_plans[0].paged
+    assert part is not None and part.mask is not None
+    offsets = flashinfer_mask_offsets(part.mask.qo_lens, part.mask.kv_lens)
+    packed = np.zeros(int(offsets[-1]) + 8, dtype=np.uint8)
+    for i in range(spec.batch_size):
+        bits = np.packbits(part.mask.dense(i).reshape(-1), bitorder="little")
+        packed[int(offsets[i]) : int(offsets[i]) + bits.shape[0]] = bits
+    mask_dev = torch.from_numpy(packed).to(DEV)
+    qo_indptr = pinned(spec.qo_indptr)
+    kv_indptr = pinned(part.page_indptr)
+    last = pinned(part.last_page_len)
+    indices = table.pages[:, : int(part.num_pages.max())].reshape(-1)[: part.total_pages]
+    indices = indices.contiguous()
+    raw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+    h = spec.heads
+    sizes = (h.num_qo_heads, h.num_kv_heads, h.head_dim, spec.page_size)  # plain ints
+
+    def raw_plan() -> None:
+        raw.plan(
+            qo_indptr, kv_indptr, indices, last, *sizes, packed_custom_mask=mask_dev,
+            causal=False, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+            non_blocking=True,
+        )  # fmt: skip
+
+    return raw_plan, raw
+
+
 def part_verify(out: dict[str, object]) -> list[str]:
     bs, n, prefix = 64, 64, 4096
     # EAGLE-like trees, bushy near the end (the draws of earlier runs: same seed)
@@ -88,33 +124,11 @@ def part_verify(out: dict[str, object]) -> list[str]:
     ours_kernel = kernel_ms(lambda: ex.run(group, q, None, None, cache))
     ours_out = ex.run(group, q, None, None, cache)
 
-    # By hand: the same inputs FlashInfer needs, ready, and its own mask packing.
     gp = spec.group_plans[0]
     part = gp.paged
     assert part is not None and part.mask is not None
-    # The packed mask laid out where flashinfer 0.7.4's kernel reads it (bit offsets used
-    # as byte offsets, flashinfer PR #2201), prepared ahead, as an engine would.
-    offsets = flashinfer_mask_offsets(part.mask.qo_lens, part.mask.kv_lens)
-    packed = np.zeros(int(offsets[-1]) + 8, dtype=np.uint8)
-    for i in range(bs):
-        bits = np.packbits(part.mask.dense(i).reshape(-1), bitorder="little")
-        packed[int(offsets[i]) : int(offsets[i]) + bits.shape[0]] = bits
-    mask_dev = torch.from_numpy(packed).to(DEV)
-    qo_indptr = pinned(spec.qo_indptr)
-    kv_indptr = pinned(part.page_indptr)
-    last = pinned(part.last_page_len)
-    indices = table.pages[:, : int(part.num_pages.max())].reshape(-1)[: part.total_pages]
-    indices = indices.contiguous()
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device=DEV)
-    raw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
-
-    def raw_plan() -> None:
-        raw.plan(
-            qo_indptr, kv_indptr, indices, last, 32, 8, 128, PS,
-            packed_custom_mask=mask_dev, causal=False, q_data_type=torch.bfloat16,
-            kv_data_type=torch.bfloat16, non_blocking=True,
-        )  # fmt: skip
-
+    raw_plan, raw = bare_verify_plan(spec, table, ws)
     raw_plan()
     raw_kernel = kernel_ms(lambda: raw.run(q, cache))
     raw_out = raw.run(q, cache)

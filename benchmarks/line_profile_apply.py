@@ -25,18 +25,14 @@ import io
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    import flashinfer
-
 from _timing import sleep_cycles
+from bench_speculative import HEADS, PS, bare_verify_plan
 from line_profiler import LineProfiler
 
 import flashplan as fp
@@ -50,12 +46,8 @@ import flashplan.kernels.fused as fused_mod
 import flashplan.planning.planner as planner_mod
 from flashplan.executor.checks import check_apply_args
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
-from flashplan.executor.flashinfer.calls import flashinfer_mask_offsets
 from flashplan.kernels._triton import DirectLaunch
 from flashplan.testing import bushy_tree_parents
-
-HEADS = fp.HeadConfig(32, 8, 128)
-PS = 16
 
 #: flashplan's functions on the verify host path, profiled line by line.
 FUNCTIONS = [
@@ -75,6 +67,7 @@ FUNCTIONS = [
     staging_mod.DevicePlan.write_into,
     fast_prefill_mod.replan_prefill,
     fused_mod.launch_gather_and_mask,
+    fused_mod.BoundGatherAndMask.__call__,
     DirectLaunch.__call__,
     buffers_mod.PinnedRing.acquire,
     buffers_mod.WrapperPool.acquire,
@@ -93,19 +86,10 @@ def profile(
     prof = LineProfiler()
     for f in functions:
         prof.add_function(f)
-    wrapped = prof(fn)
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        if busy:
-            torch.cuda._sleep(busy)
-        t0 = time.perf_counter()
-        wrapped()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
+    median = plain(prof(fn), n, busy)
     buf = io.StringIO()
     prof.print_stats(stream=buf, output_unit=1e-6, stripzeros=True)
-    return buf.getvalue(), float(np.median(times))
+    return buf.getvalue(), median
 
 
 def plain(fn: Callable[[], object], n: int, busy: int) -> float:
@@ -144,31 +128,9 @@ def main() -> None:
         ours()
 
     # FlashInfer's bare plan() with the mask packed ahead (bench_speculative's yardstick)
-    part = spec.group_plans[0].paged
-    assert part is not None and part.mask is not None
-    offsets = flashinfer_mask_offsets(part.mask.qo_lens, part.mask.kv_lens)
-    packed = np.zeros(int(offsets[-1]) + 8, dtype=np.uint8)
-    for i in range(bs):
-        bits = np.packbits(part.mask.dense(i).reshape(-1), bitorder="little")
-        packed[int(offsets[i]) : int(offsets[i]) + bits.shape[0]] = bits
-    mask_dev = torch.from_numpy(packed).to(dev)
-
-    def pinned(a: np.ndarray) -> torch.Tensor:
-        t = torch.empty(a.shape, dtype=torch.int32, pin_memory=True)
-        t.numpy()[:] = a
-        return t
-
-    qo, kv, last = pinned(spec.qo_indptr), pinned(part.page_indptr), pinned(part.last_page_len)
-    indices = table.pages[:, : int(part.num_pages.max())].reshape(-1)[: part.total_pages]
-    indices = indices.contiguous()
-    ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
-    raw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
-
-    def raw_plan() -> None:
-        raw.plan(
-            qo, kv, indices, last, 32, 8, 128, PS, packed_custom_mask=mask_dev, causal=False,
-            q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, non_blocking=True,
-        )  # fmt: skip
+    raw_plan, raw = bare_verify_plan(
+        spec, table, torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    )
 
     for _ in range(30):
         raw_plan()
