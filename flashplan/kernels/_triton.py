@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import torch
 
+from flashplan.arrays import INT32_MAX
+
 __all__ = [
     "DIRECT_LAUNCH_VERSIONS",
     "HAS_TRITON",
@@ -29,9 +31,6 @@ __all__ = [
 #: arguments are those ``JITFunction.run`` passes in these versions; the GPU test
 #: ``test_direct_launches_equal_the_jit_launches`` checks each).
 DIRECT_LAUNCH_VERSIONS = ("3.6.0", "3.9.0")
-
-#: Largest int a kernel argument of an unspecialized int32 parameter may take.
-_I32_MAX = 2**31 - 1
 
 try:  # Triton is optional: every launcher has a plain-torch twin.
     import triton
@@ -135,7 +134,7 @@ class DirectLaunch:
         if not self.enabled:
             self.kernel[(grid,)](*args)
             return
-        fits = not ints or (max(ints) <= _I32_MAX and min(ints) >= -_I32_MAX)
+        fits = not ints or (max(ints) <= INT32_MAX and min(ints) >= -INT32_MAX)
         driver = triton.runtime.driver.active
         device = driver.get_current_device()
         variant = self.variants.get((device, key)) if fits else None
