@@ -202,18 +202,13 @@ def _filled(value: int, shape: tuple[int, ...]) -> IntArray:
 
 @functools.lru_cache(maxsize=64)
 def _uniform_indptr(batch_size: int, length: int) -> IntArray:
-    """``[0, n, 2n, …]``: read-only int32 ``[batch_size + 1]`` index pointers of requests
-    of ``length`` tokens each (shared per shape: a verify loop meets one or two).
+    """:func:`~flashplan.arrays.indptr` of ``batch_size`` requests of ``length`` tokens
+    each, made once per shape and shared (read-only: a verify loop meets one or two).
 
     Raises:
         LayoutError: the total exceeds int32 (named after ``extend_lens``).
     """
-    total = batch_size * length
-    if total > INT32_MAX:
-        raise LayoutError("extend_lens", "total exceeds int32", total=total)
-    out = np.arange(0, total + 1, length, dtype=np.int32)  # length >= 1: a draft's N
-    out.setflags(write=False)
-    return out
+    return indptr(_filled(length, (batch_size,)), "extend_lens")
 
 
 def _ones(n: int) -> IntArray:
