@@ -127,10 +127,21 @@ class DirectLaunch:
         )
 
     def __call__(
-        self, grid: int, key: Hashable, args: tuple[Any, ...], ints: tuple[int, ...]
+        self,
+        grid: int,
+        key: Hashable,
+        args: tuple[Any, ...],
+        ints: tuple[int, ...],
+        pointers: tuple[Any, ...] | None = None,
     ) -> None:
         """Launch ``grid`` programs with ``args`` (every parameter, constexprs included,
-        in order); ``ints`` are the int arguments (checked to fit int32)."""
+        in order); ``ints`` are the int arguments (checked to fit int32).
+
+        ``pointers``: ``args`` with every tensor replaced by its ``data_ptr()``, for a
+        caller that holds those tensors (so the memory stays theirs). The compiled
+        launcher then takes the addresses as they are instead of calling each tensor's
+        ``data_ptr`` and asking the driver about it (a driver call per tensor); the
+        first launch of a variant and launches with a hook set still get ``args``."""
         if not self.enabled:
             self.kernel[(grid,)](*args)
             return
@@ -149,7 +160,11 @@ class DirectLaunch:
         enter = hooks.launch_enter_hook
         # launch_metadata returns None without an enter hook (these versions): skip
         # binding every argument to it then
-        metadata = None if enter is None else variant.launch_metadata((grid,), stream, *args)
+        metadata = None
+        if enter is not None:
+            metadata = variant.launch_metadata((grid,), stream, *args)
+        elif pointers is not None:
+            args = pointers
         variant.run(
             grid, 1, 1, stream, variant.function, variant.packed_metadata, metadata,
             enter, hooks.launch_exit_hook, *args,

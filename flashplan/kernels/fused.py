@@ -252,8 +252,8 @@ class BoundGatherAndMask:
             owner compares by identity before reusing the binding.
     """
 
-    __slots__ = ("_direct", "_head", "_index", "_key", "_mask_rows", "_middle", "_tail",
-                 "num_jobs", "tensors")  # fmt: skip
+    __slots__ = ("_direct", "_head", "_index", "_key", "_mask_rows", "_middle", "_pointers",
+                 "_tail", "num_jobs", "tensors")  # fmt: skip
 
     def __init__(
         self,
@@ -270,6 +270,12 @@ class BoundGatherAndMask:
         self._direct = direct
         self._key = key
         self._head, self._middle, self._tail = args[:9], args[10:20], args[21:]
+        # the same with each tensor as its address: the compiled launcher then skips a
+        # data_ptr() call and a driver query per tensor (the binding holds the tensors)
+        self._pointers = tuple(
+            tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in part)
+            for part in (self._head, self._middle, self._tail)
+        )
         self._mask_rows = mask_rows
         self._index = index
 
@@ -285,9 +291,14 @@ class BoundGatherAndMask:
         mask: StagedMask | None,
     ) -> bool:
         """Whether this binding holds these very tensors (:func:`bind_gather_and_mask`'s
-        arguments; the mask's ``max_bytes`` is not bound)."""
+        arguments; the mask's ``max_bytes`` is not bound), the caller's page table and
+        page map still at the addresses bound (a tensor given new storage in place is
+        bound again)."""
         now = _bound_tensors(pages, jobs, out_page, out_offset, page_map, status, mask)
-        return all(a is b for a, b in zip(self.tensors, now, strict=True))
+        if not all(a is b for a, b in zip(self.tensors, now, strict=True)):
+            return False
+        head = self._pointers[0]
+        return pages.data_ptr() == head[0] and (page_map is None or page_map.data_ptr() == head[7])
 
     def __call__(self, num_pages: int, max_bytes: int) -> None:
         """Launch for a batch of ``num_pages`` pool pages (0: unchecked) whose largest
@@ -297,11 +308,13 @@ class BoundGatherAndMask:
         if programs == 0:
             return
         args = (*self._head, num_pages, *self._middle, blocks, *self._tail)
+        head, middle, tail = self._pointers
+        pointers = (*head, num_pages, *middle, blocks, *tail)
         if torch.cuda.current_device() == self._index:
-            self._direct(programs, self._key, args, (num_pages, blocks))
+            self._direct(programs, self._key, args, (num_pages, blocks), pointers)
             return
         with device_guard(torch.device("cuda", self._index)):
-            self._direct(programs, self._key, args, (num_pages, blocks))
+            self._direct(programs, self._key, args, (num_pages, blocks), pointers)
 
 
 def bind_gather_and_mask(

@@ -120,6 +120,15 @@ def _run(
             same = dict(page_map=page_map, status=status, mask=mask)  # any max_bytes
             assert launch.binds(pages, jobs, out_page, out_offset, **same)  # type: ignore[arg-type]
             assert not launch.binds(pages, jobs, out_offset, out_page, **same)  # type: ignore[arg-type]
+            moved = pages.clone()  # the same tensor object given new storage in place
+            moved.set_(pages.clone())
+            rebound = bind_gather_and_mask(
+                moved, jobs, out_page, out_offset, page_map=page_map, status=status,
+                mask=mask, direct=direct,
+            )  # fmt: skip
+            assert rebound is not None and rebound.binds(moved, jobs, out_page, out_offset, **same)  # type: ignore[arg-type]
+            moved.set_(pages.clone())
+            assert not rebound.binds(moved, jobs, out_page, out_offset, **same)  # type: ignore[arg-type]
             launch(case["num_pages"], max_bytes)  # type: ignore[arg-type]
         else:
             launch_gather_and_mask(
