@@ -15,6 +15,7 @@ that it fits, so no derived length, offset or page id can wrap around.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, TypeVar
 
 import attrs
@@ -30,6 +31,7 @@ __all__ = [
     "checked_int32",
     "copy_readonly",
     "indptr",
+    "int32_constant",
     "readonly_when_unpickled",
     "running_sum",
     "seal_inplace",
@@ -39,6 +41,19 @@ IntArray = npt.NDArray[np.int32]
 
 #: Largest value of every int32 array flashplan hands to a kernel.
 INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+@functools.lru_cache(maxsize=256)
+def int32_constant(value: int) -> npt.NDArray[np.int32]:
+    """A read-only 0-d int32 array holding ``value`` (made once per value, shared).
+
+    As the other operand of int32 array arithmetic it gives the same int32 result as the
+    Python int, at about half the host cost at batch sizes: numpy 2 checks a Python int
+    operand against the array's dtype on every call.
+    """
+    out = np.array(value, dtype=np.int32)
+    out.setflags(write=False)
+    return out
 
 
 def copy_readonly(values: npt.ArrayLike, dtype: Any = np.int32) -> npt.NDArray[Any]:

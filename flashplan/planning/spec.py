@@ -27,6 +27,7 @@ from flashplan.arrays import (
     IntArray,
     array_key,
     indptr,
+    int32_constant,
     readonly_when_unpickled,
     seal_inplace,
 )
@@ -240,12 +241,13 @@ class PagedPart:
         empty-span cases, as fresh read-only int32 arrays to preset with
         :meth:`_from_checked`. Every value lies between 0 and ``end_token``, so the int32
         arithmetic cannot wrap."""
-        start_page = first_token // page_size
-        kv_lens = end_token - start_page * page_size
-        num_pages = kv_lens - 1
-        num_pages //= page_size
-        num_pages += 1
-        last_page_len = kv_lens - (num_pages - 1) * page_size
+        ps, one = int32_constant(page_size), int32_constant(1)  # cheaper than Python ints
+        start_page = first_token // ps
+        kv_lens = end_token - start_page * ps
+        # pages - 1 and last_page_len - 1 in one call: kv_lens - 1 = (pages - 1) * ps + rest
+        num_pages, last_page_len = np.divmod(kv_lens - one, ps)
+        num_pages += one
+        last_page_len += one
         for a in (start_page, kv_lens, num_pages, last_page_len):
             a.setflags(write=False)
         return start_page, kv_lens, num_pages, last_page_len
