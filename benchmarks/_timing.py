@@ -25,6 +25,28 @@ def host_us(fn: Callable[[], object], n: int = 30, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
+def alternating_us(
+    a: Callable[[], object], b: Callable[[], object], n: int = 200, warmup: int = 5
+) -> tuple[list[float], list[float]]:
+    """Host times (µs) of ``a`` and ``b`` timed call by call in the order a b b a a b …
+    (the GPU synchronized before each call): each job follows the other as often as it
+    follows itself, so drift of a noisy host and the state one job leaves behind (CPU
+    caches) reach both alike. Returns both lists of ``n`` times."""
+    for _ in range(warmup):
+        a()
+        b()
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(n):
+        for k in (0, 1) if i % 2 == 0 else (1, 0):
+            fn = a if k == 0 else b
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            times[k].append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return times
+
+
 def synced_us(fn: Callable[[], object], n: int = 30, warmup: int = 5) -> float:
     """Median wall time of ``fn`` from an idle GPU until the GPU is done (µs)."""
     for _ in range(warmup):
