@@ -81,6 +81,16 @@ class GatherJobs:
     regions: tuple[Region, ...]
     total: int
 
+    @classmethod
+    def _from_checked(cls, table: IntArray, regions: tuple[Region, ...], total: int) -> GatherJobs:
+        """Internal (:func:`gather_jobs`): a record from a table this module built
+        (C-contiguous, read-only int32 ``[6, n]``); the validator does not run again."""
+        self = object.__new__(cls)
+        object.__setattr__(self, "table", table)
+        object.__setattr__(self, "regions", regions)
+        object.__setattr__(self, "total", total)
+        return self
+
     @property
     def num_jobs(self) -> int:
         """Jobs in the table."""
@@ -267,7 +277,7 @@ def _job_table(parts: list[_Part], rows: IntArray, bs: int) -> GatherJobs:
     bounds = [0, *ends[bs - 1 :: bs].tolist()] if bs else [0] * (n + 1)
     regions = tuple(map(Region, [p[0] for p in parts], bounds[:-1], bounds[1:]))
     table.setflags(write=False)
-    return GatherJobs(table, regions, total)
+    return GatherJobs._from_checked(table, regions, total)  # C-contiguous int32 [6, n]
 
 
 def concat_jobs(tables: list[GatherJobs], prefixes: list[str]) -> GatherJobs:

@@ -210,6 +210,19 @@ def _bound_call(
     return bound
 
 
+def _region_view(views: StagedViews, page: torch.Tensor, region: Region) -> torch.Tensor:
+    """``page[region.lo:region.hi]``, the last one of each region name kept in
+    ``views.bound`` (a step loop gathers a region of the same bounds into the same
+    output buffer batch after batch, and a torch slice costs microseconds)."""
+    key = ("region", region.name)
+    held: tuple[torch.Tensor, Region, torch.Tensor] | None = views.bound.get(key)
+    if held is not None and held[0] is page and held[1] == region:
+        return held[2]
+    view = page[region.lo : region.hi]
+    views.bound[key] = (page, region, view)
+    return view
+
+
 def _job_table(views: StagedViews) -> torch.Tensor:
     """The staged job table as int32 ``[6, num_jobs]`` (made once per layout)."""
     table = views.bound.get(JOBS)
@@ -466,8 +479,7 @@ class FlashInferExecutor:
             if isinstance(value, BatchInt):
                 return dplan.ints[prefix + value.name]
             if isinstance(value, DeviceIndices):
-                r = dplan.jobs.region(prefix + value.region)
-                return page[r.lo : r.hi]
+                return _region_view(staged, page, dplan.jobs.region(prefix + value.region))
             if isinstance(value, BuiltMask):
                 return masks[value.group_index]
             if isinstance(value, ItemPositions):
