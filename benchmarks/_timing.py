@@ -7,6 +7,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import triton
 
@@ -43,6 +44,29 @@ def alternating_us(
             t0 = time.perf_counter()
             fn()
             times[k].append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return times
+
+
+def cold_us(
+    jobs: dict[str, Callable[[], object]], n: int = 60, flush_mb: int = 64, warmup: int = 3
+) -> dict[str, list[float]]:
+    """Host times (µs) of each job with cold CPU caches, the jobs taken in turn: before
+    each call ``flush_mb`` MB of host memory are rewritten (evicting the job's code and
+    data from the CPU caches, as the forward pass an engine runs between two plans
+    does) and the GPU is synchronized. Returns ``n`` times per job."""
+    flush = np.zeros(flush_mb << 18, dtype=np.int32)
+    for _ in range(warmup):
+        for fn in jobs.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in jobs}
+    for _ in range(n):
+        for name, fn in jobs.items():
+            flush += 1
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
     return times
 
