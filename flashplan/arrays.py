@@ -29,9 +29,9 @@ __all__ = [
     "IntArray",
     "array_key",
     "checked_int32",
+    "constant_operand",
     "copy_readonly",
     "indptr",
-    "int32_constant",
     "readonly_when_unpickled",
     "running_sum",
     "seal_inplace",
@@ -44,14 +44,15 @@ INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @functools.lru_cache(maxsize=256)
-def int32_constant(value: int) -> npt.NDArray[np.int32]:
-    """A read-only 0-d int32 array holding ``value`` (made once per value, shared).
+def constant_operand(value: int, dtype: Any = np.int32) -> npt.NDArray[Any]:
+    """A read-only 0-d array of ``dtype`` holding ``value`` (made once per value and
+    dtype, shared).
 
-    As the other operand of int32 array arithmetic it gives the same int32 result as the
-    Python int, at about half the host cost at batch sizes: numpy 2 checks a Python int
-    operand against the array's dtype on every call.
+    As the other operand of array arithmetic of that dtype it gives the same result as
+    the Python int, at about half the host cost at batch sizes: numpy 2 checks a Python
+    int operand against the array's dtype on every call.
     """
-    out = np.array(value, dtype=np.int32)
+    out = np.array(value, dtype=dtype)
     out.setflags(write=False)
     return out
 

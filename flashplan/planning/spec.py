@@ -26,8 +26,8 @@ from flashplan.arrays import (
     INT32_MAX,
     IntArray,
     array_key,
+    constant_operand,
     indptr,
-    int32_constant,
     readonly_when_unpickled,
     seal_inplace,
 )
@@ -241,7 +241,7 @@ class PagedPart:
         empty-span cases, as fresh read-only int32 arrays to preset with
         :meth:`_from_checked`. Every value lies between 0 and ``end_token``, so the int32
         arithmetic cannot wrap."""
-        ps, one = int32_constant(page_size), int32_constant(1)  # cheaper than Python ints
+        ps, one = constant_operand(page_size), constant_operand(1)  # cheaper than Python ints
         start_page = first_token // ps
         kv_lens = end_token - start_page * ps
         # pages - 1 and last_page_len - 1 in one call: kv_lens - 1 = (pages - 1) * ps + rest

@@ -29,7 +29,14 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from flashplan.arrays import INT32_MAX, IntArray, indptr, running_sum, seal_inplace
+from flashplan.arrays import (
+    INT32_MAX,
+    IntArray,
+    constant_operand,
+    indptr,
+    running_sum,
+    seal_inplace,
+)
 from flashplan.errors import UnsupportedError
 from flashplan.executor.flashinfer.policy import (
     ExecutorPolicy,
@@ -489,12 +496,6 @@ def bytes_as_int32(values: npt.NDArray[np.uint8]) -> IntArray:
     return seal_inplace(padded.view(np.int32))
 
 
-#: The int32 range as 0-d int64 operands (cheaper than Python ints in numpy 2).
-_INT32_LOW, _INT32_HIGH = np.array(-INT32_MAX, np.int64), np.array(INT32_MAX, np.int64)
-_INT32_LOW.setflags(write=False)
-_INT32_HIGH.setflags(write=False)
-
-
 def _mask_recipe(index: int, mask: CustomMask, host: dict[str, IntArray]) -> MaskRecipe:
     """Group ``index``'s mask as int32 arrays in ``host`` (``g<index>.mask.*``) and its
     sizes. ``mask.indptr`` is :func:`flashinfer_mask_offsets`: FlashInfer's
@@ -510,8 +511,9 @@ def _mask_recipe(index: int, mask: CustomMask, host: dict[str, IntArray]) -> Mas
         )
     # the int32 staging copy must not wrap a far-off threshold: clamped, then cast
     # (the ufuncs themselves: np.clip's Python wrapper costs more than both)
-    first = np.maximum(mask.first_visible, _INT32_LOW)
-    first = seal_inplace(np.minimum(first, _INT32_HIGH, out=first))
+    low, high = constant_operand(-INT32_MAX, np.int64), constant_operand(INT32_MAX, np.int64)
+    first = np.maximum(mask.first_visible, low)
+    first = seal_inplace(np.minimum(first, high, out=first))
     g = f"g{index}.mask."
     host[g + "first_visible"] = first
     host[g + "qo_lens"] = mask.qo_lens
