@@ -12,16 +12,19 @@ import torch
 import triton
 
 
+def idle_call_us(fn: Callable[[], object]) -> float:
+    """Host time (µs) of one call of ``fn`` issued on an idle GPU (synchronized first)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6
+
+
 def host_us(fn: Callable[[], object], n: int = 30, warmup: int = 5) -> float:
     """Median host time of ``fn`` alone (µs), the GPU synchronized before each call."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
+    times = [idle_call_us(fn) for _ in range(n)]
     torch.cuda.synchronize()
     return statistics.median(times)
 
@@ -39,11 +42,7 @@ def alternating_us(
     times: tuple[list[float], list[float]] = ([], [])
     for i in range(n):
         for k in (0, 1) if i % 2 == 0 else (1, 0):
-            fn = a if k == 0 else b
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            times[k].append((time.perf_counter() - t0) * 1e6)
+            times[k].append(idle_call_us(a if k == 0 else b))
     torch.cuda.synchronize()
     return times
 
@@ -63,10 +62,7 @@ def cold_us(
     for _ in range(n):
         for name, fn in jobs.items():
             flush += 1
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t0) * 1e6)
+            times[name].append(idle_call_us(fn))
     torch.cuda.synchronize()
     return times
 

@@ -106,14 +106,25 @@ def bare_verify_plan(
     return raw_plan, raw
 
 
-def part_verify(out: dict[str, object]) -> list[str]:
+def verify_batch() -> tuple[fp.BatchLayout, fp.PlanSpec, fp.PageTable]:
+    """The verify benchmark's batch (also profiled by ``fresh_plan_gap.py`` and
+    ``line_profile_apply.py``): 64 requests x 64-token EAGLE-like trees, bushy near the
+    end (the draws of earlier runs: same seed), over a 4096-token prefix, page 16, one
+    full group; its layout, plan and a sequential page table on the GPU."""
     bs, n, prefix = 64, 64, 4096
-    # EAGLE-like trees, bushy near the end (the draws of earlier runs: same seed)
     tree = fp.DraftTree.from_parents(bushy_tree_parents(np.random.default_rng(0), bs, n))
     group = fp.AttentionGroup.full()
     layout = fp.BatchLayout.verify([prefix] * bs, tree, page_size=PS, groups=group)
     spec = fp.plan(layout, HEADS)
-    table = fp.PageTable.sequential(spec.pages_needed, device=DEV)
+    return layout, spec, fp.PageTable.sequential(spec.pages_needed, device=DEV)
+
+
+def part_verify(out: dict[str, object]) -> list[str]:
+    layout, spec, table = verify_batch()
+    group = layout.groups[0]
+    bs = spec.batch_size
+    assert layout.draft is not None
+    n = layout.draft.num_tokens
     pool = int(table.num_pages or 1)
     cache = torch.randn(pool, 2, PS, 8, 128, device=DEV, dtype=torch.bfloat16)
     q = torch.randn(spec.total_q, 32, 128, device=DEV, dtype=torch.bfloat16)
@@ -146,7 +157,7 @@ def part_verify(out: dict[str, object]) -> list[str]:
     bool_mask = torch.from_numpy(
         np.concatenate([part.mask.dense(i).reshape(-1) for i in range(bs)])
     ).to(DEV)
-    seq_dev = torch.full((bs,), prefix + n, dtype=torch.int32, device=DEV)
+    seq_dev = torch.from_numpy(layout.seq_lens.astype(np.int32)).to(DEV)
     rows_dev = torch.from_numpy(table.rows.astype(np.int32)).to(DEV)
     ref_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
     max_pages = int(part.num_pages.max())

@@ -40,11 +40,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_speculative import DEV, HEADS, PS, bare_verify_plan
+from bench_speculative import DEV, HEADS, bare_verify_plan, verify_batch
 
 import flashplan as fp
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
-from flashplan.testing import bushy_tree_parents
 
 
 def main() -> None:
@@ -53,11 +52,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=300, help="iterations (one call of each)")
     args = ap.parse_args()
 
-    bs, n, prefix = 64, 64, 4096
-    tree = fp.DraftTree.from_parents(bushy_tree_parents(np.random.default_rng(0), bs, n))
-    layout = fp.BatchLayout.verify([prefix] * bs, tree, page_size=PS)
-    spec = fp.plan(layout, HEADS)
-    table = fp.PageTable.sequential(spec.pages_needed, device=DEV)
+    layout, spec, table = verify_batch()
     ex = FlashInferExecutor(policy=ExecutorPolicy(prefill_backend="fa2"))
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device=DEV)
     raw_plan, _ = bare_verify_plan(spec, table, ws)

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _timing import sleep_cycles
-from bench_speculative import HEADS, PS, bare_verify_plan
+from bench_speculative import HEADS, bare_verify_plan, verify_batch
 from line_profiler import LineProfiler
 
 import flashplan as fp
@@ -47,7 +47,6 @@ import flashplan.planning.planner as planner_mod
 from flashplan.executor.checks import check_apply_args
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 from flashplan.kernels._triton import DirectLaunch
-from flashplan.testing import bushy_tree_parents
 
 #: flashplan's functions on the verify host path, profiled line by line.
 FUNCTIONS = [
@@ -114,11 +113,7 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda")
-    bs, n, prefix = 64, 64, 4096
-    tree = fp.DraftTree.from_parents(bushy_tree_parents(np.random.default_rng(0), bs, n))
-    layout = fp.BatchLayout.verify([prefix] * bs, tree, page_size=PS)
-    spec = fp.plan(layout, HEADS)
-    table = fp.PageTable.sequential(spec.pages_needed, device=dev)
+    layout, spec, table = verify_batch()
     ex = FlashInferExecutor(policy=ExecutorPolicy(prefill_backend="fa2"))
 
     def ours() -> None:
