@@ -16,12 +16,14 @@ read it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 import torch
+
+from flashplan.executor.flashinfer.caches import LayoutMemo
 
 if TYPE_CHECKING:
     from flashplan.executor.flashinfer.staging import StagingManifest
@@ -131,18 +133,18 @@ class StagedViews(dict[str, torch.Tensor]):
     Attributes:
         tensor: the staging tensor the views share memory with.
         manifest: its named slices.
-        bound: values an owner derives from these views alone (the executor's
-            ``plan()`` arguments that depend only on the staging layout), kept as long
-            as the views are.
+        memo: what an owner derives from these views and keeps as long as they are
+            kept, each entry under a key of everything else it depends on
+            (:class:`~flashplan.executor.flashinfer.caches.LayoutMemo`).
     """
 
-    __slots__ = ("bound", "manifest", "tensor")
+    __slots__ = ("manifest", "memo", "tensor")
 
     def __init__(self, tensor: torch.Tensor, manifest: StagingManifest) -> None:
         super().__init__()
         self.tensor = tensor
         self.manifest = manifest
-        self.bound: dict[Hashable, Any] = {}
+        self.memo = LayoutMemo()
 
     def __missing__(self, name: str) -> torch.Tensor:
         s = self.manifest[name]

@@ -168,7 +168,7 @@ Placeholder = HostArray | StagedArray | BatchInt | DeviceIndices | BuiltMask | I
 PLACEHOLDERS = (HostArray, StagedArray, BatchInt, DeviceIndices, BuiltMask, ItemPositions)
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # part of an executor's memo key every batch: hashed once
 class PlanCall:
     """One ``wrapper.plan(**kwargs)`` call (every argument passed by keyword)."""
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, Literal, overload
 
@@ -51,6 +51,14 @@ from flashplan.executor.flashinfer.buffers import (
     StagedViews,
     WrapperPool,
     WrapperSlot,
+)
+from flashplan.executor.flashinfer.caches import (
+    BoundCall,
+    BoundCallKey,
+    DecodeViews,
+    MaskKey,
+    PrefillViews,
+    mask_layout,
 )
 from flashplan.executor.flashinfer.calls import (
     BatchInt,
@@ -138,50 +146,13 @@ def _cuda_device(device: torch.device | str | None) -> torch.device:
     return dev
 
 
-_T = torch.Tensor
-#: A decode call's staged views in :class:`DecodeArrays` order (``indices`` excluded).
-_DecodeViews = tuple[_T, _T, _T, _T]
-#: A paged prefill call's staged views in :class:`PrefillArrays` order, up to
-#: ``kv_lens_device``.
-_PrefillViews = tuple[_T, _T, _T, _T, _T, _T, _T]
-
-
-@attrs.frozen(eq=False)
-class _BoundCall:
-    """One ``plan()`` call's arguments that depend only on the staging layout, resolved
-    against one pair of views (kept in the device views' ``bound``, so made once per
-    layout and pinned slot instead of every batch).
-
-    Attributes:
-        host: the host views the arguments were resolved against (held, so that the
-            entry is recognised by identity).
-        kwargs: the constant arguments and the host arrays' views (pinned).
-        dynamic: the placeholders each batch resolves (gathered page ids, built masks,
-            the batch's ints, multi-item tensors).
-        decode: a decode call's indptr and last-page lengths, host and device views
-            (:class:`DecodeArrays` order), else ``None``.
-        prefill: a paged prefill call's views in :class:`PrefillArrays` order (up to
-            ``kv_lens_device``), else ``None``.
-        mask_indptr: a masked paged prefill call's ``mask_indptr`` (device view).
-        prefill_ints: a paged prefill call's names in the device plan's ``ints`` of its
-            total query rows, longest query and longest KV.
-    """
-
-    host: StagedViews
-    kwargs: dict[str, Any]
-    dynamic: tuple[tuple[str, Any], ...]
-    decode: _DecodeViews | None
-    prefill: _PrefillViews | None
-    mask_indptr: torch.Tensor | None
-    prefill_ints: tuple[str, str, str] = ("", "", "")
-
-
 def _bound_call(
     call: PlanCall, host: StagedViews, staged: StagedViews, prefix: str, index: int, part: str
-) -> _BoundCall:
-    """``call``'s :class:`_BoundCall` for these views (made on first use)."""
-    memo_key = (prefix, index, part, id(host))
-    bound: _BoundCall | None = staged.bound.get(memo_key)
+) -> BoundCall:
+    """``call``'s :class:`BoundCall` for these views (made on first use; kept in the
+    device views' memo under a :class:`BoundCallKey` that holds the whole call)."""
+    memo_key = BoundCallKey(prefix, index, part, call, id(host))
+    bound = staged.memo.calls.get(memo_key)
     if bound is not None and bound.host is host:
         return bound
     kwargs = dict(call.constants)
@@ -192,8 +163,8 @@ def _bound_call(
         else:
             dynamic.append((name, value))
     g = f"{prefix}g{index}"
-    decode: _DecodeViews | None = None
-    prefill: _PrefillViews | None = None
+    decode: DecodeViews | None = None
+    prefill: PrefillViews | None = None
     mask_indptr = None
     if call.wrapper.kind is WrapperKind.DECODE:
         ind, last = g + ".page_indptr", g + ".last_page_len"
@@ -205,29 +176,29 @@ def _bound_call(
         if any(isinstance(v, BuiltMask) for _, v in call.placeholders):
             mask_indptr = staged[g + ".mask.indptr"]
     ints = (prefix + "qo.total", prefix + "qo.max_len", g + ".max_kv_len")
-    bound = _BoundCall(host, kwargs, tuple(dynamic), decode, prefill, mask_indptr, ints)
-    staged.bound[memo_key] = bound
+    bound = BoundCall(host, kwargs, tuple(dynamic), decode, prefill, mask_indptr, ints)
+    staged.memo.calls[memo_key] = bound
     return bound
 
 
 def _region_view(views: StagedViews, page: torch.Tensor, region: Region) -> torch.Tensor:
-    """``page[region.lo:region.hi]``, the last one of each region name kept in
-    ``views.bound`` (a step loop gathers a region of the same bounds into the same
-    output buffer batch after batch, and a torch slice costs microseconds)."""
-    key = ("region", region.name)
-    held: tuple[torch.Tensor, Region, torch.Tensor] | None = views.bound.get(key)
+    """``page[region.lo:region.hi]``, the last one of each region name kept in the
+    views' memo, checked against the page buffer and the bounds (a step loop gathers a
+    region of the same bounds into the same output buffer batch after batch, and a
+    torch slice costs microseconds)."""
+    held = views.memo.regions.get(region.name)
     if held is not None and held[0] is page and held[1] == region:
         return held[2]
     view = page[region.lo : region.hi]
-    views.bound[key] = (page, region, view)
+    views.memo.regions[region.name] = (page, region, view)
     return view
 
 
 def _job_table(views: StagedViews) -> torch.Tensor:
     """The staged job table as int32 ``[6, num_jobs]`` (made once per layout)."""
-    table = views.bound.get(JOBS)
+    table = views.memo.job_table
     if table is None:
-        table = views.bound[JOBS] = views[JOBS].view(6, -1)
+        table = views.memo.job_table = views[JOBS].view(6, -1)
     return table
 
 
@@ -647,7 +618,7 @@ class FlashInferExecutor:
         :class:`SliceViews`; the copy's own views are kept with the device views)."""
         total = dplan.manifest.total
         device = self._views.of(self._staged.reserve(total), dplan.manifest)
-        _, slot = self._upload(self._staged, total, dplan.write_into, memo=device.bound)
+        _, slot = self._upload(self._staged, total, dplan.write_into, memo=device.memo.uploads)
         return slot, self._views.of(slot.host, dplan.manifest), device
 
     def _upload(
@@ -655,15 +626,16 @@ class FlashInferExecutor:
         target: DeviceBuffer,
         total: int,
         write: Callable[[np.ndarray], object],
-        memo: dict[Hashable, Any] | None = None,
+        memo: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, PinnedSlot]:
         """``write`` ``total`` int32 entries into an idle pinned slot, then one
         non-blocking copy of them into ``target``; the caller marks the slot read.
-        ``memo`` keeps the copy's two ``[:total]`` views per slot (for a caller whose
-        ``target`` and ``total`` it is tied to)."""
+        ``memo`` keeps the copy's two ``[:total]`` views per slot, keyed by the slot
+        tensor's ``id`` and checked against it (for a caller whose ``target`` and
+        ``total`` it is tied to: :attr:`LayoutMemo.uploads`)."""
         slot = self._ring.acquire(total)
         write(slot.array)
-        key = ("upload", id(slot.host))
+        key = id(slot.host)
         pair = memo.get(key) if memo is not None else None
         if pair is None or pair[0] is not slot.host:
             pair = (slot.host, target.get(total), slot.host[:total])
@@ -722,20 +694,25 @@ class FlashInferExecutor:
         mask: StagedMask | None,
     ) -> BoundGatherAndMask | None:
         """The fused launch bound to these tensors (:func:`bind_gather_and_mask`), made
-        once per layout and set of buffers (kept in ``views.bound``); ``None``: launch
-        unbound."""
+        once per layout, mask layout and set of buffers (kept in the views' memo and
+        checked against all three); ``None``: launch unbound."""
         page_map, status = self.page_map, self._status
-        held: BoundGatherAndMask | None = views.bound.get("launch")
-        if held is not None and held.binds(
-            pages, job_table, page, offset, page_map=page_map, status=status, mask=mask
+        layout = mask_layout(mask)
+        held = views.memo.launch
+        if (
+            held is not None
+            and held[0] == layout
+            and held[1].binds(
+                pages, job_table, page, offset, page_map=page_map, status=status, mask=mask
+            )
         ):
-            return held
+            return held[1]
         bound = bind_gather_and_mask(
             pages, job_table, page, offset, page_map=page_map, status=status, mask=mask,
             direct=self._direct,
         )  # fmt: skip
         if bound is not None:
-            views.bound["launch"] = bound
+            views.memo.launch = (layout, bound)
         return bound
 
     @staticmethod
@@ -743,13 +720,14 @@ class FlashInferExecutor:
         dplan: DevicePlan, views: StagedViews, index: int, recipe: MaskRecipe, out: torch.Tensor
     ) -> StagedMask:
         """Group ``index``'s mask: its inputs as offsets into the staged device tensor
-        (``views.tensor``), built into ``out`` (made once per layout and output buffer;
-        a batch with another largest mask only replaces ``max_bytes``)."""
-        key = ("mask", index)
-        held = views.bound.get(key)
+        (``views.tensor``), built into ``out`` (made once per layout, :class:`MaskKey`
+        and output buffer; a batch with another largest mask only replaces
+        ``max_bytes``)."""
+        key = MaskKey(index, recipe.num_tokens)
+        held = views.memo.masks.get(key)
         if held is not None and held.out is out:
             if held.max_bytes != recipe.max_bytes:  # the batch's own size, same arrays
-                held = views.bound[key] = held._replace(max_bytes=recipe.max_bytes)
+                held = views.memo.masks[key] = held._replace(max_bytes=recipe.max_bytes)
             return held
         m, g, num_tokens = dplan.manifest, f"g{index}.mask.", recipe.num_tokens
         qo = m[g + "qo_lens"]
@@ -762,7 +740,7 @@ class FlashInferExecutor:
             views.tensor, m[g + "first_visible"].offset, qo.offset, m[g + "kv_lens"].offset,
             m[g + "indptr"].offset, *tree, qo.size, num_tokens, recipe.max_bytes, out,
         )  # fmt: skip
-        views.bound[key] = mask
+        views.memo.masks[key] = mask
         return mask
 
     def _fill_item_positions(
