@@ -1,0 +1,112 @@
+"""One executor over many varied batches, as an engine keeps it (CPU side of issue #23).
+
+* One :class:`~flashplan.ReferenceExecutor` over a long random sequence (every mode,
+  page size, path, group kind; heads that vary) gives bit for bit what a fresh one gives
+  for each batch.
+* The FlashInfer executor's host-side caches, run on CPU tensors over the same kind of
+  sequence: a call skeleton is a function of its key, and a ``plan()`` call's bound
+  arguments and a staged mask found in a layout's memo equal freshly made ones. These
+  are the caches whose key missed the call (the bug); the GPU test
+  ``tests/gpu/test_long_lived.py`` runs the whole executor.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+import flashplan as fp
+from flashplan.executor.flashinfer.buffers import DeviceBuffer, SliceViews, StagedViews
+from flashplan.executor.flashinfer.calls import call_inputs, call_skeleton, skeleton_key
+from flashplan.executor.flashinfer.executor import FlashInferExecutor, _bound_call
+from flashplan.executor.flashinfer.policy import ExecutorPolicy
+from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
+from flashplan.executor.gathers import gather_jobs
+from flashplan.testing.sequences import Batch, batch_sequence, check_sequence
+
+SEED = 20261204
+CPU = {"dtype": torch.float32, "scale": 0.25}
+POLICIES = (ExecutorPolicy(), ExecutorPolicy(prefill_backend="fa2"))
+
+
+def test_reference_executor_long_lived_equals_fresh() -> None:
+    report = check_sequence(
+        fp.ReferenceExecutor(), batch_sequence(SEED, 150, **CPU), out_tol=0.0, lse_tol=0.0
+    )
+    assert not report.wrong, report.summary()
+    assert len(report.checks) == 150
+
+
+def _device_plan(batch: Batch, policy: ExecutorPolicy) -> DevicePlan:
+    spec = batch.specs[0]
+    calls = call_skeleton(spec, policy, sm90=True)
+    inputs = call_inputs(spec, calls)
+    jobs = gather_jobs(spec, batch.table.rows, window_pool=False, spans=inputs.spans)
+    dplan = device_plan(calls, jobs, inputs.host, inputs.masks, ints=inputs.ints,
+                        elements=inputs.elements)  # fmt: skip
+    return dplan
+
+
+def _same(a: object, b: object) -> bool:
+    """Arguments equal: tensors by storage, offset, shape and dtype; the rest by ==."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (a.data_ptr(), a.shape, a.dtype) == (b.data_ptr(), b.shape, b.dtype)
+    return type(a) is type(b) and a == b
+
+
+def test_call_skeleton_is_a_function_of_its_key() -> None:
+    """Every spec of a skeleton key gets the skeleton an executor cached for the key."""
+    seen: dict[object, tuple[object, str]] = {}
+    keys = defaultdict(int)
+    for batch in batch_sequence(SEED, 400, **CPU):
+        for spec in batch.specs:
+            for policy in POLICIES:
+                key = (policy, skeleton_key(spec, policy))
+                calls = call_skeleton(spec, policy, sm90=True)
+                held = seen.setdefault(key, (calls, batch.label))
+                assert held[0] == calls, f"{batch.label}\nshares its key with {held[1]}"
+                keys[key] += 1
+    assert sum(1 for n in keys.values() if n > 1) > 20  # keys really are shared
+
+
+def test_bound_calls_and_masks_from_the_memo_equal_fresh_ones() -> None:
+    """The executor's per-layout memo over a long sequence: the bound ``plan()``
+    arguments and the staged masks it hands out equal ones made afresh. Staged into
+    one persistent host and one 'device' tensor, as the executor does; batches of
+    equal array sizes but other groups or heads share a layout (the bug's trigger)."""
+    host_buf = DeviceBuffer(torch.device("cpu"), torch.int32)
+    dev_buf = DeviceBuffer(torch.device("cpu"), torch.int32)
+    mask_out: dict[int, torch.Tensor] = {}
+    views = SliceViews()
+    layouts_seen: dict[object, set[object]] = defaultdict(set)
+    for batch in batch_sequence(SEED + 1, 400, **CPU, max_batch=3):
+        if batch.steps:
+            continue
+        for policy in POLICIES:
+            dplan = _device_plan(batch, policy)
+            total = dplan.manifest.total
+            host = views.of(host_buf.reserve(total), dplan.manifest)
+            staged = views.of(dev_buf.reserve(total), dplan.manifest)
+            layouts_seen[dplan.manifest].add(dplan.calls)
+            for gc in dplan.calls:
+                for part, call in (("paged", gc.paged), ("ragged", gc.ragged)):
+                    if call is None:
+                        continue
+                    got = _bound_call(call, host, staged, "", gc.group_index, part)
+                    fresh_host = StagedViews(host.tensor, dplan.manifest)
+                    fresh_dev = StagedViews(staged.tensor, dplan.manifest)
+                    want = _bound_call(call, fresh_host, fresh_dev, "", gc.group_index, part)
+                    assert got.kwargs.keys() == want.kwargs.keys(), batch.label
+                    for name, value in got.kwargs.items():
+                        assert _same(value, want.kwargs[name]), (batch.label, name)
+                    assert got.dynamic == want.dynamic, batch.label
+                    assert got.prefill_ints == want.prefill_ints, batch.label
+            for index, recipe in dplan.masks.items():
+                out = mask_out.setdefault(index, torch.zeros(1 << 20, dtype=torch.uint8))
+                got_mask = FlashInferExecutor._staged_mask(dplan, staged, index, recipe, out)
+                fresh_dev = StagedViews(staged.tensor, dplan.manifest)
+                want_mask = FlashInferExecutor._staged_mask(dplan, fresh_dev, index, recipe, out)
+                assert got_mask[1:-1] == want_mask[1:-1], batch.label  # every int field
+    shared_layouts = sum(1 for calls in layouts_seen.values() if len(calls) > 1)
+    assert shared_layouts > 5  # layouts that several different call sets share
