@@ -6,9 +6,12 @@
 #
 #   source .whl/setup.sh >"$OUT/setup.log" 2>&1 && bash benchmarks/h200_session.sh [PHASES]
 #
-# PHASES: comma-separated subset of tests,sanitize,bench (default: all three).
+# PHASES: comma-separated subset of tests,sanitize,bench (default: all three). ONLY, when
+# set, is a comma-separated list of phase names to run (the others are skipped), e.g.
+# ONLY=sanitizer_long_lived,sanitizer_items.
 # Caps (seconds) and run_gpu.py's parts can be lowered to fit the device time left:
-# CAP_TESTS, CAP_SAN_EAGER, CAP_SAN_FAST, CAP_SAN_POS, CAP_SAN_ITEMS, CAP_SAN_GRAPHS, CAP_RUN_GPU,
+# CAP_TESTS, CAP_SAN_EAGER, CAP_SAN_FAST, CAP_SAN_POS, CAP_SAN_ITEMS, CAP_SAN_GRAPHS,
+# CAP_SAN_LONG, CAP_SAN_LONG_GRAPHS (and SAN_LONG_LIVED_BATCHES), CAP_RUN_GPU,
 # CAP_SPEC, CAP_ITEMS, CAP_PROFILE, CAP_PROFILE_CASES, CAP_HOST_CPU, RUN_GPU_PARTS.
 # The FlashInfer wheels and module cache come from the git-ignored .whl/ folder that
 # ../shared/tools/device/prepare.sh fills on the CPU machine (see docs/benchmarks.md).
@@ -24,6 +27,7 @@ START=$SECONDS
 phase() {  # phase NAME CAP_SECONDS CMD...: run with a cap, log to $OUT/NAME.log
   local name="$1" cap="$2"; shift 2
   local t0=$SECONDS rc=0
+  if [[ -n "${ONLY:-}" && ",$ONLY," != *",$name,"* ]]; then return 0; fi
   echo "::: [$name] cap ${cap}s: $*" | tee -a "$OUT/summary.log"
   timeout --kill-after=10 "$cap" "$@" >"$OUT/$name.log" 2>&1 || rc=$?
   echo "::: [$name] rc=$rc in $((SECONDS - t0))s (total $((SECONDS - START))s)" \
@@ -36,7 +40,8 @@ python3 -c 'import torch, flashinfer, triton; print("torch", torch.__version__,
   torch.cuda.get_device_name())' | tee -a "$OUT/summary.log"
 
 if [[ $PHASES == *,tests,* ]]; then
-  phase gpu_tests "${CAP_TESTS:-200}" python3 -m pytest -q -p no:cacheprovider -rfEs tests/gpu tests/kernels
+  # includes tests/gpu/test_long_lived.py: one executor over 4 x 500 random batches (~160 s)
+  phase gpu_tests "${CAP_TESTS:-420}" python3 -m pytest -q -p no:cacheprovider -rfEs tests/gpu tests/kernels
 fi
 
 if [[ $PHASES == *,sanitize,* ]]; then
@@ -60,6 +65,17 @@ if [[ $PHASES == *,sanitize,* ]]; then
     tests/gpu/test_multi_item.py tests/gpu/test_fast_prefill.py tests/kernels/test_fused.py \
     -k "random_batches or views or plain_batch or fast_prefill or fused or direct"
   phase sanitizer_graphs "${CAP_SAN_GRAPHS:-60}" "${SAN[@]}" tests/gpu/test_step_loop.py -k "not busy"
+  # one long-lived executor over a shorter random sequence (every mode, page size, path,
+  # group kind; varied heads), FA2 and auto (FA3 prefill), then graph buckets replaying
+  # many batches (memcheck runs ~100x slower: 60 batches take ~100 s)
+  FLASHPLAN_LONG_LIVED_BATCHES="${SAN_LONG_LIVED_BATCHES:-60}" PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+    phase sanitizer_long_lived "${CAP_SAN_LONG:-150}" "${SAN[@]}" tests/gpu/test_long_lived.py \
+    -k "many_batches and fa2 and varied"
+  FLASHPLAN_LONG_LIVED_BATCHES="${SAN_LONG_LIVED_AUTO_BATCHES:-30}" \
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 phase sanitizer_long_lived_auto "${CAP_SAN_LONG:-150}" \
+    "${SAN[@]}" tests/gpu/test_long_lived.py -k "many_batches and auto and varied"
+  phase sanitizer_long_lived_graphs "${CAP_SAN_LONG_GRAPHS:-120}" "${SAN[@]}" \
+    tests/gpu/test_long_lived.py -k "graph_buckets and 16"
 fi
 
 if [[ $PHASES == *,bench,* ]]; then
