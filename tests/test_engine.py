@@ -173,3 +173,24 @@ def test_call_disagreeing_with_plan_raises() -> None:
     engine.add(make_requests(config.vocab_size, False, 1, 2, 0)[0])
     with pytest.raises(fp.PlanMismatchError, match="was not planned"):
         engine.step()
+
+
+def test_one_reference_executor_across_models_equals_fresh_ones() -> None:
+    """One ReferenceExecutor kept across models (heads and groups change between runs)
+    and page sizes, each step compared with a fresh one (ComparingExecutor): bit for
+    bit, and every KV cache equal to its shadow."""
+    from flashplan.testing.compare import ComparingExecutor
+
+    executor = fp.ReferenceExecutor()
+    for name, page_size in [(n, 16) for n in MODELS] + [("gemma2", 1)]:
+        model, _ = models(name)
+        tee = ComparingExecutor(executor)
+        engine = Engine(
+            adapter_for(model), tee, page_size=page_size, num_pages=KV_TOKENS // page_size,
+            max_running=3, token_budget=16,
+        )  # fmt: skip
+        for r in make_requests(model.config.vocab_size, model.config.is_encoder_decoder, 8, 6, 1):
+            engine.add(r)
+        while engine.has_work():
+            assert engine.step() is not None
+        assert tee.records and not tee.bad(0.0, 0.0), f"{name} {page_size}: {tee.summary()}"

@@ -23,7 +23,7 @@ from flashplan.executor.flashinfer.executor import FlashInferExecutor, _bound_ca
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
 from flashplan.executor.gathers import gather_jobs
-from flashplan.testing.sequences import Batch, batch_sequence, check_sequence
+from flashplan.testing.sequences import MODES, Batch, batch_sequence, check_sequence
 
 SEED = 20261204
 CPU = {"dtype": torch.float32, "scale": 0.25}
@@ -110,3 +110,58 @@ def test_bound_calls_and_masks_from_the_memo_equal_fresh_ones() -> None:
                 assert got_mask[1:-1] == want_mask[1:-1], batch.label  # every int field
     shared_layouts = sum(1 for calls in layouts_seen.values() if len(calls) > 1)
     assert shared_layouts > 5  # layouts that several different call sets share
+
+
+class _DriftsAfter(fp.ReferenceExecutor):
+    """A reference executor that goes wrong after ``n`` applies (state carried from one
+    batch to the next), by output or by a stray cache write: what the checks must catch."""
+
+    def __init__(self, n: int, *, cache: bool = False) -> None:
+        super().__init__()
+        self.n, self.cache, self.applied = n, cache, 0
+
+    def apply(self, spec: fp.PlanSpec, table: fp.PageTable) -> None:
+        super().apply(spec, table)
+        self.applied += 1
+
+    def run(self, group, q, k_new, v_new, kv_cache, *, return_lse=False):  # type: ignore[no-untyped-def]
+        out, lse = super().run(group, q, k_new, v_new, kv_cache, return_lse=True)
+        if self.applied > self.n:
+            if self.cache and kv_cache is not None:
+                kv_cache[-1].add_(1.0)  # a write to a page nobody's plan names
+            else:
+                out = out + 0.1 * out.abs().max()
+        return (out, lse) if return_lse else out
+
+
+ONE_APPLY = tuple(m for m in MODES if m != "draft_decode")  # _DriftsAfter counts apply()
+
+
+def test_checks_catch_an_executor_that_goes_wrong_later() -> None:
+    report = check_sequence(_DriftsAfter(5), batch_sequence(SEED, 12, **CPU, modes=ONE_APPLY))
+    assert [c.index for _, c in report.wrong] == list(range(5, 12))
+    assert "after batch 4:" in report.summary()
+    batches = batch_sequence(SEED, 6, **CPU, modes=ONE_APPLY)
+    stray = check_sequence(_DriftsAfter(3, cache=True), batches)
+    assert [c.index for _, c in stray.wrong] == [3, 4, 5]
+    assert not any(c.cache_ok for _, c in stray.wrong)
+
+
+def test_comparing_executor_catches_a_wrong_primary() -> None:
+    from flashplan.testing.compare import ComparingExecutor
+
+    for cache in (False, True):
+        tee = ComparingExecutor(_DriftsAfter(1, cache=cache))
+        for batch in batch_sequence(SEED, 3, **CPU, modes=("extend", "decode")):
+            spec = batch.specs[0]
+            tee.apply(spec, batch.table)
+            hkv, d = batch.heads.num_kv_heads, batch.heads.head_dim
+            kv = torch.randn(batch.num_pages, 2, spec.page_size, hkv, d)
+            for group in batch.groups:
+                rows = spec.total_encoder if group.cross_attention else spec.total_q
+                q = torch.randn(spec.total_q, batch.heads.num_qo_heads, d)
+                k = torch.randn(rows, hkv, d)
+                tee.run(group, q, k, k, kv)
+        bad = tee.bad()
+        assert bad and {r.step for r in bad} <= {1, 2}, tee.summary()
+        assert all(not r.cache_ok for r in bad) if cache else all(r.out_err > 0.05 for r in bad)
