@@ -23,7 +23,7 @@ from flashplan.executor.flashinfer.executor import FlashInferExecutor, _bound_ca
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
 from flashplan.executor.gathers import gather_jobs
-from flashplan.testing.sequences import MODES, Batch, batch_sequence, check_sequence
+from flashplan.testing.sequences import SEQUENCE_MODES, Batch, batch_sequence, check_sequence
 
 SEED = 20261204
 CPU = {"dtype": torch.float32, "scale": 0.25}
@@ -134,7 +134,7 @@ class _DriftsAfter(fp.ReferenceExecutor):
         return (out, lse) if return_lse else out
 
 
-ONE_APPLY = tuple(m for m in MODES if m != "draft_decode")  # _DriftsAfter counts apply()
+ONE_APPLY = tuple(m for m in SEQUENCE_MODES if m != "draft_decode")  # _DriftsAfter counts apply()
 
 
 def test_checks_catch_an_executor_that_goes_wrong_later() -> None:

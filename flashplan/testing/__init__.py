@@ -10,11 +10,14 @@ Property-test your integration with the same generators flashplan's own tests us
         spec = flashplan.plan(layout, heads)
         ...
 
-Four modules, by role: :mod:`flashplan.testing.valid` (strategies of valid input),
+Six modules, by role: :mod:`flashplan.testing.valid` (strategies of valid input),
 :mod:`flashplan.testing.invalid` (the catalogue of input flashplan must refuse),
-:mod:`flashplan.testing.constructors` (record constructors by name) and
-:mod:`flashplan.testing.batches` (fixed example batches the benchmarks share; no
-Hypothesis needed).
+:mod:`flashplan.testing.constructors` (record constructors by name),
+:mod:`flashplan.testing.batches` (fixed example batches the benchmarks share),
+:mod:`flashplan.testing.sequences` (long seeded random batch sequences, checked batch by
+batch against a fresh oracle: one executor kept as an engine keeps it) and
+:mod:`flashplan.testing.compare` (an executor that runs every call on two executors, for
+an engine's step loop); the last three need no Hypothesis.
 
 This subpackage is the only part of flashplan that needs ``hypothesis``
 (``pip install flashplan[test]``). It is imported lazily: ``import flashplan.testing``
@@ -51,6 +54,19 @@ _HOMES = {
     "ScoringBatch": "batches",
     "bushy_tree_parents": "batches",
     "scoring_batch": "batches",
+    "FIXED_HEADS": "sequences",
+    "SEQUENCE_MODES": "sequences",
+    "SEQUENCE_PAGE_SIZES": "sequences",
+    "VARIED_HEADS": "sequences",
+    "Batch": "sequences",
+    "BatchCheck": "sequences",
+    "SequenceReport": "sequences",
+    "batch_sequence": "sequences",
+    "check_batch": "sequences",
+    "check_sequence": "sequences",
+    "random_batch": "sequences",
+    "CallRecord": "compare",
+    "ComparingExecutor": "compare",
 }
 
 __all__ = sorted(_HOMES)

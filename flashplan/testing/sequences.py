@@ -39,8 +39,8 @@ from flashplan.planning.spec import PlanSpec
 
 __all__ = [
     "FIXED_HEADS",
-    "MODES",
-    "PAGE_SIZES",
+    "SEQUENCE_MODES",
+    "SEQUENCE_PAGE_SIZES",
     "VARIED_HEADS",
     "Batch",
     "BatchCheck",
@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 #: Every kind of batch :func:`random_batch` draws.
-MODES = (
+SEQUENCE_MODES = (
     "decode",
     "extend",
     "multi_item",
@@ -65,7 +65,7 @@ MODES = (
 )
 
 #: Page sizes drawn (tokens per page).
-PAGE_SIZES = (1, 4, 8, 16)
+SEQUENCE_PAGE_SIZES = (1, 4, 8, 16)
 
 #: One model's heads (query heads, KV heads, head size), kept for a whole sequence.
 FIXED_HEADS = (32, 8, 128)
@@ -206,8 +206,8 @@ def random_batch(
     device: torch.device | str = "cpu",
     vary_heads: bool = True,
     dtype: torch.dtype = torch.bfloat16,
-    modes: Sequence[str] = MODES,
-    page_sizes: Sequence[int] = PAGE_SIZES,
+    modes: Sequence[str] = SEQUENCE_MODES,
+    page_sizes: Sequence[int] = SEQUENCE_PAGE_SIZES,
     max_batch: int = 6,
     scale: float = 1.0,
 ) -> Batch:
@@ -219,7 +219,7 @@ def random_batch(
         vary_heads: draw the heads per batch (:data:`VARIED_HEADS`); else
             :data:`FIXED_HEADS`.
         dtype: the heads' query / KV / output dtype.
-        modes: the kinds of batch to draw from (:data:`MODES`).
+        modes: the kinds of batch to draw from (:data:`SEQUENCE_MODES`).
         page_sizes: the page sizes to draw from.
         max_batch: most requests.
         scale: lengths are drawn up to ``scale`` times their default bounds (a CPU
