@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal, overload
 
 import attrs
 import torch
@@ -113,30 +112,6 @@ class ComparingExecutor:
             held = self._shadows[id(kv_cache)] = (kv_cache, kv_cache.clone())
         return held[1]
 
-    @overload
-    def run(
-        self,
-        group: AttentionGroup,
-        q: torch.Tensor,
-        k_new: torch.Tensor | None,
-        v_new: torch.Tensor | None,
-        kv_cache: torch.Tensor | None,
-        *,
-        return_lse: Literal[False] = False,
-    ) -> torch.Tensor: ...
-
-    @overload
-    def run(
-        self,
-        group: AttentionGroup,
-        q: torch.Tensor,
-        k_new: torch.Tensor | None,
-        v_new: torch.Tensor | None,
-        kv_cache: torch.Tensor | None,
-        *,
-        return_lse: Literal[True],
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
     def run(
         self,
         group: AttentionGroup,
@@ -147,7 +122,9 @@ class ComparingExecutor:
         *,
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Run on both, record the comparison, return the primary's result."""
+        """Run on both, record the comparison, return the primary's result (``out``, or
+        ``(out, lse)`` with ``return_lse``: the protocol's overloads are not restated in
+        this test helper)."""
         assert self._oracle is not None, "run() before apply()"
         shadow = self._shadow(kv_cache)
         want, want_lse = self._oracle.run(group, q, k_new, v_new, shadow, return_lse=True)
