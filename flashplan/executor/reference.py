@@ -33,11 +33,10 @@ from flashplan.errors import LayoutError, PageTableError, PlanMismatchError
 from flashplan.executor.checks import check_apply_args, check_run_args
 from flashplan.executor.gathers import GatherJobs, gather_jobs, pages_region
 from flashplan.kernel_rules import kernel_visibility
-from flashplan.kernels.gather import gather_slots_torch
-from flashplan.kernels.merge_state import merge_state_torch
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.page_table import PageTable
 from flashplan.planning.spec import PagedPart, PlanSpec
+from flashplan.torch_kernels import gather_slots_torch, merge_state_torch
 
 __all__ = ["ReferenceExecutor"]
 

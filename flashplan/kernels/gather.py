@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import torch
 
-from flashplan.errors import FlashplanError
 from flashplan.kernels._triton import HAS_TRITON, device_guard, runs_on_triton, tl, triton
+from flashplan.torch_kernels import NO_BAD_JOB, gather_slots_torch
+from flashplan.torch_kernels import check_gather_args as _check
 
 __all__ = [
     "NO_BAD_JOB",
@@ -45,8 +46,6 @@ __all__ = [
 
 _BLOCK = 1024
 
-#: ``status[1]`` while no job has met a bad page id.
-NO_BAD_JOB = 2**31 - 1
 
 if HAS_TRITON:
 
@@ -136,41 +135,6 @@ if HAS_TRITON:
 def new_status(device: torch.device | str) -> torch.Tensor:
     """A fresh ``status`` tensor for :func:`gather_slots`: int32 ``[2]`` = (0, NO_BAD_JOB)."""
     return torch.tensor([0, NO_BAD_JOB], dtype=torch.int32, device=device)
-
-
-def _check(
-    pages: torch.Tensor,
-    jobs: tuple[torch.Tensor, ...],
-    out_page: torch.Tensor,
-    out_offset: torch.Tensor,
-    page_map: torch.Tensor | None,
-    status: torch.Tensor | None,
-) -> int:
-    if not isinstance(pages, torch.Tensor) or pages.dtype != torch.int32 or pages.dim() != 2:
-        raise FlashplanError(
-            f"pages: expected int32 [rows, max_pages], got {getattr(pages, 'dtype', pages)}"
-        )
-    n = jobs[0].shape[0]
-    for name, t in zip(("rows", "first", "counts", "dst", "div", "use_map"), jobs, strict=True):
-        if t.dtype != torch.int32 or t.shape != (n,) or t.device != pages.device:
-            raise FlashplanError(
-                f"{name}: expected int32 [{n}] on {pages.device}, got "
-                f"{t.dtype} {tuple(t.shape)} on {t.device}"
-            )
-        if not t.is_contiguous():
-            raise FlashplanError(f"{name}: must be contiguous")
-    for name, t in (("out_page", out_page), ("out_offset", out_offset)):
-        if t.dtype not in (torch.int32, torch.int64) or t.dim() != 1 or t.device != pages.device:
-            raise FlashplanError(f"{name}: expected an int32/int64 1-D tensor on {pages.device}")
-    if page_map is not None and (
-        page_map.dtype != torch.int32 or page_map.dim() != 1 or page_map.device != pages.device
-    ):
-        raise FlashplanError(f"page_map: expected an int32 1-D tensor on {pages.device}")
-    if status is not None and (
-        status.dtype != torch.int32 or status.shape != (2,) or status.device != pages.device
-    ):
-        raise FlashplanError(f"status: expected an int32 [2] tensor on {pages.device}")
-    return n
 
 
 def gather_slots(
@@ -273,58 +237,3 @@ def launch_gather_jobs(
     finally:
         if guard is not None:
             guard.__exit__(None, None, None)
-
-
-def gather_slots_torch(
-    pages: torch.Tensor,
-    rows: torch.Tensor,
-    first: torch.Tensor,
-    counts: torch.Tensor,
-    dst: torch.Tensor,
-    div: torch.Tensor,
-    use_map: torch.Tensor,
-    out_page: torch.Tensor,
-    out_offset: torch.Tensor,
-    *,
-    total: int,
-    page_map: torch.Tensor | None = None,
-    num_pages: int = 0,
-    status: torch.Tensor | None = None,
-) -> None:
-    """Same contract as :func:`gather_slots` in plain vectorized torch (no host sync:
-    ``total`` is the host-known ``sum(counts)``)."""
-    jobs = (rows, first, counts, dst, div, use_map)
-    _check(pages, jobs, out_page, out_offset, page_map, status)
-    if total == 0:
-        return
-    dev = pages.device
-    counts64 = counts.long()
-    job = torch.repeat_interleave(
-        torch.arange(counts.shape[0], device=dev), counts64, output_size=total
-    )
-    starts = torch.cumsum(counts64, 0) - counts64
-    k = torch.arange(total, device=dev) - starts[job]
-    t = first.long()[job] + k
-    d = div.long()[job]
-    col = t // d
-    row = rows.long()[job]
-    fill = row < 0
-    page = torch.where(fill, 0, pages[row.clamp(min=0), torch.where(fill, 0, col)].long())
-    bad = (page < 0) & ~fill
-    if num_pages > 0:
-        bad |= (page >= num_pages) & ~fill
-    if page_map is not None:
-        mapped = page_map.long()[page.clamp(0, page_map.shape[0] - 1)]
-        in_map = page < page_map.shape[0]
-        use = (use_map[job] != 0) & ~fill
-        bad |= use & (~in_map | (mapped < 0))
-        page = torch.where(use, mapped, page)
-    offset = torch.where(bad | fill, -1, t - col * d)
-    page = torch.where(bad, 0, torch.where(fill, first.long()[job], page))
-    out = dst.long()[job] + k
-    out_page[out] = page.to(out_page.dtype)
-    out_offset[out] = offset.to(out_offset.dtype)
-    if status is not None:
-        status[0] += bad.sum().to(torch.int32)
-        first_bad = torch.where(bad, job, NO_BAD_JOB).min().to(torch.int32)
-        status[1] = torch.minimum(status[1], first_bad)

@@ -16,22 +16,22 @@ garbage there is harmless); when both are empty the result is ``v = 0``, ``s = -
 NaN is never hidden: a NaN log-sum-exp on either side makes the result NaN, and a
 non-empty side's ``v`` is always read, so NaN there reaches the output.
 
-:func:`merge_state_torch` has no Triton dependency: the reference executor imports it
-from here and gets the same base-2 convention and the same edge cases.
+:func:`merge_state_torch` (re-exported here) lives in :mod:`flashplan.torch_kernels`, which
+imports no Triton: the reference executor imports it from there and gets the same base-2
+convention and the same edge cases.
 """
 
 from __future__ import annotations
 
 import torch
 
-from flashplan.errors import FlashplanError
 from flashplan.kernels._triton import HAS_TRITON, device_guard, runs_on_triton, tl, triton
+from flashplan.torch_kernels import check_states as _check_states
+from flashplan.torch_kernels import merge_state_torch
 
 __all__ = ["merge_state_torch", "merge_state_triton"]
 
 
-_V_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the kernel's
-_V_DTYPES_TORCH = (*_V_DTYPES, torch.float64)  # the torch twin's (reference executor)
 # Elements of v (heads x head_dim) one kernel program merges: whole heads, at least one.
 # On an H200, 512-4096 all reach ~4.5 TB/s on large merges; 128 (one head) gets ~1.3.
 _ELEMS_PER_PROGRAM = 2048
@@ -113,35 +113,6 @@ if HAS_TRITON:
         tl.store(s_out_ptr + row, s, mask=h_ok)
 
 
-def _check_states(
-    v_a: torch.Tensor,
-    s_a: torch.Tensor,
-    v_b: torch.Tensor,
-    s_b: torch.Tensor,
-    v_dtypes: tuple[torch.dtype, ...] = _V_DTYPES,
-) -> None:
-    """Validate shapes, dtypes and devices of two partial states (metadata only)."""
-    if v_a.dim() != 3:
-        raise FlashplanError(
-            f"v_a: expected [tokens, heads, head_dim], got shape {tuple(v_a.shape)}"
-        )
-    if v_b.shape != v_a.shape:
-        raise FlashplanError(f"v_b: shape {tuple(v_b.shape)} != v_a's {tuple(v_a.shape)}")
-    for name, s in (("s_a", s_a), ("s_b", s_b)):
-        if s.shape != v_a.shape[:2]:
-            raise FlashplanError(
-                f"{name}: shape {tuple(s.shape)}, expected [tokens, heads] = {tuple(v_a.shape[:2])}"
-            )
-        if s.dtype != torch.float32:
-            raise FlashplanError(f"{name}: dtype must be torch.float32, got {s.dtype}")
-    for name, v in (("v_a", v_a), ("v_b", v_b)):
-        if v.dtype not in v_dtypes:
-            raise FlashplanError(f"{name}: dtype must be one of {v_dtypes}, got {v.dtype}")
-    for name, t in (("s_a", s_a), ("v_b", v_b), ("s_b", s_b)):
-        if t.device != v_a.device:
-            raise FlashplanError(f"{name}: on {t.device}, expected {v_a.device} like v_a")
-
-
 def merge_state_triton(
     v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,54 +173,3 @@ def merge_state_triton(
             num_warps=max(1, min(8, block_h * block_d // 256)),
         )
     return v, s
-
-
-def merge_state_torch(
-    v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two partial attention states in plain torch (base-2 LSE); any device.
-
-    The CPU path of :func:`merge_state_triton`, its test oracle, and the merge that the
-    reference executor uses. Same math and edge cases as the kernel: float32 (float64
-    when either ``v`` is float64, which only this twin accepts), maximum factored out, a
-    side with ``s = -inf`` contributes exactly 0 (its ``v`` is masked out, NaN included),
-    both sides empty give ``v = 0`` and ``s = -inf``. Vectorized, no sync.
-
-    Args:
-        v_a: ``[tokens, heads, head_dim]`` bf16 / fp16 / fp32 / fp64 output over key
-            key set A.
-        s_a: float32 ``[tokens, heads]`` base-2 log-sum-exp of key set A; -inf = empty.
-        v_b: like ``v_a`` (same shape, any of the four dtypes), key set B.
-        s_b: like ``s_a``, key set B.
-
-    Returns:
-        ``(v, s)``: ``v`` contiguous ``[tokens, heads, head_dim]`` in ``v_a``'s dtype,
-        ``s`` contiguous float32 ``[tokens, heads]`` base-2 log-sum-exp of the union.
-
-    Raises:
-        FlashplanError: shape, dtype or device mismatch.
-    """
-    _check_states(v_a, s_a, v_b, s_b, _V_DTYPES_TORCH)
-    fp64 = torch.float64 in (v_a.dtype, v_b.dtype)
-    math_dtype = torch.float64 if fp64 else torch.float32
-    s_a = s_a.to(math_dtype)
-    s_b = s_b.to(math_dtype)
-    empty_a = s_a == float("-inf")
-    empty_b = s_b == float("-inf")
-    both = empty_a & empty_b
-    nan = torch.isnan(s_a) | torch.isnan(s_b)
-    zero = torch.zeros((), dtype=math_dtype, device=v_a.device)
-    m0 = torch.where(both | nan, zero, torch.maximum(s_a, s_b))
-    w_a = torch.where(empty_a, zero, torch.exp2(s_a - m0))
-    w_b = torch.where(empty_b, zero, torch.exp2(s_b - m0))
-    denom = torch.where(both, torch.ones_like(m0), w_a + w_b)
-    s = torch.where(both, torch.full_like(m0, float("-inf")), m0 + torch.log2(denom))
-    s = torch.where(nan, torch.full_like(m0, float("nan")), s)
-    c_a = (w_a / denom).unsqueeze(-1)
-    c_b = (w_b / denom).unsqueeze(-1)
-    part_a = torch.where(empty_a.unsqueeze(-1), zero, v_a.to(math_dtype) * c_a)
-    part_b = torch.where(empty_b.unsqueeze(-1), zero, v_b.to(math_dtype) * c_b)
-    merged = torch.where(nan.unsqueeze(-1), float("nan"), part_a + part_b)
-    # Elementwise ops keep the inputs' memory layout; return the kernel's (contiguous) one.
-    v = merged.to(v_a.dtype).contiguous()
-    return v, s.to(torch.float32).contiguous()
