@@ -75,3 +75,18 @@ def test_docstring_examples_hold(module: str) -> None:
     assert result.failed == 0
     if module != "flashplan.arrays":
         assert result.attempted > 0
+
+
+def test_import_flashplan_loads_no_triton_and_no_kernel_module() -> None:
+    """``import flashplan`` (layouts, planning, the reference executor) stays light: Triton
+    and flashplan's kernel modules load only when a GPU path is imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, flashplan; "
+        "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith('triton.') "
+        "or m.startswith('flashplan.kernels') or m.startswith('flashplan.executor.flashinfer')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
