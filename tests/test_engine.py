@@ -48,6 +48,35 @@ def models(name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     return model, reference_model(model)
 
 
+def check_step(out: StepOutput | None, engine: Engine, vocab: int) -> StepOutput:
+    """What a step's output promises (keep_all_logits=True; see StepOutput): one logits
+    row per new token in batch order, owned by its request at decoder position
+    ``prefix_len + j``; a token sampled for, and only for, each request whose prompt is
+    all in, the greedy token of its last row; finished requests are those done."""
+    assert isinstance(out, StepOutput)
+    counts = [n for _, n in out.batch]
+    assert out.layout.extend_lens.tolist() == counts
+    assert tuple(out.logits.shape) == (sum(counts), vocab)
+    assert torch.isfinite(out.logits).all()
+    assert out.owners == [r for r, n in out.batch for _ in range(n)]
+    prefix = out.layout.prefix_lens.tolist()
+    assert out.positions == [p + j for p, n in zip(prefix, counts, strict=True) for j in range(n)]
+    last = (np.cumsum(counts) - 1).tolist()
+    for (r, _), row in zip(out.batch, last, strict=True):
+        if r.rid in out.sampled:
+            token = out.sampled[r.rid]
+            assert 0 <= token < vocab
+            assert token == int(out.logits[row].argmax()) == r.output[-1]
+            assert r.num_cached == len(r.tokens) - 1  # all but the new token is cached
+        else:
+            assert r.num_cached < len(r.prompt) and not r.output  # still feeding its prompt
+    assert set(out.sampled) <= {r.rid for r, _ in out.batch}
+    done = [r for r, _ in out.batch if len(r.output) == r.max_new_tokens]  # no EOS token
+    assert [r.rid for r in out.finished] == [r.rid for r in done]
+    assert not any(r in engine.running for r in out.finished)
+    return out
+
+
 def run_engine(
     model: torch.nn.Module,
     *,
@@ -74,8 +103,7 @@ def run_engine(
         engine.add(r)
     steps, scattered = [], []
     while engine.has_work():
-        out = engine.step()
-        assert out is not None
+        out = check_step(engine.step(), engine, model.config.vocab_size)
         steps.append(out)
         scattered.append(any(np.any(np.diff(r.pages) != 1) for r in engine.running))
     return engine, reqs, steps, scattered

@@ -411,15 +411,79 @@ def test_two_requests_writing_one_slot_are_refused() -> None:
 
 
 def test_a_shared_prefix_page_is_fine_when_nobody_writes_it() -> None:
+    """Two requests read one prefix page (5) and write their new tokens to their own
+    pages (1, 2): accepted, page 5 is left as it was, each new token lands in its own
+    slot, and each request's output is float64 attention over the shared prefix and its
+    own new tokens."""
+    from flashplan.oracle import dense_attention, visibility
+
     layout = fp.BatchLayout.extend([6, 6], [4, 4], page_size=4)
     spec = fp.plan(layout, HEADS)
     pages = torch.tensor([[5, 1], [5, 2]], dtype=torch.int32)  # page 5: a shared prefix
     ex = fp.ReferenceExecutor()
     ex.apply(spec, fp.PageTable(pages, [0, 1]))
-    cache = torch.randn(6, 2, 4, 2, 16)
-    ex.run(
-        layout.groups[0], torch.randn(4, 4, 16), torch.randn(4, 2, 16), torch.randn(4, 2, 16), cache
-    )
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(6, 2, 4, 2, 16, generator=gen)
+    q, k, v = (torch.randn(4, h, 16, generator=gen) for h in (4, 2, 2))
+    before = cache.clone()
+    group = layout.groups[0]
+    out, lse = ex.run(group, q, k, v, cache, return_lse=True)
+
+    # Writes: new tokens 4, 5 of request i (rows 2i, 2i + 1) go to slots 0, 1 of its page.
+    want_cache = before.clone()
+    for i, page in enumerate((1, 2)):
+        want_cache[page, 0, :2], want_cache[page, 1, :2] = (
+            k[2 * i : 2 * i + 2],
+            v[2 * i : 2 * i + 2],
+        )
+    assert torch.equal(cache[5], before[5])  # the shared prefix page is not written
+    assert torch.equal(cache, want_cache)  # nor is any other slot
+
+    # Reads: the shared prefix (page 5, tokens 0..3), then the request's own new tokens.
+    seen = visibility(layout, group)
+    for i in range(2):
+        rows = slice(2 * i, 2 * i + 2)
+        keys = torch.cat([before[5, 0], k[rows]])
+        values = torch.cat([before[5, 1], v[rows]])
+        want_out, want_lse = dense_attention(q[rows], keys, values, seen[i], group)
+        torch.testing.assert_close(out[rows].double(), want_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[rows].double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_a_page_table_on_the_meta_device_is_refused_before_any_write() -> None:
+    """A table whose page ids live on ``meta`` (no data) with a CPU cache: a
+    PageTableError naming ``pages`` and the device, not torch's NotImplementedError; the
+    refused apply leaves the executor as it was and writes nothing."""
+    layout, spec, table, cache, q, k, v = _setup()
+    meta = fp.PageTable(table.pages.to("meta"), table.rows, table.num_pages)
+    full = layout.groups[0]
+    before = cache.clone()
+
+    fresh = fp.ReferenceExecutor()
+    with pytest.raises(fp.PageTableError) as err:
+        fresh.apply(spec, meta)
+    assert isinstance(err.value, ValueError)
+    assert err.value.field == "pages"
+    assert err.value.values == {"device": "meta"}
+    assert "meta" in str(err.value)
+    assert fresh.spec is None
+    with pytest.raises(fp.PlanMismatchError):  # nothing half-applied that run could use
+        fresh.run(full, q, k, v, cache)
+    assert torch.equal(cache, before)
+
+    ex = fp.ReferenceExecutor()
+    ex.apply(spec, table)
+    with pytest.raises(fp.PageTableError) as err:
+        ex.apply(spec, meta)
+    assert err.value.field == "pages"
+    with pytest.raises(fp.PageTableError):
+        ex.apply_steps([spec], meta)
+    assert ex.spec is spec
+    assert torch.equal(cache, before)
+    # The earlier plan still runs, as a fresh executor with the good table does.
+    good = fp.ReferenceExecutor()
+    good.apply(spec, table)
+    assert torch.equal(ex.run(full, q, k, v, cache.clone()), good.run(full, q, k, v, cache.clone()))
 
 
 def test_an_evicted_window_page_that_is_read_is_refused() -> None:

@@ -177,20 +177,83 @@ def test_plan_refuses_int32_overflow_of_totals() -> None:
     assert err.value.field == "extend_lens"
 
 
+def _sealed(arr: object, want: list[int]) -> None:
+    """``arr`` is what the converters promise (flashplan.layout.convert.as_lengths): a
+    read-only 1-D int32 numpy array, here holding ``want``."""
+    assert isinstance(arr, np.ndarray), type(arr)
+    assert arr.dtype == np.int32 and arr.ndim == 1, (arr.dtype, arr.shape)
+    assert not arr.flags.writeable
+    assert arr.tolist() == want
+
+
 def test_valid_edge_inputs_are_accepted() -> None:
-    """The other side of validation: unusual but valid input must not raise."""
-    BatchLayout.extend([])
-    BatchLayout.decode(np.array([], dtype=np.int64))
-    BatchLayout.extend([0, 0], [0, 0])
-    BatchLayout.extend(np.array([1, 2], dtype=np.uint8), np.array([0, 2], dtype=np.int16))
-    BatchLayout.extend(torch.tensor([3, 4]), torch.tensor([1, 4], dtype=torch.int32))
-    BatchLayout.extend([3.0, 4.0], [1.0, 0.0])  # integral floats are integers
-    BatchLayout.extend([2**31 - 1])
-    BatchLayout.extend([0], encoder_lens=[0], groups=(AttentionGroup.cross(),))
-    BatchLayout.decode([1], page_size=1 << 20)
-    AttentionGroup.sliding(0)
-    AttentionGroup.sliding(2**31 - 1)
-    HeadConfig(num_qo_heads=1, num_kv_heads=1, head_dim=1)
+    """The other side of validation: unusual but valid input must not raise, and becomes
+    the normalised value (read-only int32 arrays, Python ints)."""
+    lay = BatchLayout.extend([])
+    _sealed(lay.seq_lens, [])
+    _sealed(lay.prefix_lens, [])
+    assert (lay.batch_size, lay.total_new_tokens) == (0, 0)
+
+    lay = BatchLayout.decode(np.array([], dtype=np.int64))
+    _sealed(lay.seq_lens, [])
+    _sealed(lay.prefix_lens, [])
+    assert lay.mode is flashplan.Mode.DECODE and lay.batch_size == 0
+
+    lay = BatchLayout.extend([0, 0], [0, 0])
+    _sealed(lay.seq_lens, [0, 0])
+    _sealed(lay.prefix_lens, [0, 0])
+    _sealed(lay.extend_lens, [0, 0])
+    assert lay.total_new_tokens == 0
+
+    # Narrow numpy dtypes are widened to int32; the input is copied, not shared.
+    seq_np, pre_np = np.array([1, 2], dtype=np.uint8), np.array([0, 2], dtype=np.int16)
+    lay = BatchLayout.extend(seq_np, pre_np)
+    seq_np[0], pre_np[1] = 7, 1
+    _sealed(lay.seq_lens, [1, 2])
+    _sealed(lay.prefix_lens, [0, 2])
+    _sealed(lay.extend_lens, [1, 0])
+
+    # CPU tensors (int64 and int32) likewise; writing the tensor later changes nothing.
+    seq_t, pre_t = torch.tensor([3, 4]), torch.tensor([1, 4], dtype=torch.int32)
+    lay = BatchLayout.extend(seq_t, pre_t)
+    seq_t[0], pre_t[0] = 9, 0
+    _sealed(lay.seq_lens, [3, 4])
+    _sealed(lay.prefix_lens, [1, 4])
+
+    lay = BatchLayout.extend([3.0, 4.0], [1.0, 0.0])  # integral floats are integers
+    _sealed(lay.seq_lens, [3, 4])
+    _sealed(lay.prefix_lens, [1, 0])
+    assert lay == BatchLayout.extend([3, 4], [1, 0])
+
+    lay = BatchLayout.extend([2**31 - 1])  # the largest int32 is kept, not wrapped
+    _sealed(lay.seq_lens, [2**31 - 1])
+    _sealed(lay.extend_lens, [2**31 - 1])
+    assert lay.total_new_tokens == 2**31 - 1
+
+    cross = AttentionGroup.cross()
+    lay = BatchLayout.extend([0], encoder_lens=[0], groups=(cross,))
+    assert lay.encoder_lens is not None
+    _sealed(lay.encoder_lens, [0])
+    _sealed(lay.decoder_start, [0])
+    _sealed(lay.pages_needed, [0])
+    assert lay.groups == (cross,)
+
+    lay = BatchLayout.decode([1], page_size=1 << 20)
+    assert type(lay.page_size) is int and lay.page_size == 1 << 20
+    _sealed(lay.prefix_lens, [0])
+    _sealed(lay.pages_needed, [1])
+
+    for window in (0, 2**31 - 1):
+        group = AttentionGroup.sliding(window)
+        assert group.window_left == window and group.has_window and group.causal
+
+    heads = HeadConfig(num_qo_heads=1, num_kv_heads=1, head_dim=1)
+    assert (heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.group_size) == (
+        1,
+        1,
+        1,
+        1,
+    )
 
 
 # --------------------------------------------------------------------------- device tensors
@@ -259,12 +322,36 @@ def test_lengths_beyond_int64_are_flashplan_errors(values: list, index: int) -> 
 
 
 @pytest.mark.parametrize(
-    "build",
+    ("build", "read", "want", "plain"),
     [
-        lambda: BatchLayout.decode([3], page_size=np.int64(16)),
-        lambda: AttentionGroup.sliding(np.int32(3)),
-        lambda: HeadConfig(np.int64(8), 2, 128),
+        (
+            lambda: BatchLayout.decode([3], page_size=np.int64(16)),
+            lambda lay: lay.page_size,
+            16,
+            lambda: BatchLayout.decode([3], page_size=16),
+        ),
+        (
+            lambda: AttentionGroup.sliding(np.int32(3)),
+            lambda g: g.window_left,
+            3,
+            lambda: AttentionGroup.sliding(3),
+        ),
+        (
+            lambda: HeadConfig(np.int64(8), 2, 128),
+            lambda h: h.num_qo_heads,
+            8,
+            lambda: HeadConfig(8, 2, 128),
+        ),
     ],
 )
-def test_numpy_integer_scalars_are_integers(build: object) -> None:
-    build()  # type: ignore[operator]
+def test_numpy_integer_scalars_are_integers(
+    build: object, read: object, want: int, plain: object
+) -> None:
+    """A numpy integer scalar is accepted and stored as the Python int of the same value:
+    the record equals (and hashes like) the one built from a plain int."""
+    record = build()  # type: ignore[operator]
+    value = read(record)  # type: ignore[operator]
+    assert type(value) is int, type(value)
+    assert value == want
+    other = plain()  # type: ignore[operator]
+    assert record == other and hash(record) == hash(other)

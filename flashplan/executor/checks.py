@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 import torch
 
-from flashplan.errors import PlanMismatchError
+from flashplan.errors import PageTableError, PlanMismatchError
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.page_table import PageTable
 from flashplan.planning.spec import GroupPlan, PlanSpec
@@ -38,17 +38,30 @@ def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dty
         raise PlanMismatchError(f"{name}: planned dtype {dtype}, got {t.dtype}")
 
 
+#: Device types whose tensors hold no data: an executor could not read page ids there.
+_UNREADABLE_DEVICES = frozenset({"meta"})
+
+
 def check_apply_args(spec: object, table: object) -> tuple[PlanSpec, PageTable]:
-    """Check ``apply``'s arguments' types and that the table covers the plan.
+    """Check ``apply``'s arguments' types, that the table's page ids can be read, and
+    that the table covers the plan.
 
     Raises:
         PlanMismatchError: ``spec`` is not a PlanSpec or ``table`` not a PageTable.
-        PageTableError: the table is too small for the plan.
+        PageTableError: the table's ``pages`` live on a device without data (``meta``),
+            or the table is too small for the plan.
     """
     if not isinstance(spec, PlanSpec):
         raise PlanMismatchError(f"spec: expected a PlanSpec, got {type(spec).__name__}")
     if not isinstance(table, PageTable):
         raise PlanMismatchError(f"table: expected a PageTable, got {type(table).__name__}")
+    device = table.pages.device  # metadata only: no device access
+    if device.type in _UNREADABLE_DEVICES:
+        raise PageTableError(
+            "pages",
+            "must hold readable page ids: a tensor on this device has no data to gather",
+            device=str(device),
+        )
     table.check_covers(spec.pages_needed)
     return spec, table
 
