@@ -1,7 +1,10 @@
 """Exceptions raised by flashplan.
 
 Every error about user input subclasses :class:`FlashplanError`, itself a
-:class:`ValueError`, so callers that already catch ``ValueError`` keep working.
+:class:`ValueError`, so callers that already catch ``ValueError`` keep working. Two more
+live here so that every exception class of flashplan does: :class:`PlanIntegrityError`
+(a planner bug found by a check) and :class:`MissingDependencyError` (an optional
+package missing).
 Messages name the offending field, the request index (when there is one) and the
 values, in the spirit of xformers' index-bearing errors.
 """
@@ -12,9 +15,12 @@ from typing import Any
 
 __all__ = [
     "BucketError",
+    "FieldTypeError",
     "FlashplanError",
     "LayoutError",
+    "MissingDependencyError",
     "PageTableError",
+    "PlanIntegrityError",
     "PlanMismatchError",
     "UnsupportedError",
 ]
@@ -66,6 +72,13 @@ def _rebuild(
     return cls(field, message, request=request, **values)
 
 
+class FieldTypeError(LayoutError, TypeError):
+    """A field holds a value of the wrong type (a float where an int is needed, a
+    string for a flag, a list that is not a sequence of ints, a record of another
+    class). Both a :class:`FlashplanError` (so a ``ValueError``) and a ``TypeError``,
+    with :class:`LayoutError`'s attributes."""
+
+
 class PageTableError(LayoutError):
     """A :class:`~flashplan.PageTable` cannot hold the batch it is applied with."""
 
@@ -80,3 +93,14 @@ class UnsupportedError(FlashplanError):
 
 class BucketError(LayoutError):
     """A plan does not fit the CUDA-graph bucket it is applied to, or a bucket is invalid."""
+
+
+class PlanIntegrityError(AssertionError):
+    """A plan's kernel calls read a key outside their group's key space, read one key
+    twice, or read past a multi-item row (:func:`flashplan.materialize`,
+    :mod:`flashplan.kernel_rules`): a planner bug, not bad input, hence an
+    ``AssertionError`` rather than a :class:`FlashplanError`."""
+
+
+class MissingDependencyError(RuntimeError):
+    """An optional dependency (matplotlib, for ``explain --png``) is not installed."""

@@ -32,6 +32,8 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from flashplan.errors import PlanIntegrityError
+
 __all__ = ["MultiItemArgs", "kernel_visibility"]
 
 
@@ -68,7 +70,7 @@ def kernel_visibility(
     of -1 means no window; ``items`` switches on the multi-item rule (module docstring).
 
     Raises:
-        ValueError: a query after the prefix would read past its ``token_pos_in_items``
+        PlanIntegrityError: a query after the prefix would read past its ``token_pos_in_items``
             row (the kernel would read another request's row).
     """
     qo = qo_lens.astype(np.int64)[:, None, None]
@@ -89,7 +91,7 @@ def kernel_visibility(
         after = rows & (pos >= p)  # [bs, max_q, 1]
         at = pos - p
         if (after & (at >= stride)).any():
-            raise ValueError("a query reads past its token_pos_in_items row")
+            raise PlanIntegrityError("a query reads past its token_pos_in_items row")
         t = np.zeros(after.shape, dtype=np.int64)
         if stride and bs:
             table = items.token_pos_in_items.reshape(bs, stride).astype(np.int64)

@@ -31,15 +31,15 @@ from flashplan.cli.render import (
     format_ints,
     kernel_coverage,
 )
-from flashplan.errors import LayoutError
+from flashplan.errors import LayoutError, MissingDependencyError, PlanIntegrityError
 from flashplan.layout.batch import BatchLayout
 from flashplan.layout.drafts import DraftTree
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
 from flashplan.oracle import visibility
-from flashplan.planning.materialize import PlanIntegrityError, materialize
 from flashplan.planning.planner import plan
 from flashplan.planning.spec import PlanSpec
+from flashplan.planning.visibility import materialize
 
 __all__ = [
     "MissingDependencyError",
@@ -56,10 +56,6 @@ __all__ = [
 
 #: Heads used by ``explain`` (they do not change the plan's arrays).
 EXPLAIN_HEADS = HeadConfig(8, 2, 64)
-
-
-class MissingDependencyError(RuntimeError):
-    """An optional dependency (matplotlib for ``--png``) is not installed."""
 
 
 def int_list(text: str) -> list[int]:

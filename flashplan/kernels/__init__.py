@@ -25,9 +25,9 @@ from __future__ import annotations
 from flashplan.kernels._triton import triton_mode
 from flashplan.kernels.custom_mask import build_custom_mask, build_custom_mask_torch
 from flashplan.kernels.gather import NO_BAD_JOB, gather_slots, gather_slots_torch, new_status
+from flashplan.kernels.kv_write import write_kv, write_kv_torch
 from flashplan.kernels.merge_state import merge_state_torch, merge_state_triton
 from flashplan.kernels.runs import fill_runs, fill_runs_torch
-from flashplan.kernels.write_kv import write_kv, write_kv_torch
 
 __all__ = [
     "NO_BAD_JOB",

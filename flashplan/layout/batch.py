@@ -20,7 +20,7 @@ from flashplan.arrays import (
     readonly_when_unpickled,
     seal_inplace,
 )
-from flashplan.errors import LayoutError
+from flashplan.errors import FieldTypeError, LayoutError
 from flashplan.layout.convert import ArrayLike, as_flags, as_int, as_lengths
 from flashplan.layout.drafts import DraftTree
 from flashplan.layout.group import AttentionGroup
@@ -63,20 +63,20 @@ def as_groups(field: str, value: object) -> tuple[AttentionGroup, ...]:
         if isinstance(value, (str, bytes, torch.Tensor, np.ndarray)) or not isinstance(
             value, Iterable
         ):
-            raise LayoutError(
+            raise FieldTypeError(
                 field, "must be an AttentionGroup or an iterable of them", value=value
             )
         try:
             groups = tuple(value)
         except TypeError:
-            raise LayoutError(
+            raise FieldTypeError(
                 field, "must be an AttentionGroup or an iterable of them", value=value
             ) from None
     if not groups:
         raise LayoutError(field, "at least one AttentionGroup is needed")
     for i, g in enumerate(groups):
         if not isinstance(g, AttentionGroup):
-            raise LayoutError(field, "must hold AttentionGroup records", index=i, value=g)
+            raise FieldTypeError(field, "must hold AttentionGroup records", index=i, value=g)
     if len(groups) > 1 and len(set(groups)) != len(groups):
         raise LayoutError(field, "must not repeat a group", groups=groups)
     return groups
@@ -92,7 +92,7 @@ def _optional_flags(field: str, value: object) -> npt.NDArray[np.bool_] | None:
 
 def _mode(field: str, value: object) -> Mode:
     if not isinstance(value, Mode):
-        raise LayoutError(field, "must be a flashplan.Mode", value=value)
+        raise FieldTypeError(field, "must be a flashplan.Mode", value=value)
     return value
 
 
@@ -201,7 +201,9 @@ class BatchLayout:
             raise LayoutError("draft", "a verify batch, and only a verify batch, has a draft")
         if self.draft is not None:
             if not isinstance(self.draft, DraftTree):
-                raise LayoutError("draft", "must be a DraftTree", value=type(self.draft).__name__)
+                raise FieldTypeError(
+                    "draft", "must be a DraftTree", value=type(self.draft).__name__
+                )
             if self.draft.batch_size != bs:
                 raise LayoutError(
                     "draft",
@@ -439,7 +441,7 @@ class BatchLayout:
         ``prefix + depth(j)`` and sees the prefix, its ancestors and itself.
         """
         if not isinstance(draft, DraftTree):
-            raise LayoutError("draft", "must be a DraftTree", value=type(draft).__name__)
+            raise FieldTypeError("draft", "must be a DraftTree", value=type(draft).__name__)
         prefix = as_lengths("prefix_lens", prefix_lens)
         if draft.batch_size != prefix.shape[0]:
             raise LayoutError(

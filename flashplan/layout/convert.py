@@ -26,7 +26,7 @@ import numpy.typing as npt
 import torch
 
 from flashplan.arrays import INT32_MAX, IntArray, copy_readonly
-from flashplan.errors import LayoutError
+from flashplan.errors import FieldTypeError, LayoutError
 
 __all__ = [
     "ArrayLike",
@@ -57,7 +57,7 @@ def as_int(
         LayoutError: not an int (floats, strings and bools are refused) or out of range.
     """
     if not is_int(value):
-        raise LayoutError(field, "must be an int", value=value)
+        raise FieldTypeError(field, "must be an int", value=value)
     out = int(value)  # type: ignore[call-overload]
     if minimum is not None and out < minimum:
         raise LayoutError(field, f"must be >= {minimum}", value=out)
@@ -70,7 +70,7 @@ def as_bool(field: str, value: object) -> bool:
     """A ``bool`` (or numpy bool); anything else — ``"False"``, 0, 1 — is refused."""
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
-    raise LayoutError(field, "must be a bool", value=value)
+    raise FieldTypeError(field, "must be a bool", value=value)
 
 
 def as_real(field: str, value: object) -> float:
@@ -81,7 +81,7 @@ def as_real(field: str, value: object) -> float:
             that is not finite.
     """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, _REALS):
-        raise LayoutError(field, "must be a real number", value=value)
+        raise FieldTypeError(field, "must be a real number", value=value)
     try:
         out = float(value)
     except (OverflowError, ValueError):
@@ -109,12 +109,12 @@ def _host_numpy(field: str, values: object) -> npt.NDArray[Any]:
             raise LayoutError(field, "must be a dense tensor", layout=str(values.layout))
         t = values.detach()
         if t.dtype == torch.bool or t.is_complex():
-            raise LayoutError(field, "must hold integers", dtype=str(t.dtype))
+            raise FieldTypeError(field, "must hold integers", dtype=str(t.dtype))
         if t.is_floating_point() and t.dtype not in (torch.float32, torch.float64):
             t = t.to(torch.float64)  # bfloat16, float8 …: numpy has no such dtype
         return t.numpy()
     if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
-        raise LayoutError(field, "must be a 1-D sequence of ints", type=type(values).__name__)
+        raise FieldTypeError(field, "must be a 1-D sequence of ints", type=type(values).__name__)
     if not _BOOL_TYPES.isdisjoint(map(type, values)):
         arr = np.empty(len(values), dtype=object)  # numpy would turn True into 1
         arr[:] = list(values)
@@ -128,6 +128,10 @@ def _host_numpy(field: str, values: object) -> npt.NDArray[Any]:
         arr = np.empty(len(values), dtype=object)
         arr[:] = list(values)
     return arr
+
+
+#: The problems of :func:`_element_problem` that are about an element's type.
+_TYPE_PROBLEMS = frozenset({"must hold ints, not bools", "must hold integers"})
 
 
 def _element_problem(value: object, minimum: int) -> str | None:
@@ -157,7 +161,9 @@ def as_lengths(field: str, values: object, *, minimum: int = 0) -> IntArray:
     Raises:
         LayoutError: naming ``field``, the *first* offending request (whatever is wrong
             with it: not an integer, a bool, below ``minimum``, beyond int32) and its
-            value; device tensors, sparse tensors and input that is not 1-D.
+            value; device tensors, sparse tensors and input that is not 1-D. A
+            :class:`~flashplan.errors.FieldTypeError` (also a ``TypeError``) when the
+            input or an element has the wrong type.
     """
     if (
         isinstance(values, np.ndarray)
@@ -193,7 +199,8 @@ def as_lengths(field: str, values: object, *, minimum: int = 0) -> IntArray:
         raw = arr[i]
         value = raw.item() if isinstance(raw, np.generic) else raw
         problem = _element_problem(value, minimum) or "must hold integers"
-        raise LayoutError(field, problem, request=i, value=value)
+        error = FieldTypeError if problem in _TYPE_PROBLEMS else LayoutError
+        raise error(field, problem, request=i, value=value)
     if kind not in "iuf":
         arr = np.array([int(v) for v in arr.tolist()], dtype=np.int64)
     return copy_readonly(arr)
@@ -206,14 +213,14 @@ def as_flags(field: str, values: object) -> npt.NDArray[np.bool_]:
         if values.device.type != "cpu" or values.layout != torch.strided:
             raise LayoutError(field, "must be a dense host tensor", device=str(values.device))
         if values.dtype != torch.bool:
-            raise LayoutError(field, "must hold bools", dtype=str(values.dtype))
+            raise FieldTypeError(field, "must hold bools", dtype=str(values.dtype))
         values = values.detach().numpy()
     if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
-        raise LayoutError(field, "must be a 1-D sequence of bools", type=type(values).__name__)
+        raise FieldTypeError(field, "must be a 1-D sequence of bools", type=type(values).__name__)
     items = list(values) if not isinstance(values, np.ndarray) else values.tolist()
     if isinstance(values, np.ndarray) and values.ndim != 1:
         raise LayoutError(field, "must be a 1-D sequence of bools", shape=values.shape)
     for i, v in enumerate(items):
         if not isinstance(v, (bool, np.bool_)):
-            raise LayoutError(field, "must hold bools", request=i, value=v)
+            raise FieldTypeError(field, "must hold bools", request=i, value=v)
     return copy_readonly(np.array(items, dtype=bool), bool)

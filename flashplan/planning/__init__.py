@@ -1,8 +1,8 @@
 """Pure planning: `BatchLayout` -> `PlanSpec` (host data only)."""
 
+from flashplan.errors import PlanIntegrityError
 from flashplan.planning.items import MultiItemTensors, plan_items
 from flashplan.planning.masks import CustomMask, ThresholdMask, TreeMask
-from flashplan.planning.materialize import PlanIntegrityError, materialize
 from flashplan.planning.planner import plan, plan_steps, planned_groups
 from flashplan.planning.policy import default_extend_path
 from flashplan.planning.positions import PositionRuns
@@ -15,6 +15,7 @@ from flashplan.planning.spec import (
     PlanSpec,
     RaggedPart,
 )
+from flashplan.planning.visibility import materialize
 
 __all__ = [
     "CustomMask",

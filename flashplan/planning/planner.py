@@ -7,7 +7,7 @@ import functools
 import numpy as np
 
 from flashplan.arrays import INT32_MAX, IntArray, indptr, seal_inplace
-from flashplan.errors import LayoutError
+from flashplan.errors import FieldTypeError, LayoutError
 from flashplan.layout.batch import BatchLayout, Mode
 from flashplan.layout.draft_decode import DraftDecode
 from flashplan.layout.group import AttentionGroup
@@ -75,9 +75,9 @@ def plan(
             is not one of the three names, or ``"ragged"`` for a multi-item batch.
     """
     if not isinstance(layout, BatchLayout):
-        raise LayoutError("layout", "must be a BatchLayout", value=type(layout).__name__)
+        raise FieldTypeError("layout", "must be a BatchLayout", value=type(layout).__name__)
     if not isinstance(heads, HeadConfig):
-        raise LayoutError("heads", "must be a HeadConfig", value=type(heads).__name__)
+        raise FieldTypeError("heads", "must be a HeadConfig", value=type(heads).__name__)
     choice = ExtendPath.parse(extend_path)
     if layout.is_multi_item and choice is ExtendPath.RAGGED:
         raise LayoutError(
@@ -288,7 +288,7 @@ def plan_steps(draft: DraftDecode, heads: HeadConfig) -> tuple[PlanSpec, ...]:
     Apply them together with ``executor.apply_steps(specs, branch_table)``.
     """
     if not isinstance(draft, DraftDecode):
-        raise LayoutError("draft", "must be a DraftDecode", value=type(draft).__name__)
+        raise FieldTypeError("draft", "must be a DraftDecode", value=type(draft).__name__)
     return tuple(plan(draft.step(s), heads) for s in range(draft.steps))
 
 

@@ -12,15 +12,12 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from flashplan.errors import PlanIntegrityError
 from flashplan.kernel_rules import MultiItemArgs, kernel_visibility
 from flashplan.layout.group import AttentionGroup
 from flashplan.planning.spec import PlanSpec
 
 __all__ = ["PlanIntegrityError", "materialize"]
-
-
-class PlanIntegrityError(AssertionError):
-    """A plan reads keys outside its group's key space, or reads one key twice."""
 
 
 def _one_call(
@@ -34,18 +31,15 @@ def _one_call(
 ) -> npt.NDArray[np.bool_]:
     """``[qo_len, kv_len]`` visibility of one request's kernel call (custom mask or
     multi-item rule applied)."""
-    try:
-        seen = kernel_visibility(
-            np.array([qo_len]),
-            np.array([kv_len]),
-            qo_len,
-            kv_len,
-            causal=causal,
-            window_left=window_left,
-            items=items,
-        )[0]
-    except ValueError as exc:
-        raise PlanIntegrityError(str(exc)) from None
+    seen = kernel_visibility(
+        np.array([qo_len]),
+        np.array([kv_len]),
+        qo_len,
+        kv_len,
+        causal=causal,
+        window_left=window_left,
+        items=items,
+    )[0]
     return seen if mask is None else seen & mask
 
 

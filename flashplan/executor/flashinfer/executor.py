@@ -41,7 +41,13 @@ import attrs
 import numpy as np
 import torch
 
-from flashplan.errors import LayoutError, PageTableError, PlanMismatchError, UnsupportedError
+from flashplan.errors import (
+    FieldTypeError,
+    LayoutError,
+    PageTableError,
+    PlanMismatchError,
+    UnsupportedError,
+)
 from flashplan.executor.checks import RunArgs, check_apply_args, check_run_args
 from flashplan.executor.flashinfer.buffers import (
     DeviceBuffer,
@@ -101,9 +107,9 @@ from flashplan.kernels.fused import (
     launch_gather_and_mask,
 )
 from flashplan.kernels.gather import NO_BAD_JOB, new_status
+from flashplan.kernels.kv_write import write_kv
 from flashplan.kernels.merge_state import merge_state_triton
 from flashplan.kernels.runs import fill_runs
-from flashplan.kernels.write_kv import write_kv
 from flashplan.layout.convert import as_bool, as_int
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.page_table import PageTable
@@ -261,7 +267,7 @@ class FlashInferExecutor:
         self._fi = import_flashinfer()
         check_version(str(self._fi.__version__))
         if policy is not None and not isinstance(policy, ExecutorPolicy):
-            raise LayoutError("policy", "must be an ExecutorPolicy", value=policy)
+            raise FieldTypeError("policy", "must be an ExecutorPolicy", value=policy)
         self.policy = policy or ExecutorPolicy()
         self.workspace_bytes = as_int("workspace_bytes", workspace_bytes, minimum=1 << 20)
         self.check_pages = as_bool("check_pages", check_pages)
