@@ -2,16 +2,27 @@
 
 Layout (host records) -> planning (frozen ``PlanSpec``) -> executor (FlashInfer or
 pure-torch reference).
+
+The top level holds what a user needs: the layout records, ``plan`` / ``plan_steps``, the
+reference executor and the errors. ``import flashplan`` loads neither Triton nor
+FlashInfer; the GPU executor's names (``FlashInferExecutor``, ``GraphExecutor``,
+``GraphBucket``, ``capture``, ``ExecutorPolicy``) are reachable here too, imported on first
+use. The plan's parts (``PagedPart``, ``PlanKey``, ``KernelPath`` …) live in
+:mod:`flashplan.planning`.
 """
 
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as _version
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from flashplan.errors import (
     BucketError,
+    FieldTypeError,
     FlashplanError,
     LayoutError,
     PageTableError,
+    PlanIntegrityError,
     PlanMismatchError,
     UnsupportedError,
 )
@@ -26,21 +37,17 @@ from flashplan.layout import (
     Mode,
     PageTable,
 )
-from flashplan.planning import (
-    ExtendPath,
-    GroupPlan,
-    KernelPath,
-    MultiItemTensors,
-    PagedPart,
-    PlanIntegrityError,
-    PlanKey,
-    PlanSpec,
-    PositionRuns,
-    RaggedPart,
-    materialize,
-    plan,
-    plan_steps,
-)
+from flashplan.planning import ExtendPath, PlanSpec, materialize, plan, plan_steps
+
+#: The FlashInfer executor's public names, imported on first use (CUDA, Triton and
+#: flashinfer-python are needed to use them, not to import flashplan).
+_GPU_NAMES = {
+    "ExecutorPolicy": "flashplan.executor.flashinfer",
+    "FlashInferExecutor": "flashplan.executor.flashinfer",
+    "GraphBucket": "flashplan.executor.flashinfer",
+    "GraphExecutor": "flashplan.executor.flashinfer",
+    "capture": "flashplan.executor.flashinfer",
+}
 
 __all__ = [
     "AttentionGroup",
@@ -49,32 +56,49 @@ __all__ = [
     "DraftDecode",
     "DraftTree",
     "Executor",
+    "ExecutorPolicy",
     "ExtendPath",
+    "FieldTypeError",
+    "FlashInferExecutor",
     "FlashplanError",
-    "GroupPlan",
+    "GraphBucket",
+    "GraphExecutor",
     "HeadConfig",
     "ItemDelimiters",
-    "KernelPath",
     "LayoutError",
     "Mode",
-    "MultiItemTensors",
     "PageTable",
     "PageTableError",
-    "PagedPart",
     "PlanIntegrityError",
-    "PlanKey",
     "PlanMismatchError",
     "PlanSpec",
-    "PositionRuns",
-    "RaggedPart",
     "ReferenceExecutor",
     "UnsupportedError",
+    "capture",
     "materialize",
     "plan",
     "plan_steps",
 ]
 
-try:
-    __version__ = _version("flashplan")
-except PackageNotFoundError:  # pragma: no cover - running from a tree that is not installed
-    __version__ = "0+unknown"
+
+def __getattr__(name: str) -> Any:
+    home = _GPU_NAMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'flashplan' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*__all__, "__version__"})
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flashplan")
+    except PackageNotFoundError:  # pragma: no cover - a tree that is not installed
+        return "0+unknown"
+
+
+__version__ = _package_version()

@@ -90,3 +90,19 @@ def test_import_flashplan_loads_no_triton_and_no_kernel_module() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_top_level_holds_the_user_api_only() -> None:
+    import flashplan as fp
+    import flashplan.executor.flashinfer as fi
+
+    names = set(dir(fp))
+    assert not names & {"PackageNotFoundError", "_version", "PagedPart", "RaggedPart",
+                        "PositionRuns", "PlanKey", "MultiItemTensors", "KernelPath",
+                        "GroupPlan"}  # fmt: skip
+    assert {"BatchLayout", "plan", "ReferenceExecutor", "FieldTypeError"} <= names
+    assert set(fp.__all__) <= names
+    # the GPU executor's names resolve on first use, to the executor package's own
+    assert fp.FlashInferExecutor is fi.FlashInferExecutor and fp.capture is fi.capture
+    with pytest.raises(AttributeError):
+        _ = fp.PagedPart  # reachable by its module path: flashplan.planning.PagedPart

@@ -34,6 +34,7 @@ from examples.engine.hf_attention import (
 from examples.engine.hf_models import TINY_CONFIGS, adapter_for, load_model
 from examples.engine.parity import Parity, check_parity, reference_model
 from examples.engine.run import make_requests
+from flashplan.planning import KernelPath
 
 ATOL = 1e-4  # fp32 engine vs fp32 HF
 MODELS = list(TINY_CONFIGS)
@@ -145,9 +146,9 @@ def test_parity_with_hf(name: str, page_size: int, extend_path: str) -> None:
     assert not engine.running and len(engine.allocator.free) == KV_TOKENS // page_size
     paths = {gp.path for s in steps for gp in s.spec.group_plans if not gp.group.cross_attention}
     want = {
-        "paged": {fp.KernelPath.PAGED, fp.KernelPath.DECODE},
-        "ragged": {fp.KernelPath.RAGGED, fp.KernelPath.RAGGED_PAGED, fp.KernelPath.DECODE},
-        "auto": {fp.KernelPath.RAGGED, fp.KernelPath.PAGED, fp.KernelPath.DECODE},
+        "paged": {KernelPath.PAGED, KernelPath.DECODE},
+        "ragged": {KernelPath.RAGGED, KernelPath.RAGGED_PAGED, KernelPath.DECODE},
+        "auto": {KernelPath.RAGGED, KernelPath.PAGED, KernelPath.DECODE},
     }[extend_path]
     assert paths == want
     if name in WINDOWED and extend_path == "ragged":  # a window cutting into the prefix

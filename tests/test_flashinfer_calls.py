@@ -31,7 +31,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import flashplan as fp
-from flashplan import BatchLayout, GroupPlan, HeadConfig, KernelPath, PlanSpec
+from flashplan import BatchLayout, HeadConfig, PlanSpec
 from flashplan.executor.flashinfer.calls import (
     BatchInt,
     BuiltMask,
@@ -57,6 +57,7 @@ from flashplan.executor.flashinfer.staging import JOBS, device_plan
 from flashplan.executor.gathers import gather_jobs, pages_region
 from flashplan.kernels.custom_mask import build_custom_mask_torch
 from flashplan.kernels.runs import fill_runs_torch
+from flashplan.planning import GroupPlan, KernelPath
 from flashplan.planning.masks import TreeMask, unpack_request
 from flashplan.testing import (
     attention_groups,

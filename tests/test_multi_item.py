@@ -21,11 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashplan as fp
-from flashplan import AttentionGroup, BatchLayout, HeadConfig, KernelPath, LayoutError
+from flashplan import AttentionGroup, BatchLayout, HeadConfig, LayoutError
 from flashplan.kernel_rules import kernel_visibility
 from flashplan.layout.batch import MAX_ITEM_ROW
 from flashplan.layout.items import ItemDelimiters
 from flashplan.oracle import dense_attention, visibility
+from flashplan.planning import KernelPath, PagedPart
 from flashplan.planning.items import MultiItemTensors, plan_items
 from flashplan.testing import item_requests, multi_item_layouts, page_tables
 
@@ -366,7 +367,7 @@ def test_multi_item_tensors_refuse_a_short_max_item_len() -> None:
         MultiItemTensors.from_rows([3], [0, 1, 2], 2, [2])
     items = MultiItemTensors.from_rows([3], [0, 1, 0], 3, [1])
     with pytest.raises(LayoutError, match="cover"):  # 5 keys from prefix_len 3 need 2, not 6
-        fp.PagedPart([0], [10], 4, True, -1, items=items)
+        PagedPart([0], [10], 4, True, -1, items=items)
 
 
 @settings(max_examples=60)

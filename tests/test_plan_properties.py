@@ -25,17 +25,14 @@ from flashplan import (
     AttentionGroup,
     BatchLayout,
     ExtendPath,
-    GroupPlan,
     HeadConfig,
-    KernelPath,
     Mode,
-    PagedPart,
     PlanSpec,
     materialize,
 )
 from flashplan.arrays import array_key
 from flashplan.oracle import visibility
-from flashplan.planning import planned_groups
+from flashplan.planning import GroupPlan, KernelPath, PagedPart, planned_groups
 from flashplan.planning.masks import pack_dense, pack_threshold_rows, unpack_request
 from flashplan.testing import (
     attention_groups,

@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flashplan as fp
-from flashplan import LayoutError, PositionRuns
+from flashplan import LayoutError
+from flashplan.planning import PositionRuns
 from flashplan.testing import layouts, multi_item_layouts, page_tables, verify_layouts
 
 HEADS = fp.HeadConfig(num_qo_heads=4, num_kv_heads=2, head_dim=64)

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 import flashplan as fp
 from flashplan.__main__ import main
+from flashplan.planning import PagedPart
 from flashplan.testing import extend_layouts, layouts, page_tables
 
 HEADS = fp.HeadConfig(4, 2, 16, q_dtype=torch.float32)
@@ -588,16 +589,16 @@ def test_plan_records_refuse_values_that_would_wrap_in_int32(dtype: Any) -> None
     int32 is refused naming the field and the request, never wrapped into a wrong plan."""
     big = np.array([3, 2**31 + 5], dtype=dtype)
     with pytest.raises(fp.LayoutError) as err:
-        fp.PagedPart(first_token=np.array([0, 0], dtype=dtype), end_token=big, page_size=16,
+        PagedPart(first_token=np.array([0, 0], dtype=dtype), end_token=big, page_size=16,
                      causal=True, window_left=-1)  # fmt: skip
     assert (err.value.field, err.value.request) == ("end_token", 1)
-    ok = fp.PagedPart(
+    ok = PagedPart(
         first_token=np.array([0, 1], dtype=dtype), end_token=np.array([3, 9], dtype=dtype),
         page_size=4, causal=True, window_left=-1,
     )  # fmt: skip
     assert ok.end_token.dtype == np.int32 and ok.num_pages.tolist() == [1, 3]
     if dtype is np.int64:
         with pytest.raises(fp.LayoutError) as err:
-            fp.PagedPart(first_token=np.array([-(2**31) - 1, 0]), end_token=np.array([3, 4]),
+            PagedPart(first_token=np.array([-(2**31) - 1, 0]), end_token=np.array([3, 4]),
                          page_size=4, causal=True, window_left=-1)  # fmt: skip
         assert (err.value.field, err.value.request) == ("first_token", 0)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import flashplan as fp
 from flashplan.oracle import dense_attention, key_row_tokens, visibility
+from flashplan.planning import KernelPath
 from flashplan.testing import attention_groups, draft_trees, page_tables, verify_layouts
 
 HEADS = fp.HeadConfig(4, 2, 16, q_dtype=torch.float32)
@@ -124,7 +125,7 @@ def test_verify_plans_show_exactly_the_oracles_keys(layout: fp.BatchLayout) -> N
     assert spec.positions.tolist() == want.tolist()
     assert spec.total_q == layout.batch_size * draft.num_tokens
     for gp in spec.group_plans:
-        assert gp.path is fp.KernelPath.PAGED
+        assert gp.path is KernelPath.PAGED
         if not gp.group.cross_attention and draft.is_chain:
             assert gp.paged is not None and gp.paged.mask is None  # chains need no mask
 

@@ -337,7 +337,7 @@ class FlashInferExecutor:
         (:attr:`~flashplan.PlanSpec.positions`), built on the device.
 
         The first call after an ``apply`` sends the plan's position runs
-        (:class:`~flashplan.PositionRuns`: three int32 per run, far fewer than the
+        (:class:`~flashplan.planning.PositionRuns`: three int32 per run, far fewer than the
         tokens of an extend) in one host-to-device copy and fills the positions with one
         kernel launch; later calls return the same tensor. Sync-free: nothing is read
         back, and nothing is computed per token on the host. The tensor is this
