@@ -40,30 +40,63 @@ def check_gather_args(
     page_map: torch.Tensor | None,
     status: torch.Tensor | None,
 ) -> int:
-    if not isinstance(pages, torch.Tensor) or pages.dtype != torch.int32 or pages.dim() != 2:
+    if not isinstance(pages, torch.Tensor):
         raise FlashplanError(
-            f"pages: expected int32 [rows, max_pages], got {getattr(pages, 'dtype', pages)}"
+            "pages", "expected an int32 [rows, max_pages] tensor", type=type(pages).__name__
+        )
+    if pages.dtype != torch.int32 or pages.dim() != 2:
+        raise FlashplanError(
+            "pages",
+            "expected an int32 [rows, max_pages] tensor",
+            dtype=str(pages.dtype),
+            shape=tuple(pages.shape),
         )
     n = jobs[0].shape[0]
     for name, t in zip(("rows", "first", "counts", "dst", "div", "use_map"), jobs, strict=True):
         if t.dtype != torch.int32 or t.shape != (n,) or t.device != pages.device:
             raise FlashplanError(
-                f"{name}: expected int32 [{n}] on {pages.device}, got "
-                f"{t.dtype} {tuple(t.shape)} on {t.device}"
+                name,
+                "expected an int32 [jobs] tensor on the device of pages",
+                jobs=n,
+                dtype=str(t.dtype),
+                shape=tuple(t.shape),
+                device=str(t.device),
+                pages_device=str(pages.device),
             )
         if not t.is_contiguous():
-            raise FlashplanError(f"{name}: must be contiguous")
+            raise FlashplanError(name, "must be contiguous", stride=tuple(t.stride()))
     for name, t in (("out_page", out_page), ("out_offset", out_offset)):
         if t.dtype not in (torch.int32, torch.int64) or t.dim() != 1 or t.device != pages.device:
-            raise FlashplanError(f"{name}: expected an int32/int64 1-D tensor on {pages.device}")
+            raise FlashplanError(
+                name,
+                "expected an int32/int64 1-D tensor on the device of pages",
+                dtype=str(t.dtype),
+                shape=tuple(t.shape),
+                device=str(t.device),
+                pages_device=str(pages.device),
+            )
     if page_map is not None and (
         page_map.dtype != torch.int32 or page_map.dim() != 1 or page_map.device != pages.device
     ):
-        raise FlashplanError(f"page_map: expected an int32 1-D tensor on {pages.device}")
+        raise FlashplanError(
+            "page_map",
+            "expected an int32 1-D tensor on the device of pages",
+            dtype=str(page_map.dtype),
+            shape=tuple(page_map.shape),
+            device=str(page_map.device),
+            pages_device=str(pages.device),
+        )
     if status is not None and (
         status.dtype != torch.int32 or status.shape != (2,) or status.device != pages.device
     ):
-        raise FlashplanError(f"status: expected an int32 [2] tensor on {pages.device}")
+        raise FlashplanError(
+            "status",
+            "expected an int32 [2] tensor on the device of pages",
+            dtype=str(status.dtype),
+            shape=tuple(status.shape),
+            device=str(status.device),
+            pages_device=str(pages.device),
+        )
     return n
 
 
@@ -131,24 +164,37 @@ def check_states(
 ) -> None:
     """Validate shapes, dtypes and devices of two partial states (metadata only)."""
     if v_a.dim() != 3:
-        raise FlashplanError(
-            f"v_a: expected [tokens, heads, head_dim], got shape {tuple(v_a.shape)}"
-        )
+        raise FlashplanError("v_a", "expected [tokens, heads, head_dim]", shape=tuple(v_a.shape))
     if v_b.shape != v_a.shape:
-        raise FlashplanError(f"v_b: shape {tuple(v_b.shape)} != v_a's {tuple(v_a.shape)}")
+        raise FlashplanError(
+            "v_b", "must have the shape of v_a", shape=tuple(v_b.shape), v_a_shape=tuple(v_a.shape)
+        )
     for name, s in (("s_a", s_a), ("s_b", s_b)):
         if s.shape != v_a.shape[:2]:
             raise FlashplanError(
-                f"{name}: shape {tuple(s.shape)}, expected [tokens, heads] = {tuple(v_a.shape[:2])}"
+                name,
+                "expected [tokens, heads] of v_a",
+                shape=tuple(s.shape),
+                expected=tuple(v_a.shape[:2]),
             )
         if s.dtype != torch.float32:
-            raise FlashplanError(f"{name}: dtype must be torch.float32, got {s.dtype}")
+            raise FlashplanError(name, "dtype must be torch.float32", dtype=str(s.dtype))
     for name, v in (("v_a", v_a), ("v_b", v_b)):
         if v.dtype not in v_dtypes:
-            raise FlashplanError(f"{name}: dtype must be one of {v_dtypes}, got {v.dtype}")
+            raise FlashplanError(
+                name,
+                "dtype not supported",
+                dtype=str(v.dtype),
+                supported=tuple(str(d) for d in v_dtypes),
+            )
     for name, t in (("s_a", s_a), ("v_b", v_b), ("s_b", s_b)):
         if t.device != v_a.device:
-            raise FlashplanError(f"{name}: on {t.device}, expected {v_a.device} like v_a")
+            raise FlashplanError(
+                name,
+                "must be on the device of v_a",
+                device=str(t.device),
+                v_a_device=str(v_a.device),
+            )
 
 
 def merge_state_torch(

@@ -207,13 +207,23 @@ def _check(
     for name, t in arrays.items():
         if t.dtype not in (torch.int32, torch.int64) or t.dim() != 1 or t.shape[0] != bs:
             raise FlashplanError(
-                f"{name}: expected an int32/int64 tensor [{bs}], got {t.dtype} {tuple(t.shape)}"
+                name,
+                "expected an int32/int64 [batch] tensor",
+                batch=bs,
+                dtype=str(t.dtype),
+                shape=tuple(t.shape),
             )
         if t.device != out.device or not t.is_contiguous():
-            raise FlashplanError(f"{name}: must be contiguous and on {out.device}")
+            raise FlashplanError(
+                name,
+                "must be contiguous and on the device of out",
+                contiguous=t.is_contiguous(),
+                device=str(t.device),
+                out_device=str(out.device),
+            )
     if out.dtype != torch.uint8 or out.dim() != 1:
         raise FlashplanError(
-            f"out: expected a uint8 1-D tensor, got {out.dtype} {tuple(out.shape)}"
+            "out", "expected a uint8 1-D tensor", dtype=str(out.dtype), shape=tuple(out.shape)
         )
     if tree is not None:
         row_offsets, tail_start, tail_words = tree
@@ -223,9 +233,22 @@ def _check(
             ("tail_words", tail_words, (torch.uint8,)),
         ):
             if t.dtype not in dtypes or t.dim() != 1 or t.device != out.device:
-                raise FlashplanError(f"{name}: expected a 1-D {dtypes} tensor on {out.device}")
+                raise FlashplanError(
+                    name,
+                    "expected a 1-D tensor of a supported dtype on the device of out",
+                    dtype=str(t.dtype),
+                    supported=tuple(str(d) for d in dtypes),
+                    shape=tuple(t.shape),
+                    device=str(t.device),
+                    out_device=str(out.device),
+                )
         if tail_start.shape[0] != bs:
-            raise FlashplanError(f"tail_start: expected [{bs}], got {tuple(tail_start.shape)}")
+            raise FlashplanError(
+                "tail_start",
+                "expected one entry per request [batch]",
+                batch=bs,
+                shape=tuple(tail_start.shape),
+            )
     return bs
 
 

@@ -76,15 +76,22 @@ def _check(
 ) -> None:
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
         raise FlashplanError(
-            "kv_cache: expected [pages, 2, page_size, heads, head_dim], got "
-            f"{tuple(kv_cache.shape)}"
+            "kv_cache",
+            "expected [pages, 2, page_size, heads, head_dim]",
+            shape=tuple(kv_cache.shape),
         )
     want = (rows, kv_cache.shape[3], kv_cache.shape[4])
     for name, t in (("k", k), ("v", v)):
         if tuple(t.shape) != want or t.dtype != kv_cache.dtype or t.device != kv_cache.device:
             raise FlashplanError(
-                f"{name}: expected {kv_cache.dtype} {want} on {kv_cache.device}, got "
-                f"{t.dtype} {tuple(t.shape)} on {t.device}"
+                name,
+                "expected [rows, heads, head_dim] of the dtype and device of kv_cache",
+                dtype=str(t.dtype),
+                shape=tuple(t.shape),
+                device=str(t.device),
+                expected_dtype=str(kv_cache.dtype),
+                expected_shape=want,
+                expected_device=str(kv_cache.device),
             )
     for name, t in (("page", page), ("offset", offset)):
         if (
@@ -94,7 +101,13 @@ def _check(
             or t.device != kv_cache.device
         ):
             raise FlashplanError(
-                f"{name}: expected an int32/int64 [>= {rows}] tensor on {kv_cache.device}"
+                name,
+                "expected an int32/int64 1-D tensor of >= rows entries on the device of kv_cache",
+                rows=rows,
+                dtype=str(t.dtype),
+                shape=tuple(t.shape),
+                device=str(t.device),
+                kv_cache_device=str(kv_cache.device),
             )
 
 

@@ -49,19 +49,33 @@ def _check(
     if isinstance(first, torch.Tensor):
         arrays.insert(1, ("first", first))
     elif not isinstance(first, int) or not -(2**31) <= first < 2**31:
-        raise FlashplanError(f"fill_runs: first must be an int32 tensor or an int; got {first!r}")
+        raise FlashplanError(
+            "first", "fill_runs needs an int32 tensor or an int32-range int", value=first
+        )
     for name, t in arrays:
         if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] != runs or not t.is_contiguous():
             raise FlashplanError(
-                f"fill_runs: {name} must be a contiguous int32 [runs] tensor like start "
-                f"({runs} runs); got {t.dtype} {tuple(t.shape)}"
+                name,
+                "must be a contiguous int32 [runs] tensor like start",
+                runs=runs,
+                dtype=str(t.dtype),
+                shape=tuple(t.shape),
+                contiguous=t.is_contiguous(),
             )
         if t.device != out.device:
-            raise FlashplanError(f"fill_runs: {name} is on {t.device}, out on {out.device}")
+            raise FlashplanError(
+                name,
+                "must be on the device of out",
+                device=str(t.device),
+                out_device=str(out.device),
+            )
     if out.dim() != 1 or not out.is_contiguous() or out.dtype not in (torch.int32, torch.uint16):
         raise FlashplanError(
-            f"fill_runs: out must be a contiguous int32 or uint16 1-D tensor; got {out.dtype} "
-            f"{tuple(out.shape)}"
+            "out",
+            "must be a contiguous int32 or uint16 1-D tensor",
+            dtype=str(out.dtype),
+            shape=tuple(out.shape),
+            contiguous=out.is_contiguous(),
         )
 
 
