@@ -27,18 +27,17 @@ __all__ = [
 
 
 class FlashplanError(ValueError):
-    """Base class of every flashplan input error."""
+    """Base class of every flashplan input error.
 
-
-class LayoutError(FlashplanError):
-    """An input record or setting is invalid (a layout, group, heads, page table, plan
-    record or executor option).
+    Every one names what is wrong as structured attributes, and its message is built
+    from them (``"seq_lens[1]: must be >= 1 (value=0)"``).
 
     Attributes:
-        field: name of the offending field (``"seq_lens"``, ``"page_size"`` …).
+        field: name of the offending field or argument (``"seq_lens"``, ``"page_size"``,
+            ``"kv_cache"``, ``"pages"`` …).
         message: what is wrong, without the field and values.
         request: index of the offending request in the batch, or ``None`` when the
-            error is about the batch as a whole.
+            error is about the batch as a whole (or there is no batch).
         values: the offending values, as a mapping from name to value.
     """
 
@@ -67,9 +66,18 @@ class LayoutError(FlashplanError):
 
 
 def _rebuild(
-    cls: type[LayoutError], field: str, message: str, request: int | None, values: dict[str, Any]
-) -> LayoutError:
+    cls: type[FlashplanError],
+    field: str,
+    message: str,
+    request: int | None,
+    values: dict[str, Any],
+) -> FlashplanError:
     return cls(field, message, request=request, **values)
+
+
+class LayoutError(FlashplanError):
+    """An input record or setting is invalid (a layout, group, heads, page table, plan
+    record or executor option); attributes as :class:`FlashplanError`."""
 
 
 class FieldTypeError(LayoutError, TypeError):
@@ -84,11 +92,13 @@ class PageTableError(LayoutError):
 
 
 class PlanMismatchError(FlashplanError):
-    """A run's arguments contradict what was planned (group, window, dtypes, shapes)."""
+    """A run's arguments contradict what was planned (group, window, dtypes, shapes), or
+    a call comes out of order (``run`` before ``apply``); ``field`` names the argument."""
 
 
 class UnsupportedError(FlashplanError):
-    """The combination is valid in principle but not implemented by this planner/executor."""
+    """The combination is valid in principle but not implemented by this planner or
+    executor; ``field`` names the argument or setting that would have to change."""
 
 
 class BucketError(LayoutError):

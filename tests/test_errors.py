@@ -91,3 +91,26 @@ def test_no_module_defines_an_exception_class_outside_errors() -> None:
             if re.search(r"Error|Exception", bases) and path.name != "errors.py":
                 found.append(f"{path.relative_to(root)}: {name}({bases})")
     assert not found, found
+
+
+def test_every_flashplan_error_is_raised_with_a_field_and_a_message() -> None:
+    """Each construction of a flashplan error in the package passes the field and the
+    message (``Error(field, message, request=..., **values)``), never one free string."""
+    import ast
+    from pathlib import Path
+
+    classes = {
+        name
+        for name in errors.__all__
+        if isinstance(getattr(errors, name), type)
+        and issubclass(getattr(errors, name), FlashplanError)
+    }
+    root = Path(fp.__file__).parent
+    bad = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", getattr(node.func, "attr", None))
+                if name in classes and len(node.args) < 2 and path.name != "errors.py":
+                    bad.append(f"{path.relative_to(root)}:{node.lineno} {name}")
+    assert not bad, bad

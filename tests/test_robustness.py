@@ -558,11 +558,14 @@ def test_errors_pickle_and_copy() -> None:
             str(err.value),
         )
     for exc in (
-        fp.PlanMismatchError("x"),
-        fp.UnsupportedError("y"),
+        fp.PlanMismatchError("q", "x", shape=(3, 4)),
+        fp.UnsupportedError("extend_path", "y", request=2),
         fp.PageTableError("rows", "z"),
+        fp.FieldTypeError("page_size", "must be an int", value=1.5),
     ):
-        assert str(pickle.loads(pickle.dumps(exc))) == str(exc)
+        clone = pickle.loads(pickle.dumps(exc))
+        assert type(clone) is type(exc) and str(clone) == str(exc)
+        assert (clone.field, clone.request, clone.values) == (exc.field, exc.request, exc.values)
 
 
 # --------------------------------------------------------------------------- CLI

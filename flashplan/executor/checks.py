@@ -21,21 +21,24 @@ __all__ = ["RunArgs", "check_apply_args", "check_run_args"]
 
 def _tensor(name: str, t: object, device: torch.device) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise PlanMismatchError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise PlanMismatchError(name, "expected a torch.Tensor", type=type(t).__name__)
     if t.layout != torch.strided:
-        raise PlanMismatchError(f"{name}: expected a dense tensor, got layout {t.layout}")
+        raise PlanMismatchError(name, "expected a dense tensor", layout=str(t.layout))
     if t.device != device:
-        raise PlanMismatchError(f"{name}: on {t.device}, but the plan was applied on {device}")
+        raise PlanMismatchError(
+            name, "not on the device the plan was applied on", device=str(t.device),
+            applied_on=str(device),
+        )  # fmt: skip
     return t
 
 
 def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     if tuple(t.shape) != shape:
         raise PlanMismatchError(
-            f"{name}: expected shape {shape} from the plan, got {tuple(t.shape)}"
+            name, "shape differs from the plan's", planned=shape, shape=tuple(t.shape)
         )
     if t.dtype != dtype:
-        raise PlanMismatchError(f"{name}: planned dtype {dtype}, got {t.dtype}")
+        raise PlanMismatchError(name, "dtype differs from the plan's", planned=dtype, dtype=t.dtype)
 
 
 #: Device types whose tensors hold no data: an executor could not read page ids there.
@@ -52,9 +55,9 @@ def check_apply_args(spec: object, table: object) -> tuple[PlanSpec, PageTable]:
             or the table is too small for the plan.
     """
     if not isinstance(spec, PlanSpec):
-        raise PlanMismatchError(f"spec: expected a PlanSpec, got {type(spec).__name__}")
+        raise PlanMismatchError("spec", "expected a PlanSpec", type=type(spec).__name__)
     if not isinstance(table, PageTable):
-        raise PlanMismatchError(f"table: expected a PageTable, got {type(table).__name__}")
+        raise PlanMismatchError("table", "expected a PageTable", type=type(table).__name__)
     device = table.pages.device  # metadata only: no device access
     if device.type in _UNREADABLE_DEVICES:
         raise PageTableError(
@@ -106,18 +109,18 @@ def check_run_args(
             ``return_lse`` that is not a bool.
     """
     if spec is None or device is None:
-        raise PlanMismatchError("run() before apply(): apply a PlanSpec first")
+        raise PlanMismatchError("spec", "run() before apply(): apply a PlanSpec first")
     index = spec.group_index(group)  # type: ignore[arg-type]
     gp = spec.group_plans[index]
     assert isinstance(group, AttentionGroup)
     if not isinstance(return_lse, bool):
-        raise PlanMismatchError(f"return_lse: expected a bool, got {return_lse!r}")
+        raise PlanMismatchError("return_lse", "expected a bool", value=return_lse)
     heads = spec.heads
     d = heads.head_dim
     q_rows = spec.total_q if total_q is None else total_q
     _expect("q", _tensor("q", q, device), (q_rows, heads.num_qo_heads, d), heads.q_dtype)
     if (k_new is None) != (v_new is None):
-        raise PlanMismatchError("k_new and v_new must both be given or both be None")
+        raise PlanMismatchError("k_new", "k_new and v_new must both be given or both be None")
     writes = k_new is not None
     if writes:
         rows = spec.total_encoder if group.cross_attention else q_rows
@@ -125,22 +128,25 @@ def check_run_args(
             _expect(name, _tensor(name, t, device), (rows, heads.num_kv_heads, d), heads.kv_dtype)
     elif gp.ragged is not None:
         raise PlanMismatchError(
-            f"group {group.describe()!r} runs on the ragged path: pass k_new and v_new"
-        )
+            "k_new", "the group runs on the ragged path: pass k_new and v_new",
+            group=group.describe(),
+        )  # fmt: skip
     if kv_cache is None:
         if gp.paged is not None:
             raise PlanMismatchError(
-                f"kv_cache: group {group.describe()!r} reads the paged KV cache "
-                f"(path {gp.path.value}); only ragged-path groups run without a cache"
-            )
+                "kv_cache", "the group reads the paged KV cache; only ragged-path groups run "
+                "without a cache", group=group.describe(), path=gp.path.value,
+            )  # fmt: skip
         return RunArgs(index, gp, writes=False)
     cache = _tensor("kv_cache", kv_cache, device)
     want: tuple[Any, ...] = (2, spec.page_size, heads.num_kv_heads, d)
     if cache.dim() != 5 or tuple(cache.shape[1:]) != want:
         raise PlanMismatchError(
-            "kv_cache: expected [num_pages, 2, page_size, num_kv_heads, head_dim] = "
-            f"[*, 2, {spec.page_size}, {heads.num_kv_heads}, {d}], got {tuple(cache.shape)}"
-        )
+            "kv_cache", "expected [num_pages, 2, page_size, num_kv_heads, head_dim] = "
+            f"[*, 2, {spec.page_size}, {heads.num_kv_heads}, {d}]", shape=tuple(cache.shape),
+        )  # fmt: skip
     if cache.dtype != heads.kv_dtype:
-        raise PlanMismatchError(f"kv_cache: planned dtype {heads.kv_dtype}, got {cache.dtype}")
+        raise PlanMismatchError(
+            "kv_cache", "dtype differs from the plan's", planned=heads.kv_dtype, dtype=cache.dtype
+        )
     return RunArgs(index, gp, writes=writes)

@@ -196,8 +196,9 @@ def gather_jobs_steps(
     for k, (spec, prefix) in enumerate(zip(specs, prefixes, strict=True)):
         if spec.batch_size != bs:
             raise PlanMismatchError(
-                f"gather_jobs_steps: plan {k} has {spec.batch_size} requests, plan 0 has {bs}"
-            )
+                "specs", "every step's plan must have the first one's batch size", step=k,
+                batch_size=spec.batch_size, first_batch_size=bs,
+            )  # fmt: skip
         own = _job_parts(spec, window_pool, spans[k] if spans else None, True)
         parts += [(prefix + p[0], p[1], p[2], p[3], p[4]) for p in own]
     return _job_table(parts, np.asarray(rows, dtype=np.int32), bs)
@@ -269,8 +270,9 @@ def _job_table(parts: list[_Part], rows: IntArray, bs: int) -> GatherJobs:
     total = int(ends[-1]) if size else 0
     if total > INT32_MAX:
         raise UnsupportedError(
-            f"a batch that gathers {total} page ids and slots exceeds int32 offsets"
-        )
+            "pages", "a batch that gathers this many page ids and slots exceeds int32 offsets",
+            gathered=total,
+        )  # fmt: skip
     if size:  # dst: the running sum before each job
         table[3, 0] = 0
         table[3, 1:] = ends[:-1]
@@ -288,8 +290,9 @@ def concat_jobs(tables: list[GatherJobs], prefixes: list[str]) -> GatherJobs:
     shift = np.cumsum([0] + [t.total for t in tables])
     if int(shift[-1]) > INT32_MAX:
         raise UnsupportedError(
-            f"jobs that gather {int(shift[-1])} page ids and slots exceed int32 offsets"
-        )
+            "pages", "jobs that gather this many page ids and slots exceed int32 offsets",
+            gathered=int(shift[-1]),
+        )  # fmt: skip
     sizes = [t.num_jobs for t in tables]
     table = np.empty((6, sum(sizes)), dtype=np.int32)
     at = 0

@@ -170,7 +170,7 @@ class ReferenceExecutor:
             PlanMismatchError: nothing applied yet.
         """
         if self._applied is None:
-            raise PlanMismatchError("positions() before apply(): apply a PlanSpec first")
+            raise PlanMismatchError("spec", "positions() before apply(): apply a PlanSpec first")
         host = torch.from_numpy(self._applied.spec.positions.copy())
         return host.to(self._applied.device)
 

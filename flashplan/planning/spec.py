@@ -627,16 +627,16 @@ class PlanSpec:
         """
         if not isinstance(group, AttentionGroup):
             raise PlanMismatchError(
-                f"group: expected an AttentionGroup, got {type(group).__name__} {group!r}"
+                "group", "expected an AttentionGroup", type=type(group).__name__, value=group
             )
         wanted = group.resolved(self.heads.head_dim)
         for index, planned in enumerate(self.key.groups):
             if planned == wanted:
                 return index
         raise PlanMismatchError(
-            f"group {group.describe()!r} ({group!r}) was not planned; planned groups: "
-            + ", ".join(g.describe() for g in self.key.groups)
-        )
+            "group", f"{group.describe()!r} was not planned", group=group,
+            planned=[g.describe() for g in self.key.groups],
+        )  # fmt: skip
 
     def group_plan(self, group: AttentionGroup) -> GroupPlan:
         """The plan of ``group`` (see :meth:`group_index`)."""

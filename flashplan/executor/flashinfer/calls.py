@@ -506,9 +506,9 @@ def _mask_recipe(index: int, mask: CustomMask, host: dict[str, IntArray]) -> Mas
     total = int(offsets[-1])
     if total > INT32_MAX - 8:  # the mask kernel's int32 element indices
         raise UnsupportedError(
-            f"custom mask of {total} elements exceeds int32 offsets; "
-            "plan this batch with extend_path='paged'"
-        )
+            "extend_path", "a custom mask of this many elements exceeds int32 offsets: plan "
+            "this batch with extend_path='paged'", mask_elements=total,
+        )  # fmt: skip
     # the int32 staging copy must not wrap a far-off threshold: clamped, then cast
     # (the ufuncs themselves: np.clip's Python wrapper costs more than both)
     low, high = constant_operand(-INT32_MAX, np.int64), constant_operand(INT32_MAX, np.int64)

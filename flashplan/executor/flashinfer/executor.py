@@ -141,11 +141,13 @@ def _cuda_device(device: torch.device | str | None) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise UnsupportedError(f"device: {device!r} is not a torch device ({exc})") from None
+        raise UnsupportedError("device", f"not a torch device ({exc})", value=device) from None
     if dev.type != "cuda":
-        raise UnsupportedError(f"FlashInferExecutor needs a CUDA device, got {dev}")
+        raise UnsupportedError("device", "FlashInferExecutor needs a CUDA device", device=str(dev))
     if not torch.cuda.is_available():
-        raise UnsupportedError("FlashInferExecutor needs CUDA, which is not available here")
+        raise UnsupportedError(
+            "device", "FlashInferExecutor needs CUDA, which is not available here"
+        )
     if dev.index is None:  # "cuda" means the current device; tensors say cuda:N
         # (torch's stubs type index as int; it is None for a bare "cuda")
         dev = torch.device("cuda", torch.cuda.current_device())  # type: ignore[unreachable]
@@ -350,7 +352,7 @@ class FlashInferExecutor:
             return self._positions
         spec = self._spec
         if spec is None:
-            raise PlanMismatchError("positions() before apply(): apply a PlanSpec first")
+            raise PlanMismatchError("spec", "positions() before apply(): apply a PlanSpec first")
         runs = spec.position_runs
         n = runs.num_runs
         columns = (runs.start, runs.first, runs.length)
@@ -413,9 +415,10 @@ class FlashInferExecutor:
             p in (KernelPath.RAGGED, KernelPath.RAGGED_PAGED) for p in spec.key.paths
         ):
             raise UnsupportedError(
+                "extend_path",
                 "deterministic mode runs extends on the paged path only (on a ragged path a "
                 "request's kernels would depend on the rest of the batch): plan with "
-                "extend_path='paged'"
+                "extend_path='paged'",
             )
         calls = self._skeleton(spec)
         dplan = self._device_plan(spec, calls, table)
@@ -534,13 +537,13 @@ class FlashInferExecutor:
         """
         specs = tuple(specs)
         if not specs:
-            raise PlanMismatchError("apply_steps() needs at least one step's plan")
+            raise PlanMismatchError("specs", "apply_steps() needs at least one step's plan")
         steps = []
         for spec in specs:
             spec, table = check_apply_args(spec, table)
             calls = self._skeleton(spec)
             if any(gc.masked for gc in calls):
-                raise UnsupportedError("apply_steps() plans steps without custom masks")
+                raise UnsupportedError("specs", "apply_steps() plans steps without custom masks")
             steps.append((spec, calls))
         self._check_table_device(table)
         prefixes = [f"s{k}/" for k in range(len(steps))]
@@ -774,9 +777,10 @@ class FlashInferExecutor:
             text = str(exc).lower()
             if "workspace" in text or "buffer size" in text or "out of memory" in text:
                 raise UnsupportedError(
-                    f"FlashInfer's plan() needs more workspace than this executor's "
-                    f"workspace_bytes={self.workspace_bytes} ({exc}); construct the "
-                    "executor with a larger workspace_bytes"
+                    "workspace_bytes",
+                    f"FlashInfer's plan() needs more workspace than this executor has ({exc}); "
+                    "construct the executor with a larger workspace_bytes",
+                    workspace_bytes=self.workspace_bytes,
                 ) from exc
             raise
 
@@ -912,7 +916,7 @@ class FlashInferExecutor:
         spec, dplan = self._spec, self._plan
         assert spec is not None and dplan is not None and self._gathered is not None
         if kv_cache is not None and not kv_cache.is_contiguous():
-            raise PlanMismatchError("kv_cache: FlashInfer needs a contiguous cache tensor")
+            raise PlanMismatchError("kv_cache", "FlashInfer needs a contiguous cache tensor")
         assert isinstance(group, AttentionGroup)
         if self.check_pages and kv_cache is not None:
             self._check_cache_pages(args, group, int(kv_cache.shape[0]))

@@ -84,17 +84,18 @@ class GraphExecutor(FlashInferExecutor):
 
     def __init__(self, parent: FlashInferExecutor, bucket: GraphBucket) -> None:
         if not isinstance(bucket, GraphBucket):
-            raise PlanMismatchError(f"bucket: expected a GraphBucket, got {type(bucket).__name__}")
+            raise PlanMismatchError("bucket", "expected a GraphBucket", type=type(bucket).__name__)
         if not isinstance(parent, FlashInferExecutor):
             raise PlanMismatchError(
-                f"parent: expected a FlashInferExecutor, got {type(parent).__name__}"
+                "parent", "expected a FlashInferExecutor", type=type(parent).__name__
             )
         if parent.check_pages:
             raise UnsupportedError(
+                "check_pages",
                 "check_pages=True reads back from the device on every apply and run, which "
                 "a captured CUDA graph cannot do: make the GraphExecutor from an executor "
                 "in the default mode (bad page ids are neutralised and counted in "
-                "page_errors())"
+                "page_errors())",
             )
         self.device = parent.device
         self._fi = parent._fi
@@ -123,9 +124,9 @@ class GraphExecutor(FlashInferExecutor):
             return self.bucket.layout(spec.key, window_pool=self.page_map is not None)
         if spec.key != self._key:
             raise PlanMismatchError(
-                "a graph executor runs plans of the key it was first applied with "
-                f"(groups, paths, heads); got {spec.key!r}, fixed {self._key!r}"
-            )
+                "spec", "a graph executor runs plans of the key it was first applied with "
+                "(groups, paths, heads)", key=spec.key, fixed=self._key,
+            )  # fmt: skip
         assert self._layout is not None
         return self._layout
 
@@ -134,9 +135,10 @@ class GraphExecutor(FlashInferExecutor):
         ``len(specs)`` for ``apply_steps``."""
         if self._steps is not None and steps != self._steps:
             raise PlanMismatchError(
+                "specs",
                 f"this graph executor was first applied with {self._steps} step(s) per apply "
                 f"(its fixed buffers hold that many); got {steps}: use one graph executor "
-                "per number of steps"
+                "per number of steps",
             )
 
     def _check_masks(self, calls: tuple[GroupCalls, ...], page_size: int) -> None:
@@ -145,9 +147,10 @@ class GraphExecutor(FlashInferExecutor):
         masked = tuple(gc.masked for gc in calls)
         if self._masked is not None and masked != self._masked:
             raise PlanMismatchError(
+                "spec",
                 "this graph executor was first applied with custom masks on the groups "
                 f"{self._masked} (a tree verify has one, a chain verify none); got {masked}: "
-                "use one graph executor for trees and another for chains"
+                "use one graph executor for trees and another for chains",
             )
         if any(masked):
             capacity = self.bucket.mask_bytes(page_size)
@@ -247,7 +250,7 @@ class GraphExecutor(FlashInferExecutor):
         cls = getattr(self._fi, key.kind.value)
         kwargs = key.constructor_kwargs()
         if key.kind is WrapperKind.RAGGED_PREFILL:  # pragma: no cover - refused by check_fits
-            raise PlanMismatchError("CUDA-graph buckets run paged paths only")
+            raise PlanMismatchError("paths", "CUDA-graph buckets run paged paths only")
         r = self._layout.region(pages_region(group_index))
         base = self._layout.total * _step_of(prefix)  # step k's regions: k layouts on
         indices = self._fixed_page[base + r.lo : base + r.hi]
@@ -360,8 +363,9 @@ class GraphExecutor(FlashInferExecutor):
         )  # fmt: skip
         if args.writes and args.plan.group.cross_attention:
             raise PlanMismatchError(
+                "k_new",
                 "a CUDA-graph bucket writes no encoder K/V: write them in an eager step "
-                "and pass k_new=v_new=None for cross groups in the graph"
+                "and pass k_new=v_new=None for cross groups in the graph",
             )
         return args
 
@@ -405,7 +409,7 @@ class CapturedStep(Generic[T]):
         once the replay's kernels have run.
         """
         if (spec is None) != (table is None):
-            raise PlanMismatchError("replay() takes both spec and table, or neither")
+            raise PlanMismatchError("table", "replay() takes both spec and table, or neither")
         if spec is not None and table is not None:
             if isinstance(spec, (tuple, list)):
                 self.executor.apply_steps(spec, table)
@@ -435,9 +439,13 @@ def capture(
         pool: a memory pool handle to share between graphs (``torch.cuda.graph_pool_handle()``).
     """
     if not isinstance(executor, GraphExecutor):
-        raise PlanMismatchError("capture() needs a GraphExecutor(executor, bucket)")
+        raise PlanMismatchError(
+            "executor",
+            "capture() needs a GraphExecutor(executor, bucket)",
+            type=type(executor).__name__,
+        )
     if executor.spec is None:
-        raise PlanMismatchError("apply a plan to the graph executor before capture()")
+        raise PlanMismatchError("executor", "apply a plan to the graph executor before capture()")
     current = torch.cuda.current_stream(executor.device)
     side = torch.cuda.Stream(executor.device)
     side.wait_stream(current)

@@ -131,10 +131,10 @@ def prefill_backend(
     )
     if policy.prefill_backend == "fa3" and not fa3_kernels:
         raise UnsupportedError(
-            f"prefill_backend='fa3' needs fp16/bf16 q and kv of one dtype and head_dim in "
-            f"{_FA3_HEAD_DIMS}; got q {heads.q_dtype}, kv {heads.kv_dtype}, "
-            f"head_dim {heads.head_dim} (use 'auto' or 'fa2')"
-        )
+            "prefill_backend", f"'fa3' needs fp16/bf16 q and kv of one dtype and head_dim in "
+            f"{_FA3_HEAD_DIMS} (use 'auto' or 'fa2')", q_dtype=heads.q_dtype,
+            kv_dtype=heads.kv_dtype, head_dim=heads.head_dim,
+        )  # fmt: skip
     if policy.prefill_backend != "auto":
         return policy.prefill_backend
     return "fa3" if sm90 and fa3_kernels and not policy.deterministic else "fa2"
