@@ -26,14 +26,17 @@ from flashplan.errors import LayoutError
 
 __all__ = [
     "INT32_MAX",
+    "INT32_MIN",
     "IntArray",
     "array_key",
     "checked_int32",
     "constant_operand",
     "copy_readonly",
     "indptr",
+    "int32_field",
     "readonly_when_unpickled",
     "running_sum",
+    "same_length",
     "seal_inplace",
 ]
 
@@ -142,3 +145,34 @@ def readonly_when_unpickled(cls: _Record) -> _Record:
 
     cls.__setstate__ = __setstate__  # type: ignore[attr-defined]
     return cls
+
+
+#: Smallest int32.
+INT32_MIN = -INT32_MAX - 1
+
+
+def int32_field(field: str, value: object) -> IntArray:
+    """``value`` (a 1-D integer array) as a read-only int32 array, for a record's field
+    converter; a sealed int32 array is kept as it is.
+
+    Raises:
+        LayoutError: not 1-D integers, or an entry beyond int32 (naming the request).
+    """
+    arr = np.asarray(value)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise LayoutError(field, "must be a 1-D integer array", shape=getattr(value, "shape", None))
+    if arr.dtype == np.int32 and not arr.flags.writeable:
+        return arr
+    if arr.dtype.itemsize >= 4 and arr.dtype != np.int32 and arr.size:
+        outside = (arr < INT32_MIN) | (arr > INT32_MAX)  # would wrap in the int32 cast
+        if outside.any():
+            i = int(np.flatnonzero(outside)[0])
+            raise LayoutError(field, "exceeds int32", request=i, value=int(arr[i]))
+    return seal_inplace(np.array(arr, dtype=np.int32))
+
+
+def same_length(field: str, *arrays: npt.NDArray[Any]) -> None:
+    """Raise :class:`~flashplan.LayoutError` unless every array has one entry per request."""
+    sizes = {a.shape[0] for a in arrays}
+    if len(sizes) > 1:
+        raise LayoutError(field, "arrays must have one entry per request", sizes=sorted(sizes))
