@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 from functools import cached_property
 from typing import Any
@@ -10,7 +9,6 @@ from typing import Any
 import attrs
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from flashplan.arrays import (
     INT32_MAX,
@@ -22,64 +20,19 @@ from flashplan.arrays import (
 )
 from flashplan.errors import FieldTypeError, LayoutError
 from flashplan.layout.convert import ArrayLike, as_flags, as_int, as_lengths
-from flashplan.layout.drafts import DraftTree
-from flashplan.layout.group import AttentionGroup
+from flashplan.layout.drafts import DraftTree, check_draft_fits
+from flashplan.layout.group import DEFAULT_GROUPS, AttentionGroup, as_groups
 from flashplan.layout.items import FIELD as ITEMS
-from flashplan.layout.items import ItemDelimiters, as_item_delimiters
+from flashplan.layout.items import MAX_ITEM_ROW, ItemDelimiters, as_item_delimiters, check_items_fit
+from flashplan.layout.mode import Mode
 
-__all__ = ["DEFAULT_GROUPS", "BatchLayout", "Mode", "as_groups"]
-
-
-class Mode(enum.Enum):
-    """What kind of step a batch is.
-
-    * ``DECODE``: one new token per request, planned on FlashInfer's decode kernels.
-    * ``EXTEND``: any number of new tokens per request (prefill, chunked prefill,
-      block-bidirectional extend, draft extend, multi-item scoring).
-    * ``VERIFY``: speculative target verify: each request's ``N`` draft tokens, a tree
-      (:class:`~flashplan.layout.drafts.DraftTree`), after its prefix.
-    """
-
-    DECODE = "decode"
-    EXTEND = "extend"
-    VERIFY = "verify"
-
-
-#: Largest ``token_pos_in_items_len`` (and so in-item position) flashplan plans:
-#: FlashInfer's multi-item positions are uint16.
-MAX_ITEM_ROW = 65535
-
-#: The groups a layout is planned for by default: one causal full-attention group.
-DEFAULT_GROUPS: tuple[AttentionGroup, ...] = (AttentionGroup(),)
-
-
-def as_groups(field: str, value: object) -> tuple[AttentionGroup, ...]:
-    """One group or an iterable of groups, as a tuple of distinct groups."""
-    if isinstance(value, AttentionGroup):
-        return (value,)
-    if isinstance(value, tuple) and all(type(g) is AttentionGroup for g in value):
-        groups = value  # the common case: a tuple of groups (no copy, no scan below)
-    else:
-        if isinstance(value, (str, bytes, torch.Tensor, np.ndarray)) or not isinstance(
-            value, Iterable
-        ):
-            raise FieldTypeError(
-                field, "must be an AttentionGroup or an iterable of them", value=value
-            )
-        try:
-            groups = tuple(value)
-        except TypeError:
-            raise FieldTypeError(
-                field, "must be an AttentionGroup or an iterable of them", value=value
-            ) from None
-    if not groups:
-        raise LayoutError(field, "at least one AttentionGroup is needed")
-    for i, g in enumerate(groups):
-        if not isinstance(g, AttentionGroup):
-            raise FieldTypeError(field, "must hold AttentionGroup records", index=i, value=g)
-    if len(groups) > 1 and len(set(groups)) != len(groups):
-        raise LayoutError(field, "must not repeat a group", groups=groups)
-    return groups
+__all__ = [
+    "DEFAULT_GROUPS",
+    "MAX_ITEM_ROW",
+    "BatchLayout",
+    "Mode",
+    "as_groups",
+]  # (DEFAULT_GROUPS, as_groups: layout.group; MAX_ITEM_ROW: layout.items; Mode: layout.mode)
 
 
 def _optional_lengths(field: str, value: object) -> IntArray | None:
@@ -200,31 +153,8 @@ class BatchLayout:
         if (self.draft is not None) != (self.mode is Mode.VERIFY):
             raise LayoutError("draft", "a verify batch, and only a verify batch, has a draft")
         if self.draft is not None:
-            if not isinstance(self.draft, DraftTree):
-                raise FieldTypeError(
-                    "draft", "must be a DraftTree", value=type(self.draft).__name__
-                )
-            if self.draft.batch_size != bs:
-                raise LayoutError(
-                    "draft",
-                    "batch size differs from seq_lens",
-                    seq_lens_size=bs,
-                    draft_size=self.draft.batch_size,
-                )
-            wrong = (self.seq_lens - self.prefix_lens) != self.draft.num_tokens
-            if wrong.any():
-                i = _first(wrong)
-                raise LayoutError(
-                    "seq_lens",
-                    "a verify step adds the draft's N tokens to each request",
-                    request=i,
-                    new_tokens=int(self.seq_lens[i] - self.prefix_lens[i]),
-                    num_draft_tokens=self.draft.num_tokens,
-                )
-            if any(not g.causal and not g.cross_attention for g in self.groups):
-                raise LayoutError(
-                    "groups", "verify batches plan causal self groups (and cross groups)"
-                )
+            check_draft_fits(self.draft, new_tokens=self.seq_lens - self.prefix_lens,
+                             groups=self.groups)  # fmt: skip
         if self.encoder_lens is not None and self.encoder_lens.shape[0] != bs:
             raise LayoutError(
                 "encoder_lens",
@@ -245,67 +175,12 @@ class BatchLayout:
                     encoder_cached_size=self.encoder_cached.shape[0],
                 )
         if self.item_delimiters is not None:
-            self._check_items(self.item_delimiters)
+            check_items_fit(
+                self.item_delimiters, extend=self.mode is Mode.EXTEND,
+                extend_lens=self.extend_lens, groups=self.groups,
+            )  # fmt: skip
         # Derived values, in wide integers, must fit the int32 arrays kernels get.
         _ = self.decoder_start, self.pages_needed
-
-    def _check_items(self, items: ItemDelimiters) -> None:
-        """Delimiters against the batch: mode, size, range, FlashInfer's limits, groups."""
-        bs = self.batch_size
-        if self.mode is not Mode.EXTEND:
-            raise LayoutError(
-                ITEMS, "multi-item scoring is an extend step; a decode layout takes no delimiters"
-            )
-        if items.batch_size != bs:
-            raise LayoutError(
-                ITEMS,
-                "batch size differs from seq_lens",
-                seq_lens_size=bs,
-                item_delimiters_size=items.batch_size,
-            )
-        has = items.has_items
-        ext = self.extend_lens
-        over = has & (items.last >= ext)
-        if over.any():
-            i = _first(over)
-            mine = items.request(i)
-            raise LayoutError(
-                ITEMS,
-                "must be below the request's number of new tokens (extend_len)",
-                request=i,
-                position=int(mine[np.searchsorted(mine, ext[i])]),
-                extend_len=int(ext[i]),
-            )
-        row = np.where(has, ext.astype(np.int64) - items.first, 0)
-        long = row > MAX_ITEM_ROW
-        if long.any():
-            i = _first(long)
-            raise LayoutError(
-                ITEMS,
-                f"at most {MAX_ITEM_ROW} new tokens may follow the first delimiter, itself "
-                "included: FlashInfer's multi-item positions (token_pos_in_items) are uint16",
-                request=i,
-                token_pos_in_items_len=int(row[i]),
-                first_delimiter=int(items.first[i]),
-                extend_len=int(ext[i]),
-            )
-        for g in self.groups:
-            if g.cross_attention:
-                continue  # cross groups attend to the encoder and ignore items
-            if g.has_window:
-                raise LayoutError(
-                    "groups",
-                    "a multi-item batch cannot be planned for a sliding-window group: "
-                    "FlashInfer's multi-item mode runs with the window off (the reference "
-                    "file turns it off); plan windowed layers without item_delimiters",
-                    window_left=g.window_left,
-                )
-            if not g.causal:
-                raise LayoutError(
-                    "groups",
-                    "multi-item scoring is causal: a bidirectional group cannot hold items",
-                    group=g.describe(),
-                )
 
     @classmethod
     def _from_checked(

@@ -9,6 +9,7 @@ A chain (``parents[j] = j - 1``) is a causal extend.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cached_property
 
 import attrs
@@ -17,10 +18,11 @@ import numpy.typing as npt
 import torch
 
 from flashplan.arrays import array_key, copy_readonly, readonly_when_unpickled, seal_inplace
-from flashplan.errors import LayoutError
+from flashplan.errors import FieldTypeError, LayoutError
 from flashplan.layout.convert import as_int
+from flashplan.layout.group import AttentionGroup
 
-__all__ = ["DraftTree"]
+__all__ = ["DraftTree", "check_draft_fits"]
 
 
 def _row_popcounts(words: npt.NDArray[np.uint8]) -> npt.NDArray[np.int32]:
@@ -247,3 +249,34 @@ class DraftTree:
         """Whether every request's draft is a chain (a causal extend)."""
         n = self.num_tokens
         return bool((self.parents == np.arange(-1, n - 1)[None, :]).all())
+
+
+def check_draft_fits(
+    draft: object, *, new_tokens: npt.NDArray[np.integer], groups: Sequence[AttentionGroup]
+) -> None:
+    """A verify batch's draft against the batch: a :class:`DraftTree` of one tree per
+    request, whose ``N`` tokens are each request's new tokens (``new_tokens``,
+    ``seq_lens - prefix_lens``), planned for causal self groups (and cross groups).
+
+    Raises:
+        FieldTypeError: not a DraftTree.
+        LayoutError: another batch size, a request with another number of new tokens
+            (naming it), or a bidirectional self group.
+    """
+    if not isinstance(draft, DraftTree):
+        raise FieldTypeError("draft", "must be a DraftTree", value=type(draft).__name__)
+    bs = int(new_tokens.shape[0])
+    if draft.batch_size != bs:
+        raise LayoutError(
+            "draft", "batch size differs from seq_lens", seq_lens_size=bs,
+            draft_size=draft.batch_size,
+        )  # fmt: skip
+    wrong = new_tokens != draft.num_tokens
+    if wrong.any():
+        i = int(np.flatnonzero(wrong)[0])
+        raise LayoutError(
+            "seq_lens", "a verify step adds the draft's N tokens to each request", request=i,
+            new_tokens=int(new_tokens[i]), num_draft_tokens=draft.num_tokens,
+        )  # fmt: skip
+    if any(not g.causal and not g.cross_attention for g in groups):
+        raise LayoutError("groups", "verify batches plan causal self groups (and cross groups)")

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import attrs
+import numpy as np
+import torch
 
-from flashplan.errors import LayoutError
+from flashplan.errors import FieldTypeError, LayoutError
 from flashplan.layout.convert import as_bool, as_int, as_real
 
-__all__ = ["AttentionGroup"]
+__all__ = ["DEFAULT_GROUPS", "AttentionGroup", "as_groups"]
 
 
 def _window(field: str, value: object) -> int:
@@ -158,3 +161,36 @@ class AttentionGroup:
         if self.sm_scale is not None:
             parts.append(f"scale={self.sm_scale:g}")
         return " ".join(parts)
+
+
+#: The groups a layout is planned for by default: one causal full-attention group.
+DEFAULT_GROUPS: tuple[AttentionGroup, ...] = (AttentionGroup(),)
+
+
+def as_groups(field: str, value: object) -> tuple[AttentionGroup, ...]:
+    """One group or an iterable of groups, as a tuple of distinct groups."""
+    if isinstance(value, AttentionGroup):
+        return (value,)
+    if isinstance(value, tuple) and all(type(g) is AttentionGroup for g in value):
+        groups = value  # the common case: a tuple of groups (no copy, no scan below)
+    else:
+        if isinstance(value, (str, bytes, torch.Tensor, np.ndarray)) or not isinstance(
+            value, Iterable
+        ):
+            raise FieldTypeError(
+                field, "must be an AttentionGroup or an iterable of them", value=value
+            )
+        try:
+            groups = tuple(value)
+        except TypeError:
+            raise FieldTypeError(
+                field, "must be an AttentionGroup or an iterable of them", value=value
+            ) from None
+    if not groups:
+        raise LayoutError(field, "at least one AttentionGroup is needed")
+    for i, g in enumerate(groups):
+        if not isinstance(g, AttentionGroup):
+            raise FieldTypeError(field, "must hold AttentionGroup records", index=i, value=g)
+    if len(groups) > 1 and len(set(groups)) != len(groups):
+        raise LayoutError(field, "must not repeat a group", groups=groups)
+    return groups

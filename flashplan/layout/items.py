@@ -28,8 +28,13 @@ import torch
 from flashplan.arrays import INT32_MAX, IntArray, array_key, readonly_when_unpickled, seal_inplace
 from flashplan.errors import LayoutError
 from flashplan.layout.convert import as_lengths
+from flashplan.layout.group import AttentionGroup
 
-__all__ = ["FIELD", "ItemDelimiters", "as_item_delimiters"]
+__all__ = ["FIELD", "MAX_ITEM_ROW", "ItemDelimiters", "as_item_delimiters", "check_items_fit"]
+
+#: Largest ``token_pos_in_items_len`` (and so in-item position) flashplan plans:
+#: FlashInfer's multi-item positions are uint16.
+MAX_ITEM_ROW = 65535
 
 #: The name every error about delimiters carries (the :class:`~flashplan.BatchLayout` field).
 FIELD = "item_delimiters"
@@ -325,3 +330,76 @@ def as_item_delimiters(field: str, value: object) -> ItemDelimiters | None:
     if value is None or isinstance(value, ItemDelimiters):
         return value
     return ItemDelimiters.from_lists(value)
+
+
+def check_items_fit(
+    items: ItemDelimiters,
+    *,
+    extend: bool,
+    extend_lens: IntArray,
+    groups: Sequence[AttentionGroup],
+) -> None:
+    """The delimiters against their batch: an extend step (``extend``), one entry per
+    request, every delimiter below its request's ``extend_lens`` (tokens), FlashInfer's
+    uint16 limit on a row, and groups that can hold items (causal, no window; cross
+    groups ignore items).
+
+    Raises:
+        LayoutError: naming the field (``item_delimiters`` or ``groups``), the request and
+            the values.
+    """
+    bs = int(extend_lens.shape[0])
+    if not extend:
+        raise LayoutError(
+            FIELD, "multi-item scoring is an extend step; a decode layout takes no delimiters"
+        )
+    if items.batch_size != bs:
+        raise LayoutError(
+            FIELD,
+            "batch size differs from seq_lens",
+            seq_lens_size=bs,
+            item_delimiters_size=items.batch_size,
+        )
+    has = items.has_items
+    ext = extend_lens
+    over = has & (items.last >= ext)
+    if over.any():
+        i = int(np.flatnonzero(over)[0])
+        mine = items.request(i)
+        raise LayoutError(
+            FIELD,
+            "must be below the request's number of new tokens (extend_len)",
+            request=i,
+            position=int(mine[np.searchsorted(mine, ext[i])]),
+            extend_len=int(ext[i]),
+        )
+    row = np.where(has, ext.astype(np.int64) - items.first, 0)
+    long = row > MAX_ITEM_ROW
+    if long.any():
+        i = int(np.flatnonzero(long)[0])
+        raise LayoutError(
+            FIELD,
+            f"at most {MAX_ITEM_ROW} new tokens may follow the first delimiter, itself "
+            "included: FlashInfer's multi-item positions (token_pos_in_items) are uint16",
+            request=i,
+            token_pos_in_items_len=int(row[i]),
+            first_delimiter=int(items.first[i]),
+            extend_len=int(ext[i]),
+        )
+    for g in groups:
+        if g.cross_attention:
+            continue  # cross groups attend to the encoder and ignore items
+        if g.has_window:
+            raise LayoutError(
+                "groups",
+                "a multi-item batch cannot be planned for a sliding-window group: "
+                "FlashInfer's multi-item mode runs with the window off (the reference "
+                "file turns it off); plan windowed layers without item_delimiters",
+                window_left=g.window_left,
+            )
+        if not g.causal:
+            raise LayoutError(
+                "groups",
+                "multi-item scoring is causal: a bidirectional group cannot hold items",
+                group=g.describe(),
+            )
