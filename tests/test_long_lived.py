@@ -23,7 +23,8 @@ from flashplan.executor.flashinfer.executor import FlashInferExecutor, _bound_ca
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
 from flashplan.executor.gathers import gather_jobs
-from flashplan.testing.sequences import SEQUENCE_MODES, Batch, batch_sequence, check_sequence
+from flashplan.testing.checking import check_sequence
+from flashplan.testing.sequences import SEQUENCE_MODES, Batch, batch_sequence
 
 SEED = 20261204
 CPU = {"dtype": torch.float32, "scale": 0.25}

@@ -10,14 +10,17 @@ Property-test your integration with the same generators flashplan's own tests us
         spec = flashplan.plan(layout, heads)
         ...
 
-Six modules, by role: :mod:`flashplan.testing.valid` (strategies of valid input),
+Eight modules, by role: :mod:`flashplan.testing.valid` (strategies of valid layouts and
+the groups, draft trees and items they are made of), :mod:`flashplan.testing.valid_kv`
+(strategies of valid heads, page tables and KV caches),
 :mod:`flashplan.testing.invalid` (the catalogue of input flashplan must refuse),
 :mod:`flashplan.testing.constructors` (record constructors by name),
 :mod:`flashplan.testing.batches` (fixed example batches the benchmarks share),
-:mod:`flashplan.testing.sequences` (long seeded random batch sequences, checked batch by
-batch against a fresh oracle: one executor kept as an engine keeps it) and
-:mod:`flashplan.testing.compare` (an executor that runs every call on two executors, for
-an engine's step loop); the last three need no Hypothesis.
+:mod:`flashplan.testing.sequences` (long seeded random batch sequences, every mode),
+:mod:`flashplan.testing.checking` (one long-lived executor checked batch by batch
+against a fresh oracle, as an engine keeps it) and :mod:`flashplan.testing.compare` (an
+executor that runs every call on two executors, for an engine's step loop); the last
+four need no Hypothesis.
 
 This subpackage is the only part of flashplan that needs ``hypothesis``
 (``pip install flashplan[test]``). It is imported lazily: ``import flashplan.testing``
@@ -31,21 +34,21 @@ import importlib
 from typing import Any
 
 _HOMES = {
-    "DTYPES": "valid",
     "GROUP_KINDS": "valid",
-    "HEAD_DIMS": "valid",
     "PAGE_SIZES": "valid",
     "attention_groups": "valid",
     "decode_layouts": "valid",
     "extend_layouts": "valid",
-    "head_configs": "valid",
     "item_requests": "valid",
-    "kv_caches": "valid",
     "layouts": "valid",
     "multi_item_layouts": "valid",
-    "page_tables": "valid",
     "draft_trees": "valid",
     "verify_layouts": "valid",
+    "DTYPES": "valid_kv",
+    "HEAD_DIMS": "valid_kv",
+    "head_configs": "valid_kv",
+    "kv_caches": "valid_kv",
+    "page_tables": "valid_kv",
     "INVALID_KINDS": "invalid",
     "InvalidCase": "invalid",
     "invalid_layout_kwargs": "invalid",
@@ -59,12 +62,12 @@ _HOMES = {
     "SEQUENCE_PAGE_SIZES": "sequences",
     "VARIED_HEADS": "sequences",
     "Batch": "sequences",
-    "BatchCheck": "sequences",
-    "SequenceReport": "sequences",
     "batch_sequence": "sequences",
-    "check_batch": "sequences",
-    "check_sequence": "sequences",
     "random_batch": "sequences",
+    "BatchCheck": "checking",
+    "SequenceReport": "checking",
+    "check_batch": "checking",
+    "check_sequence": "checking",
     "CallRecord": "compare",
     "ComparingExecutor": "compare",
 }

@@ -101,7 +101,7 @@ class ComparingExecutor:
         self, specs: tuple[PlanSpec, ...] | list[PlanSpec], table: PageTable
     ) -> tuple[Executor, ...]:
         """Not compared: the primary's views (a step loop of multi-step drafts is checked
-        by :func:`flashplan.testing.sequences.check_sequence`)."""
+        by :func:`flashplan.testing.checking.check_sequence`)."""
         return self.primary.apply_steps(specs, table)
 
     def _shadow(self, kv_cache: torch.Tensor | None) -> torch.Tensor | None:

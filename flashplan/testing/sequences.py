@@ -3,14 +3,10 @@
 An engine keeps one executor for the life of the process and feeds it batch after batch:
 other modes, group sets, page sizes, heads, paths and page tables. Whatever the executor
 keeps from one ``apply`` to the next must not leak into a later batch.
-:func:`batch_sequence` draws such a sequence, and :func:`check_sequence` runs it through
-one long-lived executor and compares every batch with a fresh oracle (by default a new
-:class:`~flashplan.ReferenceExecutor` per batch)::
-
-    from flashplan.testing.sequences import batch_sequence, check_sequence
-
-    report = check_sequence(my_executor, batch_sequence(seed=0, count=500, device="cuda"))
-    assert report.wrong == [], report.summary()
+:func:`batch_sequence` draws such a sequence: every mode (:data:`SEQUENCE_MODES`), page
+size, path and group kind, a new shuffled page table per batch, heads fixed or drawn per
+batch. :mod:`flashplan.testing.checking` runs it through one long-lived executor and
+compares every batch with a fresh oracle.
 
 Batch ``i`` of seed ``s`` is drawn from ``numpy.random.default_rng((s, i))`` alone, so a
 failure names its batch (and the one before it) and the batch can be drawn again on its
@@ -19,15 +15,12 @@ own (:func:`random_batch`). Needs no Hypothesis.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import attrs
 import numpy as np
 import torch
 
-from flashplan.executor.protocol import Executor
-from flashplan.executor.reference import ReferenceExecutor
 from flashplan.layout.batch import BatchLayout
 from flashplan.layout.draft_decode import DraftDecode
 from flashplan.layout.drafts import DraftTree
@@ -43,11 +36,7 @@ __all__ = [
     "SEQUENCE_PAGE_SIZES",
     "VARIED_HEADS",
     "Batch",
-    "BatchCheck",
-    "SequenceReport",
     "batch_sequence",
-    "check_batch",
-    "check_sequence",
     "random_batch",
 ]
 
@@ -345,160 +334,3 @@ def batch_sequence(seed: int, count: int, **kwargs: object) -> Iterator[Batch]:
     arguments apply to every batch)."""
     for index in range(count):
         yield random_batch(seed, index, **kwargs)  # type: ignore[arg-type]
-
-
-@attrs.frozen
-class BatchCheck:
-    """How one batch on the executor under test compared with the oracle.
-
-    Attributes:
-        index, label: the batch (:attr:`Batch.index`, :attr:`Batch.label`).
-        out_err: the largest ``max |out - ref| / max |ref|`` over its groups (and steps).
-        lse_err: the largest ``|lse - ref|`` where the oracle's LSE is finite (log2 units).
-        blind_ok: the same queries see no key (LSE ``-inf``) on both, and output 0.
-        cache_ok: every KV cache is bit for bit the oracle's after the batch.
-        positions_ok: ``positions()`` equals the oracle's.
-    """
-
-    index: int
-    label: str
-    out_err: float
-    lse_err: float
-    blind_ok: bool
-    cache_ok: bool
-    positions_ok: bool
-
-    def ok(self, out_tol: float, lse_tol: float) -> bool:
-        """Within the tolerances, and every exact check holds."""
-        return (
-            self.out_err <= out_tol
-            and self.lse_err <= lse_tol
-            and self.blind_ok
-            and self.cache_ok
-            and self.positions_ok
-        )
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if out.numel() == 0:
-        return 0.0
-    diff = (out.double() - ref.double()).abs().max()
-    if not bool(torch.isfinite(diff)):
-        return math.inf
-    return float(diff / ref.double().abs().max().clamp_min(1e-6))
-
-
-def check_batch(executor: Executor, batch: Batch, oracle: Executor | None = None) -> BatchCheck:
-    """Apply ``batch`` to ``executor`` and to ``oracle`` (a fresh
-    :class:`~flashplan.ReferenceExecutor` when not given), run every group of every step
-    on both with the same random inputs and separate copies of the caches, and compare.
-
-    Reads results back (a sync): a test helper, not for a hot path.
-    """
-    oracle = ReferenceExecutor() if oracle is None else oracle
-    table, heads = batch.table, batch.heads
-    device = table.pages.device
-    gen = torch.Generator(device=device).manual_seed(batch.seed)
-    hq, hkv, d = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim
-    ps = batch.specs[0].page_size
-
-    def rand(*shape: int, dtype: torch.dtype = heads.kv_dtype) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, device=device).to(dtype)
-
-    caches = [rand(max(batch.num_pages, 1), 2, ps, hkv, d) for _ in batch.groups]
-    oracle_caches = [c.clone() for c in caches]
-    if batch.steps:
-        views: Sequence[Executor] = executor.apply_steps(batch.specs, table)
-        refs: Sequence[Executor] = oracle.apply_steps(batch.specs, table)
-    else:
-        executor.apply(batch.specs[0], table)
-        oracle.apply(batch.specs[0], table)
-        views, refs = (executor,), (oracle,)
-    out_err = lse_err = 0.0
-    blind_ok = positions_ok = True
-    for spec, view, ref in zip(batch.specs, views, refs, strict=True):
-        positions_ok &= torch.equal(view.positions().cpu(), ref.positions().cpu())
-        for group, cache, oracle_cache in zip(batch.groups, caches, oracle_caches, strict=True):
-            q = rand(spec.total_q, hq, d, dtype=heads.q_dtype)
-            rows = spec.total_encoder if group.cross_attention else spec.total_q
-            k, v = rand(rows, hkv, d), rand(rows, hkv, d)
-            out, lse = view.run(group, q, k, v, cache, return_lse=True)
-            want, want_lse = ref.run(group, q, k, v, oracle_cache, return_lse=True)
-            out_err = max(out_err, _rel_err(out, want))
-            finite = torch.isfinite(want_lse)
-            if not torch.equal(torch.isfinite(lse), finite):
-                blind_ok = False
-            elif bool(finite.any()):
-                lse_err = max(lse_err, float((lse[finite] - want_lse[finite]).abs().max()))
-            blind = ~finite.any(dim=1) if finite.dim() == 2 else ~finite
-            if bool(out[blind].any()):
-                blind_ok = False
-    cache_ok = all(torch.equal(c, o) for c, o in zip(caches, oracle_caches, strict=True))
-    return BatchCheck(batch.index, batch.label, out_err, lse_err, blind_ok, cache_ok,
-                      positions_ok)  # fmt: skip
-
-
-@attrs.frozen
-class SequenceReport:
-    """What :func:`check_sequence` found.
-
-    Attributes:
-        checks: every batch's :class:`BatchCheck`, in order.
-        wrong: ``(previous label, check)`` of each batch outside the tolerances.
-        out_tol, lse_tol: the tolerances used.
-    """
-
-    checks: tuple[BatchCheck, ...]
-    wrong: tuple[tuple[str, BatchCheck], ...]
-    out_tol: float
-    lse_tol: float
-
-    def summary(self, limit: int = 10) -> str:
-        """How many batches were wrong, the worst errors, and the first ``limit`` wrong
-        batches with the batch before each."""
-        worst_out = max((c.out_err for c in self.checks), default=0.0)
-        worst_lse = max((c.lse_err for c in self.checks), default=0.0)
-        lines = [
-            f"{len(self.wrong)} of {len(self.checks)} batches wrong (out tol {self.out_tol}, "
-            f"lse tol {self.lse_tol}); worst out err {worst_out:.3g}, lse err {worst_lse:.3g}"
-        ]
-        for before, c in self.wrong[:limit]:
-            lines.append(
-                f"  batch {c.label}\n    out err {c.out_err:.3g}, lse err {c.lse_err:.3g}, "
-                f"blind ok {c.blind_ok}, cache ok {c.cache_ok}, positions ok "
-                f"{c.positions_ok}\n    after batch {before}"
-            )
-        return "\n".join(lines)
-
-
-def check_sequence(
-    executor: Executor,
-    batches: Iterable[Batch],
-    *,
-    oracle: Callable[[], Executor] = ReferenceExecutor,
-    out_tol: float = 1e-2,
-    lse_tol: float = 5e-2,
-    before: Callable[[Batch], None] | None = None,
-) -> SequenceReport:
-    """Run every batch through the one ``executor`` and compare each with a fresh
-    ``oracle()`` (:func:`check_batch`).
-
-    Args:
-        executor: the long-lived executor under test.
-        batches: the sequence (:func:`batch_sequence`).
-        oracle: makes the executor each batch is compared with (fresh per batch).
-        out_tol, lse_tol: the tolerances (relative output error; LSE, log2 units).
-        before: called with each batch before it runs (progress, sync checks).
-    """
-    checks: list[BatchCheck] = []
-    wrong: list[tuple[str, BatchCheck]] = []
-    previous = "(none: the first batch)"
-    for batch in batches:
-        if before is not None:
-            before(batch)
-        check = check_batch(executor, batch, oracle())
-        checks.append(check)
-        if not check.ok(out_tol, lse_tol):
-            wrong.append((previous, check))
-        previous = batch.label
-    return SequenceReport(tuple(checks), tuple(wrong), out_tol, lse_tol)

@@ -7,7 +7,8 @@
   groups with encoders), page sizes 1, 4, 8, 16, paths auto / paged / ragged, random
   group sets, heads fixed for the run or drawn per batch, a new page table per batch —
   each batch compared with a fresh reference executor. A failure names the batch and the
-  one before it (``flashplan.testing.sequences``); ``FLASHPLAN_LONG_LIVED_BATCHES`` sets
+  one before it (``flashplan.testing.sequences`` draws the batches,
+  ``flashplan.testing.checking`` compares them); ``FLASHPLAN_LONG_LIVED_BATCHES`` sets
   the length (default 500; the compute-sanitizer run uses a shorter one).
 * The same executor's apply + run never synchronizes, batch after batch.
 * CUDA graphs: graph executors of a decode, a verify and a draft-extend bucket made from
@@ -28,7 +29,8 @@ import flashplan as fp
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 from flashplan.executor.flashinfer.bucket import GraphBucket
 from flashplan.executor.flashinfer.graphs import GraphExecutor, capture
-from flashplan.testing.sequences import Batch, batch_sequence, check_batch, check_sequence
+from flashplan.testing.checking import check_batch, check_sequence
+from flashplan.testing.sequences import Batch, batch_sequence
 
 from .helpers import rel_err, stable_seed, syncs_raise
 
