@@ -55,6 +55,11 @@ device buffers (staging      — (sized to the largest batch)       rewritten by
 copy, gathered ids, masks,                                        apply before any kernel
 items, positions)                                                 reads them (stream
                                                                   order)
+a graph executor's fixed     the first apply's plan key, masked   every later apply: a
+buffers and wrappers         groups and steps per apply (the      plan of another key,
+(``GraphExecutor``)          graph was captured for them)         mask set or step count
+                                                                  is refused
+                                                                  (``PlanMismatchError``)
 ===========================  ===================================  =======================
 
 The memo of one staging layout (:class:`LayoutMemo`) lives with that layout's device
