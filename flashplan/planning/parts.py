@@ -1,4 +1,4 @@
-"""`PagedPart` and `RaggedPart`: the kernel calls of one group in a plan.
+"""`GroupPlan` and its kernel calls, `PagedPart` and `RaggedPart`: how one group runs.
 
 A group's plan (:class:`~flashplan.planning.GroupPlan`) runs on the paged-KV kernel, on the
 ragged kernel over the new tokens, or on both with a merge; each part holds its call's
@@ -7,6 +7,7 @@ per-request arrays (host, read-only int32; units per field) and derives its page
 
 from __future__ import annotations
 
+import enum
 from functools import cached_property
 
 import attrs
@@ -25,10 +26,28 @@ from flashplan.arrays import (
 )
 from flashplan.errors import LayoutError
 from flashplan.layout.convert import as_bool, as_int
+from flashplan.layout.group import AttentionGroup
 from flashplan.planning.items import MultiItemTensors
 from flashplan.planning.masks import CustomMask
 
-__all__ = ["PagedPart", "RaggedPart"]
+__all__ = ["GroupPlan", "KernelPath", "PagedPart", "RaggedPart"]
+
+
+class KernelPath(enum.Enum):
+    """Which kernels compute a group's attention.
+
+    * ``DECODE``: paged decode kernel, one query per request.
+    * ``PAGED``: paged prefill kernel over the whole visible KV (new tokens written
+      first).
+    * ``RAGGED``: ragged prefill over the new tokens only (no cached prefix anywhere).
+    * ``RAGGED_PAGED``: ragged prefill over the new tokens + paged prefill over the
+      cached prefix, merged through their base-2 log-sum-exp.
+    """
+
+    DECODE = "decode"
+    PAGED = "paged"
+    RAGGED = "ragged"
+    RAGGED_PAGED = "ragged+paged"
 
 
 @readonly_when_unpickled
@@ -261,3 +280,87 @@ class RaggedPart:
         """Longest ragged span (tokens)."""
         # (the ufunc itself: ndarray.max's Python wrapper costs more at these sizes)
         return int(np.maximum.reduce(self.kv_lens)) if self.kv_lens.size else 0
+
+
+@readonly_when_unpickled
+@attrs.frozen
+class GroupPlan:
+    """How one attention group runs for this batch.
+
+    Example: a causal full-attention group over two extend requests with 3 and 2
+    new tokens after 5 and 0 cached tokens, page size 4, planned paged-only: the
+    paged call reads row tokens ``[0, 8)`` and ``[0, 2)``.
+
+    >>> import flashplan as fp
+    >>> layout = fp.BatchLayout.extend([8, 2], [5, 0], page_size=4)
+    >>> gp = fp.plan(layout, fp.HeadConfig(4, 1, 64), extend_path="paged").group_plans[0]
+    >>> gp.path.value, gp.paged.page_indptr.tolist(), gp.paged.last_page_len.tolist()
+    ('paged', [0, 2, 3], [4, 2])
+    >>> gp.key_start.tolist(), gp.num_keys.tolist(), gp.first_key.tolist()
+    ([0, 0], [8, 2], [0, 0])
+
+    Attributes:
+        group: the group this plan is for (as the layout gave it).
+        path: kernel path (:class:`KernelPath`).
+        paged: the paged kernel call, or ``None`` on the pure ragged path.
+        ragged: the ragged kernel call, or ``None`` on paged paths.
+        key_start: int32 ``[bs]`` (row tokens): where the group's key 0 lives
+            (self groups: the layout's ``decoder_start``; cross groups: 0).
+        num_keys: int32 ``[bs]`` (tokens): keys in the group's key space
+            (``seq_lens`` for self groups, ``encoder_lens`` for cross groups).
+    """
+
+    group: AttentionGroup = attrs.field(validator=attrs.validators.instance_of(AttentionGroup))
+    path: KernelPath = attrs.field(validator=attrs.validators.instance_of(KernelPath))
+    paged: PagedPart | None
+    ragged: RaggedPart | None
+    key_start: IntArray = attrs.field(converter=lambda v: int32_field("key_start", v), eq=array_key)
+    num_keys: IntArray = attrs.field(converter=lambda v: int32_field("num_keys", v), eq=array_key)
+
+    @classmethod
+    def _from_checked(
+        cls,
+        group: AttentionGroup,
+        path: KernelPath,
+        paged: PagedPart | None,
+        ragged: RaggedPart | None,
+        key_start: IntArray,
+        num_keys: IntArray,
+    ) -> GroupPlan:
+        """Internal (the planner): a group plan from values that already pass
+        ``__init__``'s converters and checks (read-only int32 arrays, parts that match
+        ``path``); nothing is converted or checked again."""
+        self = object.__new__(cls)
+        _set = object.__setattr__
+        _set(self, "group", group)
+        _set(self, "path", path)
+        _set(self, "paged", paged)
+        _set(self, "ragged", ragged)
+        _set(self, "key_start", key_start)
+        _set(self, "num_keys", num_keys)
+        return self
+
+    def __attrs_post_init__(self) -> None:
+        if (self.paged is None) != (self.path is KernelPath.RAGGED):
+            raise LayoutError("paged", f"path {self.path.value} and the paged call disagree")
+        if (self.ragged is not None) != (self.path in (KernelPath.RAGGED, KernelPath.RAGGED_PAGED)):
+            raise LayoutError("ragged", f"path {self.path.value} and the ragged call disagree")
+        same_length("group_plan", self.key_start, self.num_keys)
+
+    @property
+    def uses_custom_mask(self) -> bool:
+        """Whether the paged call carries a custom mask."""
+        return self.paged is not None and self.paged.mask is not None
+
+    @property
+    def items(self) -> MultiItemTensors | None:
+        """The paged call's multi-item tensors, or ``None``."""
+        return None if self.paged is None else self.paged.items
+
+    @cached_property
+    def first_key(self) -> npt.NDArray[np.int64]:
+        """int64 ``[bs]`` (keys of the group's key space): the first key the plan shows
+        any query of each request (its window trim; 0 without a window)."""
+        if self.paged is None:
+            return np.zeros(self.num_keys.shape[0], dtype=np.int64)
+        return np.maximum(self.paged.first_token.astype(np.int64) - self.key_start, 0)

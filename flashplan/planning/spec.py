@@ -34,9 +34,10 @@ from flashplan.errors import LayoutError, PlanMismatchError
 from flashplan.layout.batch import Mode
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
-from flashplan.planning.items import MultiItemTensors
-from flashplan.planning.parts import PagedPart, RaggedPart
+from flashplan.planning.parts import GroupPlan, KernelPath, PagedPart, RaggedPart
+from flashplan.planning.pictures import ascii_visibility
 from flashplan.planning.positions import PositionRuns
+from flashplan.planning.visibility import materialize
 
 __all__ = [
     "ExtendPath",
@@ -47,23 +48,6 @@ __all__ = [
     "PlanSpec",
     "RaggedPart",
 ]
-
-
-class KernelPath(enum.Enum):
-    """Which kernels compute a group's attention.
-
-    * ``DECODE``: paged decode kernel, one query per request.
-    * ``PAGED``: paged prefill kernel over the whole visible KV (new tokens written
-      first).
-    * ``RAGGED``: ragged prefill over the new tokens only (no cached prefix anywhere).
-    * ``RAGGED_PAGED``: ragged prefill over the new tokens + paged prefill over the
-      cached prefix, merged through their base-2 log-sum-exp.
-    """
-
-    DECODE = "decode"
-    PAGED = "paged"
-    RAGGED = "ragged"
-    RAGGED_PAGED = "ragged+paged"
 
 
 class ExtendPath(enum.Enum):
@@ -105,90 +89,6 @@ class PlanKey:
     page_size: int
     heads: HeadConfig
     multi_item: bool = False
-
-
-@readonly_when_unpickled
-@attrs.frozen
-class GroupPlan:
-    """How one attention group runs for this batch.
-
-    Example: a causal full-attention group over two extend requests with 3 and 2
-    new tokens after 5 and 0 cached tokens, page size 4, planned paged-only: the
-    paged call reads row tokens ``[0, 8)`` and ``[0, 2)``.
-
-    >>> import flashplan as fp
-    >>> layout = fp.BatchLayout.extend([8, 2], [5, 0], page_size=4)
-    >>> gp = fp.plan(layout, fp.HeadConfig(4, 1, 64), extend_path="paged").group_plans[0]
-    >>> gp.path.value, gp.paged.page_indptr.tolist(), gp.paged.last_page_len.tolist()
-    ('paged', [0, 2, 3], [4, 2])
-    >>> gp.key_start.tolist(), gp.num_keys.tolist(), gp.first_key.tolist()
-    ([0, 0], [8, 2], [0, 0])
-
-    Attributes:
-        group: the group this plan is for (as the layout gave it).
-        path: kernel path (:class:`KernelPath`).
-        paged: the paged kernel call, or ``None`` on the pure ragged path.
-        ragged: the ragged kernel call, or ``None`` on paged paths.
-        key_start: int32 ``[bs]`` (row tokens): where the group's key 0 lives
-            (self groups: the layout's ``decoder_start``; cross groups: 0).
-        num_keys: int32 ``[bs]`` (tokens): keys in the group's key space
-            (``seq_lens`` for self groups, ``encoder_lens`` for cross groups).
-    """
-
-    group: AttentionGroup = attrs.field(validator=attrs.validators.instance_of(AttentionGroup))
-    path: KernelPath = attrs.field(validator=attrs.validators.instance_of(KernelPath))
-    paged: PagedPart | None
-    ragged: RaggedPart | None
-    key_start: IntArray = attrs.field(converter=lambda v: int32_field("key_start", v), eq=array_key)
-    num_keys: IntArray = attrs.field(converter=lambda v: int32_field("num_keys", v), eq=array_key)
-
-    @classmethod
-    def _from_checked(
-        cls,
-        group: AttentionGroup,
-        path: KernelPath,
-        paged: PagedPart | None,
-        ragged: RaggedPart | None,
-        key_start: IntArray,
-        num_keys: IntArray,
-    ) -> GroupPlan:
-        """Internal (the planner): a group plan from values that already pass
-        ``__init__``'s converters and checks (read-only int32 arrays, parts that match
-        ``path``); nothing is converted or checked again."""
-        self = object.__new__(cls)
-        _set = object.__setattr__
-        _set(self, "group", group)
-        _set(self, "path", path)
-        _set(self, "paged", paged)
-        _set(self, "ragged", ragged)
-        _set(self, "key_start", key_start)
-        _set(self, "num_keys", num_keys)
-        return self
-
-    def __attrs_post_init__(self) -> None:
-        if (self.paged is None) != (self.path is KernelPath.RAGGED):
-            raise LayoutError("paged", f"path {self.path.value} and the paged call disagree")
-        if (self.ragged is not None) != (self.path in (KernelPath.RAGGED, KernelPath.RAGGED_PAGED)):
-            raise LayoutError("ragged", f"path {self.path.value} and the ragged call disagree")
-        same_length("group_plan", self.key_start, self.num_keys)
-
-    @property
-    def uses_custom_mask(self) -> bool:
-        """Whether the paged call carries a custom mask."""
-        return self.paged is not None and self.paged.mask is not None
-
-    @property
-    def items(self) -> MultiItemTensors | None:
-        """The paged call's multi-item tensors, or ``None``."""
-        return None if self.paged is None else self.paged.items
-
-    @cached_property
-    def first_key(self) -> npt.NDArray[np.int64]:
-        """int64 ``[bs]`` (keys of the group's key space): the first key the plan shows
-        any query of each request (its window trim; 0 without a window)."""
-        if self.paged is None:
-            return np.zeros(self.num_keys.shape[0], dtype=np.int64)
-        return np.maximum(self.paged.first_token.astype(np.int64) - self.key_start, 0)
 
 
 def _group_plans(value: Iterable[object]) -> tuple[GroupPlan, ...]:
@@ -384,3 +284,45 @@ class PlanSpec:
     def group_plan(self, group: AttentionGroup) -> GroupPlan:
         """The plan of ``group`` (see :meth:`group_index`)."""
         return self.group_plans[self.group_index(group)]
+
+    # -- views (for people: a test, a notebook, a bug report) ---------------------------
+    def to_dense(self, group: AttentionGroup) -> list[npt.NDArray[np.bool_]]:
+        """Per request, bool ``[qo_len, num_keys]``: which of the group's keys (tokens of
+        its key space: the decoder tokens, or the encoder tokens of a cross group) each new
+        token sees, rebuilt from this plan's kernel calls alone
+        (:func:`flashplan.materialize`; compare with :func:`flashplan.oracle.visibility`).
+
+        >>> import flashplan as fp
+        >>> spec = fp.plan(fp.BatchLayout.extend([3], [1]), fp.HeadConfig(4, 1, 64))
+        >>> spec.to_dense(fp.AttentionGroup())[0].astype(int).tolist()
+        [[1, 1, 0], [1, 1, 1]]
+
+        Raises:
+            PlanMismatchError: ``group`` was not planned.
+            PlanIntegrityError: a kernel call would read a key twice or outside the
+                group's key space (a planner bug).
+        """
+        return materialize(self, group)
+
+    def to_string(self, group: AttentionGroup, *, max_cols: int = 80, max_rows: int = 32) -> str:
+        """The group's visibility (:meth:`to_dense`) as text: one picture per request,
+        a row per query labelled with its position, ``#`` where it sees a key, and how many
+        keys it sees (as ``explain`` draws it; ``max_cols`` keys and ``max_rows`` queries
+        are drawn in full, the middle of larger pictures is elided).
+
+        >>> import flashplan as fp
+        >>> spec = fp.plan(fp.BatchLayout.extend([3], [1]), fp.HeadConfig(4, 1, 64))
+        >>> print(spec.to_string(fp.AttentionGroup()))
+        request 0: 2 queries at positions 1..2; 3 keys
+             0 2
+             | |
+          1  ##.   2: 0..1
+          2  ###   3: 0..2
+        """
+        qo = self.qo_indptr
+        positions = [self.positions[int(qo[i]) : int(qo[i + 1])] for i in range(self.batch_size)]
+        return ascii_visibility(
+            self.to_dense(group), positions=positions,
+            key_name="encoder keys" if group.cross_attention else "keys",
+            max_cols=max_cols, max_rows=max_rows, indent="",
+        )  # fmt: skip

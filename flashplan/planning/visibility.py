@@ -9,13 +9,29 @@ aid, not a hot path.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 import numpy.typing as npt
 
 from flashplan.errors import PlanIntegrityError
 from flashplan.kernel_rules import MultiItemArgs, kernel_visibility
 from flashplan.layout.group import AttentionGroup
-from flashplan.planning.spec import PlanSpec
+from flashplan.planning.parts import GroupPlan
+
+
+class _Plan(Protocol):
+    """What :func:`materialize` reads of a :class:`~flashplan.PlanSpec` (a protocol, so
+    that the plan's own views can call it without an import cycle)."""
+
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def qo_lens(self) -> npt.NDArray[np.int32]: ...
+    def group_plan(self, group: AttentionGroup) -> GroupPlan: ...
+
 
 __all__ = ["PlanIntegrityError", "materialize"]
 
@@ -43,7 +59,7 @@ def _one_call(
     return seen if mask is None else seen & mask
 
 
-def materialize(spec: PlanSpec, group: AttentionGroup) -> list[npt.NDArray[np.bool_]]:
+def materialize(spec: _Plan, group: AttentionGroup) -> list[npt.NDArray[np.bool_]]:
     """Per request, ``[qo_len, num_keys]`` booleans built from the plan's kernel calls.
 
     Entry ``[j, k]`` is true when new token ``j`` of the request attends to key ``k``
