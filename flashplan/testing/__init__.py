@@ -68,8 +68,10 @@ _HOMES = {
     "SequenceReport": "checking",
     "check_batch": "checking",
     "check_sequence": "checking",
+    "AttentionDiff": "compare",
     "CallRecord": "compare",
     "ComparingExecutor": "compare",
+    "attention_diff": "compare",
 }
 
 __all__ = sorted(_HOMES)

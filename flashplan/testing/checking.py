@@ -18,7 +18,6 @@ caches and ``positions()``. A wrong batch is reported with the batch before it::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 
 import attrs
@@ -26,6 +25,7 @@ import torch
 
 from flashplan.executor.protocol import Executor
 from flashplan.executor.reference import ReferenceExecutor
+from flashplan.testing.compare import attention_diff
 from flashplan.testing.sequences import Batch
 
 __all__ = ["BatchCheck", "SequenceReport", "check_batch", "check_sequence"]
@@ -61,15 +61,6 @@ class BatchCheck:
             and self.cache_ok
             and self.positions_ok
         )
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if out.numel() == 0:
-        return 0.0
-    diff = (out.double() - ref.double()).abs().max()
-    if not bool(torch.isfinite(diff)):
-        return math.inf
-    return float(diff / ref.double().abs().max().clamp_min(1e-6))
 
 
 def check_batch(executor: Executor, batch: Batch, oracle: Executor | None = None) -> BatchCheck:
@@ -108,15 +99,9 @@ def check_batch(executor: Executor, batch: Batch, oracle: Executor | None = None
             k, v = rand(rows, hkv, d), rand(rows, hkv, d)
             out, lse = view.run(group, q, k, v, cache, return_lse=True)
             want, want_lse = ref.run(group, q, k, v, oracle_cache, return_lse=True)
-            out_err = max(out_err, _rel_err(out, want))
-            finite = torch.isfinite(want_lse)
-            if not torch.equal(torch.isfinite(lse), finite):
-                blind_ok = False
-            elif bool(finite.any()):
-                lse_err = max(lse_err, float((lse[finite] - want_lse[finite]).abs().max()))
-            blind = ~finite.any(dim=1) if finite.dim() == 2 else ~finite
-            if bool(out[blind].any()):
-                blind_ok = False
+            diff = attention_diff(out, lse, want, want_lse)
+            out_err, lse_err = max(out_err, diff.out_err), max(lse_err, diff.lse_err)
+            blind_ok &= diff.blind_ok
     cache_ok = all(torch.equal(c, o) for c, o in zip(caches, oracle_caches, strict=True))
     return BatchCheck(batch.index, batch.label, out_err, lse_err, blind_ok, cache_ok,
                       positions_ok)  # fmt: skip

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import attrs
 import torch
@@ -30,7 +31,42 @@ from flashplan.layout.group import AttentionGroup
 from flashplan.layout.page_table import PageTable
 from flashplan.planning.spec import PlanSpec
 
-__all__ = ["CallRecord", "ComparingExecutor"]
+__all__ = ["AttentionDiff", "CallRecord", "ComparingExecutor", "attention_diff"]
+
+
+class AttentionDiff(NamedTuple):
+    """How one attention result differs from the oracle's (:func:`attention_diff`).
+
+    Attributes:
+        out_err: ``max |out - ref| / max |ref|`` (``inf`` where not finite).
+        lse_err: ``max |lse - ref|`` where the oracle's LSE is finite (log2 units).
+        blind_ok: the same queries see no key (LSE ``-inf``) on both, and those output 0.
+    """
+
+    out_err: float
+    lse_err: float
+    blind_ok: bool
+
+
+def attention_diff(
+    out: torch.Tensor, lse: torch.Tensor, want: torch.Tensor, want_lse: torch.Tensor
+) -> AttentionDiff:
+    """Compare ``out`` ``[rows, heads, head_dim]`` and float32 base-2 ``lse``
+    ``[rows, heads]`` with the oracle's ``want`` and ``want_lse`` (reads back: a sync)."""
+    out_err = 0.0
+    if out.numel():
+        diff = (out.double() - want.double()).abs().max()
+        scale = want.double().abs().max().clamp_min(1e-6)
+        out_err = float(diff / scale) if bool(torch.isfinite(diff)) else math.inf
+    finite = torch.isfinite(want_lse)
+    blind_ok = torch.equal(torch.isfinite(lse), finite)
+    lse_err = 0.0
+    if blind_ok and bool(finite.any()):
+        lse_err = float((lse[finite] - want_lse[finite]).abs().max())
+    blind = ~finite.any(dim=1) if finite.dim() == 2 else ~finite
+    if bool(out[blind].any()):
+        blind_ok = False
+    return AttentionDiff(out_err, lse_err, blind_ok)
 
 
 @attrs.frozen
@@ -42,7 +78,7 @@ class CallRecord:
         group: the group it ran.
         out_err: ``max |out - ref| / max |ref|``.
         lse_err: ``max |lse - ref|`` where the oracle's LSE is finite (log2 units).
-        blind_ok: the same queries see no key on both.
+        blind_ok: the same queries see no key on both, and those output 0.
         cache_ok: the KV cache equals its shadow bit for bit after the call.
     """
 
@@ -129,18 +165,9 @@ class ComparingExecutor:
         shadow = self._shadow(kv_cache)
         want, want_lse = self._oracle.run(group, q, k_new, v_new, shadow, return_lse=True)
         out, lse = self.primary.run(group, q, k_new, v_new, kv_cache, return_lse=True)
-        finite = torch.isfinite(want_lse)
-        blind_ok = torch.equal(torch.isfinite(lse), finite)
-        lse_err = 0.0
-        if blind_ok and bool(finite.any()):
-            lse_err = float((lse[finite] - want_lse[finite]).abs().max())
-        out_err = 0.0
-        if out.numel():
-            diff = (out.double() - want.double()).abs().max()
-            scale = want.double().abs().max().clamp_min(1e-6)
-            out_err = float(diff / scale) if bool(torch.isfinite(diff)) else math.inf
+        diff = attention_diff(out, lse, want, want_lse)
         cache_ok = kv_cache is None or (shadow is not None and torch.equal(kv_cache, shadow))
-        self.records.append(CallRecord(self._step, group, out_err, lse_err, blind_ok, cache_ok))
+        self.records.append(CallRecord(self._step, group, *diff, cache_ok))
         return (out, lse) if return_lse else out
 
     def bad(self, out_tol: float = 1e-2, lse_tol: float = 5e-2) -> list[CallRecord]:
