@@ -10,6 +10,8 @@ modules import their twins from here, and their tests compare each kernel with i
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 
 from flashplan.errors import FlashplanError
@@ -17,11 +19,28 @@ from flashplan.errors import FlashplanError
 __all__ = [
     "MERGE_V_DTYPES",
     "NO_BAD_JOB",
+    "TensorValues",
     "check_gather_args",
     "check_states",
     "gather_slots_torch",
     "merge_state_torch",
+    "tensor_values",
 ]
+
+
+class TensorValues(TypedDict):
+    """A tensor's dtype, shape and device, as an error names them."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    device: str
+
+
+def tensor_values(t: torch.Tensor) -> TensorValues:
+    """``t``'s dtype, shape and device for an error's values
+    (``FlashplanError(field, message, **tensor_values(t))``)."""
+    return {"dtype": str(t.dtype), "shape": tuple(t.shape), "device": str(t.device)}
+
 
 #: ``status[1]`` while no gather job has met a bad page id.
 NO_BAD_JOB = 2**31 - 1
@@ -48,8 +67,7 @@ def check_gather_args(
         raise FlashplanError(
             "pages",
             "expected an int32 [rows, max_pages] tensor",
-            dtype=str(pages.dtype),
-            shape=tuple(pages.shape),
+            **tensor_values(pages),
         )
     n = jobs[0].shape[0]
     for name, t in zip(("rows", "first", "counts", "dst", "div", "use_map"), jobs, strict=True):
@@ -58,9 +76,7 @@ def check_gather_args(
                 name,
                 "expected an int32 [jobs] tensor on the device of pages",
                 jobs=n,
-                dtype=str(t.dtype),
-                shape=tuple(t.shape),
-                device=str(t.device),
+                **tensor_values(t),
                 pages_device=str(pages.device),
             )
         if not t.is_contiguous():
@@ -70,9 +86,7 @@ def check_gather_args(
             raise FlashplanError(
                 name,
                 "expected an int32/int64 1-D tensor on the device of pages",
-                dtype=str(t.dtype),
-                shape=tuple(t.shape),
-                device=str(t.device),
+                **tensor_values(t),
                 pages_device=str(pages.device),
             )
     if page_map is not None and (
@@ -81,9 +95,7 @@ def check_gather_args(
         raise FlashplanError(
             "page_map",
             "expected an int32 1-D tensor on the device of pages",
-            dtype=str(page_map.dtype),
-            shape=tuple(page_map.shape),
-            device=str(page_map.device),
+            **tensor_values(page_map),
             pages_device=str(pages.device),
         )
     if status is not None and (
@@ -92,9 +104,7 @@ def check_gather_args(
         raise FlashplanError(
             "status",
             "expected an int32 [2] tensor on the device of pages",
-            dtype=str(status.dtype),
-            shape=tuple(status.shape),
-            device=str(status.device),
+            **tensor_values(status),
             pages_device=str(pages.device),
         )
     return n

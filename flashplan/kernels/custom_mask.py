@@ -24,6 +24,7 @@ import torch
 
 from flashplan.errors import FlashplanError
 from flashplan.kernels._triton import HAS_TRITON, device_guard, runs_on_triton, tl, triton
+from flashplan.torch_kernels import tensor_values
 
 __all__ = ["build_custom_mask", "build_custom_mask_torch"]
 
@@ -210,8 +211,7 @@ def _check(
                 name,
                 "expected an int32/int64 [batch] tensor",
                 batch=bs,
-                dtype=str(t.dtype),
-                shape=tuple(t.shape),
+                **tensor_values(t),
             )
         if t.device != out.device or not t.is_contiguous():
             raise FlashplanError(
@@ -222,9 +222,7 @@ def _check(
                 out_device=str(out.device),
             )
     if out.dtype != torch.uint8 or out.dim() != 1:
-        raise FlashplanError(
-            "out", "expected a uint8 1-D tensor", dtype=str(out.dtype), shape=tuple(out.shape)
-        )
+        raise FlashplanError("out", "expected a uint8 1-D tensor", **tensor_values(out))
     if tree is not None:
         row_offsets, tail_start, tail_words = tree
         for name, t, dtypes in (

@@ -14,6 +14,7 @@ import torch
 
 from flashplan.errors import FlashplanError
 from flashplan.kernels._triton import HAS_TRITON, device_guard, runs_on_triton, tl, triton
+from flashplan.torch_kernels import tensor_values
 
 __all__ = ["write_kv", "write_kv_torch"]
 
@@ -86,9 +87,7 @@ def _check(
             raise FlashplanError(
                 name,
                 "expected [rows, heads, head_dim] of the dtype and device of kv_cache",
-                dtype=str(t.dtype),
-                shape=tuple(t.shape),
-                device=str(t.device),
+                **tensor_values(t),
                 expected_dtype=str(kv_cache.dtype),
                 expected_shape=want,
                 expected_device=str(kv_cache.device),
@@ -104,9 +103,7 @@ def _check(
                 name,
                 "expected an int32/int64 1-D tensor of >= rows entries on the device of kv_cache",
                 rows=rows,
-                dtype=str(t.dtype),
-                shape=tuple(t.shape),
-                device=str(t.device),
+                **tensor_values(t),
                 kv_cache_device=str(kv_cache.device),
             )
 

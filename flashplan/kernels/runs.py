@@ -16,6 +16,7 @@ import torch
 
 from flashplan.errors import FlashplanError
 from flashplan.kernels._triton import HAS_TRITON, device_guard, runs_on_triton, tl, triton
+from flashplan.torch_kernels import tensor_values
 
 __all__ = ["fill_runs", "fill_runs_torch"]
 
@@ -58,8 +59,7 @@ def _check(
                 name,
                 "must be a contiguous int32 [runs] tensor like start",
                 runs=runs,
-                dtype=str(t.dtype),
-                shape=tuple(t.shape),
+                **tensor_values(t),
                 contiguous=t.is_contiguous(),
             )
         if t.device != out.device:
@@ -73,8 +73,7 @@ def _check(
         raise FlashplanError(
             "out",
             "must be a contiguous int32 or uint16 1-D tensor",
-            dtype=str(out.dtype),
-            shape=tuple(out.shape),
+            **tensor_values(out),
             contiguous=out.is_contiguous(),
         )
 
