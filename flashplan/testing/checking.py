@@ -25,10 +25,19 @@ import torch
 
 from flashplan.executor.protocol import Executor
 from flashplan.executor.reference import ReferenceExecutor
+from flashplan.layout.group import AttentionGroup
 from flashplan.testing.compare import attention_diff
 from flashplan.testing.sequences import Batch
 
-__all__ = ["BatchCheck", "SequenceReport", "check_batch", "check_sequence"]
+__all__ = [
+    "BatchCheck",
+    "BatchInputs",
+    "SequenceReport",
+    "apply_batch",
+    "batch_inputs",
+    "check_batch",
+    "check_sequence",
+]
 
 
 @attrs.frozen
@@ -63,16 +72,26 @@ class BatchCheck:
         )
 
 
-def check_batch(executor: Executor, batch: Batch, oracle: Executor | None = None) -> BatchCheck:
-    """Apply ``batch`` to ``executor`` and to ``oracle`` (a fresh
-    :class:`~flashplan.ReferenceExecutor` when not given), run every group of every step
-    on both with the same random inputs and separate copies of the caches, and compare.
+@attrs.frozen(eq=False)
+class BatchInputs:
+    """A batch's random inputs, drawn from its seed (:func:`batch_inputs`).
 
-    Reads results back (a sync): a test helper, not for a hot path.
+    Attributes:
+        caches: one KV cache per group, ``[num_pages, 2, page_size, num_kv_heads,
+            head_dim]`` in the KV dtype, on the table's device.
+        calls: per step (one for a batch that is not a multi-step draft), per group,
+            ``(group, q, k_new, v_new)``: ``q`` ``[total_q, num_qo_heads, head_dim]``,
+            ``k_new`` / ``v_new`` ``[rows, num_kv_heads, head_dim]`` (encoder rows for a
+            cross group).
     """
-    oracle = ReferenceExecutor() if oracle is None else oracle
-    table, heads = batch.table, batch.heads
-    device = table.pages.device
+
+    caches: tuple[torch.Tensor, ...]
+    calls: tuple[tuple[tuple[AttentionGroup, torch.Tensor, torch.Tensor, torch.Tensor], ...], ...]
+
+
+def batch_inputs(batch: Batch) -> BatchInputs:
+    """Random caches and run inputs for ``batch``, the same for every call with it."""
+    heads, device = batch.heads, batch.table.pages.device
     gen = torch.Generator(device=device).manual_seed(batch.seed)
     hq, hkv, d = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim
     ps = batch.specs[0].page_size
@@ -80,23 +99,45 @@ def check_batch(executor: Executor, batch: Batch, oracle: Executor | None = None
     def rand(*shape: int, dtype: torch.dtype = heads.kv_dtype) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, device=device).to(dtype)
 
-    caches = [rand(max(batch.num_pages, 1), 2, ps, hkv, d) for _ in batch.groups]
-    oracle_caches = [c.clone() for c in caches]
-    if batch.steps:
-        views: Sequence[Executor] = executor.apply_steps(batch.specs, table)
-        refs: Sequence[Executor] = oracle.apply_steps(batch.specs, table)
-    else:
-        executor.apply(batch.specs[0], table)
-        oracle.apply(batch.specs[0], table)
-        views, refs = (executor,), (oracle,)
-    out_err = lse_err = 0.0
-    blind_ok = positions_ok = True
-    for spec, view, ref in zip(batch.specs, views, refs, strict=True):
-        positions_ok &= torch.equal(view.positions().cpu(), ref.positions().cpu())
-        for group, cache, oracle_cache in zip(batch.groups, caches, oracle_caches, strict=True):
+    caches = tuple(rand(max(batch.num_pages, 1), 2, ps, hkv, d) for _ in batch.groups)
+    calls = []
+    for spec in batch.specs:
+        step = []
+        for group in batch.groups:
             q = rand(spec.total_q, hq, d, dtype=heads.q_dtype)
             rows = spec.total_encoder if group.cross_attention else spec.total_q
-            k, v = rand(rows, hkv, d), rand(rows, hkv, d)
+            step.append((group, q, rand(rows, hkv, d), rand(rows, hkv, d)))
+        calls.append(tuple(step))
+    return BatchInputs(caches, tuple(calls))
+
+
+def apply_batch(executor: Executor, batch: Batch) -> Sequence[Executor]:
+    """Apply ``batch`` to ``executor``: the executor of each step (``apply_steps``' views
+    for a multi-step draft, else ``executor`` itself)."""
+    if batch.steps:
+        return executor.apply_steps(batch.specs, batch.table)
+    executor.apply(batch.specs[0], batch.table)
+    return (executor,)
+
+
+def check_batch(executor: Executor, batch: Batch, oracle: Executor | None = None) -> BatchCheck:
+    """Apply ``batch`` to ``executor`` and to ``oracle`` (a fresh
+    :class:`~flashplan.ReferenceExecutor` when not given), run every group of every step
+    on both with the same random inputs (:func:`batch_inputs`) and separate copies of the
+    caches, and compare.
+
+    Reads results back (a sync): a test helper, not for a hot path.
+    """
+    oracle = ReferenceExecutor() if oracle is None else oracle
+    inputs = batch_inputs(batch)
+    caches = inputs.caches
+    oracle_caches = [c.clone() for c in caches]
+    views, refs = apply_batch(executor, batch), apply_batch(oracle, batch)
+    out_err = lse_err = 0.0
+    blind_ok = positions_ok = True
+    for calls, view, ref in zip(inputs.calls, views, refs, strict=True):
+        positions_ok &= torch.equal(view.positions().cpu(), ref.positions().cpu())
+        for (group, q, k, v), cache, oracle_cache in zip(calls, caches, oracle_caches, strict=True):
             out, lse = view.run(group, q, k, v, cache, return_lse=True)
             want, want_lse = ref.run(group, q, k, v, oracle_cache, return_lse=True)
             diff = attention_diff(out, lse, want, want_lse)

@@ -29,7 +29,7 @@ import flashplan as fp
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 from flashplan.executor.flashinfer.bucket import GraphBucket
 from flashplan.executor.flashinfer.graphs import GraphExecutor, capture
-from flashplan.testing.checking import check_batch, check_sequence
+from flashplan.testing.checking import apply_batch, batch_inputs, check_batch, check_sequence
 from flashplan.testing.sequences import Batch, batch_sequence
 
 from .helpers import rel_err, stable_seed, syncs_raise
@@ -73,37 +73,16 @@ def test_long_lived_apply_and_run_never_sync() -> None:
 
 
 def _run_unchecked(executor: FlashInferExecutor, batch: Batch, *, sync_free: bool = True) -> list:
-    """Apply and run every group (inputs seeded by the batch), with syncs raising."""
-    heads, table = batch.heads, batch.table
-    gen = torch.Generator(device=DEV).manual_seed(batch.seed)
-    hq, hkv, d = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim
-    ps = batch.specs[0].page_size
-    caches = [
-        torch.randn(batch.num_pages, 2, ps, hkv, d, generator=gen, device=DEV).to(heads.kv_dtype)
-        for _ in batch.groups
-    ]
-    inputs = []
-    for spec in batch.specs:
-        for group in batch.groups:
-            rows = spec.total_encoder if group.cross_attention else spec.total_q
-            q = torch.randn(spec.total_q, hq, d, generator=gen, device=DEV).to(heads.q_dtype)
-            k = torch.randn(rows, hkv, d, generator=gen, device=DEV).to(heads.kv_dtype)
-            inputs.append((group, q, k))
+    """Apply and run every group on the batch's own inputs, with syncs raising: the
+    outputs, each step's positions and the caches."""
+    inputs = batch_inputs(batch)
     outs = []
     with syncs_raise(sync_free):
-        views: tuple[fp.Executor, ...] = (executor,)
-        if batch.steps:
-            views = executor.apply_steps(batch.specs, table)
-        else:
-            executor.apply(batch.specs[0], table)
-        at = 0
-        for view in views:
-            for cache in caches:
-                group, q, k = inputs[at]
-                at += 1
-                outs.append(view.run(group, q, k, k, cache))
+        for view, calls in zip(apply_batch(executor, batch), inputs.calls, strict=True):
+            for (group, q, k, v), cache in zip(calls, inputs.caches, strict=True):
+                outs.append(view.run(group, q, k, v, cache))
             outs.append(view.positions())
-    return outs + caches
+    return outs + list(inputs.caches)
 
 
 # -- CUDA graphs ------------------------------------------------------------------------
