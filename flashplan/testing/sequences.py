@@ -29,6 +29,7 @@ from flashplan.layout.heads import HeadConfig
 from flashplan.layout.page_table import PageTable
 from flashplan.planning.planner import plan, plan_steps
 from flashplan.planning.spec import PlanSpec
+from flashplan.testing.batches import bushy_tree_parents
 
 __all__ = [
     "FIXED_HEADS",
@@ -140,12 +141,10 @@ def _lens(rng: np.random.Generator, bs: int, lo: int, hi: int, long: int = 0) ->
 
 
 def _tree(rng: np.random.Generator, bs: int, n: int, chain: bool) -> DraftTree:
+    """A chain, or random trees whose token ``j`` hangs under any earlier token."""
     if chain:
         return DraftTree.chain(bs, n)
-    parents = np.full((bs, n), -1, dtype=np.int64)
-    for j in range(1, n):
-        parents[:, j] = rng.integers(0, j, bs)
-    return DraftTree.from_parents(parents)
+    return DraftTree.from_parents(bushy_tree_parents(rng, bs, n, reach=n))
 
 
 def _delimiters(rng: np.random.Generator, ext: np.ndarray) -> list[list[int] | None]:
@@ -180,12 +179,18 @@ def _table(
     )
 
 
-def _heads_text(heads: HeadConfig) -> str:
-    return f"{heads.num_qo_heads}/{heads.num_kv_heads}x{heads.head_dim} {heads.q_dtype}"
-
-
-def _describe(groups: Sequence[AttentionGroup]) -> str:
-    return "[" + ", ".join(g.describe() for g in groups) + "]"
+def _label(
+    index: int,
+    mode: str,
+    detail: str,
+    page_size: int,
+    groups: Sequence[AttentionGroup],
+    heads: HeadConfig,
+) -> str:
+    """What a batch is, for failure messages."""
+    described = ", ".join(g.describe() for g in groups)
+    h = f"{heads.num_qo_heads}/{heads.num_kv_heads}x{heads.head_dim} {heads.q_dtype}"
+    return f"{index}: {mode} {detail} page={page_size} groups=[{described}] heads={h}"
 
 
 def random_batch(
@@ -244,10 +249,7 @@ def random_batch(
             num_pages=num_pages,
         )  # fmt: skip
         detail = f"bs={bs} topk={topk} steps={count} prefix={prefix.tolist()}"
-        label = (
-            f"{index}: {mode} {detail} page={ps} groups={_describe(groups)} "
-            f"heads={_heads_text(heads)}"
-        )
+        label = _label(index, mode, detail, ps, groups, heads)
         return Batch(index, _seed(seed, index), label, groups, heads, specs, True, table,
                      num_pages)  # fmt: skip
     encoder = None
@@ -317,10 +319,7 @@ def random_batch(
     spec = plan(layout, heads, extend_path=path)
     table = _table(rng, spec.pages_needed, device)
     assert table.num_pages is not None
-    label = (
-        f"{index}: {mode} bs={bs} {detail} page={ps} groups={_describe(layout.groups)} "
-        f"heads={_heads_text(heads)} path={path}"
-    )
+    label = _label(index, mode, f"bs={bs} {detail}", ps, layout.groups, heads) + f" path={path}"
     return Batch(index, _seed(seed, index), label, layout.groups, heads, (spec,), False, table,
                  table.num_pages)  # fmt: skip
 

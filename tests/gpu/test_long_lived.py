@@ -29,6 +29,7 @@ import flashplan as fp
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 from flashplan.executor.flashinfer.bucket import GraphBucket
 from flashplan.executor.flashinfer.graphs import GraphExecutor, capture
+from flashplan.testing.batches import bushy_tree_parents
 from flashplan.testing.checking import apply_batch, batch_inputs, check_batch, check_sequence
 from flashplan.testing.sequences import Batch, batch_sequence
 
@@ -135,20 +136,13 @@ class _Replayer:
         return worst
 
 
-def _verify_tree(rng: np.random.Generator, bs: int, n: int) -> fp.DraftTree:
-    parents = np.full((bs, n), -1, dtype=np.int64)
-    for j in range(1, n):
-        parents[:, j] = rng.integers(0, j, bs)
-    return fp.DraftTree.from_parents(parents)
-
-
 def _graph_layout(kind: str, rng: np.random.Generator, bs: int, ps: int) -> fp.BatchLayout:
     prefix = rng.integers(0, 16 * MAX_PAGES - 40, bs)
     if kind == "decode":
         return fp.BatchLayout.decode(prefix + 1, page_size=ps, groups=GROUPS)
     if kind == "verify":
-        return fp.BatchLayout.verify(prefix, _verify_tree(rng, bs, 8), page_size=ps,
-                                     groups=GROUPS)  # fmt: skip
+        tree = fp.DraftTree.from_parents(bushy_tree_parents(rng, bs, 8, reach=8))
+        return fp.BatchLayout.verify(prefix, tree, page_size=ps, groups=GROUPS)
     accepted = rng.integers(1, 5, bs)
     return fp.BatchLayout.draft_extend(prefix, accepted, tokens_per_request=4, page_size=ps,
                                        groups=GROUPS)  # fmt: skip
