@@ -19,6 +19,8 @@ __all__ = [
     "FlashplanError",
     "LayoutError",
     "MissingDependencyError",
+    "OptionError",
+    "OptionTypeError",
     "PageTableError",
     "PlanIntegrityError",
     "PlanMismatchError",
@@ -85,6 +87,29 @@ class FieldTypeError(LayoutError, TypeError):
     string for a flag, a list that is not a sequence of ints, a record of another
     class). Both a :class:`FlashplanError` (so a ``ValueError``) and a ``TypeError``,
     with :class:`LayoutError`'s attributes."""
+
+
+class OptionError(FlashplanError):
+    """An executor setting is invalid (a policy, a compute dtype, a page map, a workspace
+    size, a flag); attributes as :class:`FlashplanError`. Not a :class:`LayoutError`:
+    the batch is fine, the executor is misconfigured."""
+
+
+class OptionTypeError(OptionError, TypeError):
+    """An executor setting of the wrong type: both an :class:`OptionError` and a
+    ``TypeError``."""
+
+
+def as_option(convert: Any, field: str, value: object, **kwargs: Any) -> Any:
+    """``convert(field, value, **kwargs)`` (a converter of :mod:`flashplan.layout.convert`)
+    for an executor setting: its refusals become :class:`OptionTypeError` /
+    :class:`OptionError` with the same field, request and values."""
+    try:
+        return convert(field, value, **kwargs)
+    except FieldTypeError as err:
+        raise OptionTypeError(err.field, err.message, request=err.request, **err.values) from None
+    except LayoutError as err:
+        raise OptionError(err.field, err.message, request=err.request, **err.values) from None
 
 
 class PageTableError(LayoutError):

@@ -836,13 +836,15 @@ def test_skeleton_is_static_and_cached_by_its_key() -> None:
 
 
 def test_deterministic_policy() -> None:
-    with pytest.raises(fp.LayoutError) as err:
+    with pytest.raises(fp.OptionError) as err:
         ExecutorPolicy(deterministic=True, decode_tensor_cores=False)
     assert err.value.field == "decode_tensor_cores"
-    with pytest.raises(fp.LayoutError):
+    with pytest.raises(fp.OptionTypeError) as err:  # also a TypeError
         ExecutorPolicy(deterministic="yes")  # type: ignore[arg-type]
-    with pytest.raises(fp.LayoutError):
+    assert err.value.field == "deterministic" and isinstance(err.value, TypeError)
+    with pytest.raises(fp.OptionError) as err:
         ExecutorPolicy(prefill_backend="fa4")
+    assert err.value.field == "prefill_backend" and not isinstance(err.value, fp.LayoutError)
     heads = HeadConfig(32, 8, 128)
     policy = ExecutorPolicy(deterministic=True)
     for bs in (1, 2, 64):

@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from flashplan.errors import LayoutError, PageTableError, PlanMismatchError
+from flashplan.errors import OptionError, PageTableError, PlanMismatchError
 from flashplan.executor.checks import check_apply_args, check_run_args
 from flashplan.executor.gathers import GatherJobs, gather_jobs, pages_region
 from flashplan.kernel_rules import kernel_visibility
@@ -123,7 +123,7 @@ def _check_page_map(page_map: object) -> torch.Tensor | None:
         or page_map.dtype != torch.int32
         or page_map.dim() != 1
     ):
-        raise LayoutError("page_map", "must be an int32 1-D tensor", value=type(page_map).__name__)
+        raise OptionError("page_map", "must be an int32 1-D tensor", value=type(page_map).__name__)
     return page_map
 
 
@@ -142,14 +142,14 @@ class ReferenceExecutor:
             as the FlashInfer executor's.
 
     Raises:
-        LayoutError: ``compute_dtype`` or ``page_map`` is not one of the above.
+        OptionError: ``compute_dtype`` or ``page_map`` is not one of the above.
     """
 
     def __init__(
         self, *, compute_dtype: torch.dtype = torch.float32, page_map: torch.Tensor | None = None
     ) -> None:
         if not isinstance(compute_dtype, torch.dtype) or compute_dtype not in _COMPUTE_DTYPES:
-            raise LayoutError(
+            raise OptionError(
                 "compute_dtype", "must be torch.float32 or torch.float64", value=compute_dtype
             )
         self.compute_dtype = compute_dtype

@@ -42,11 +42,12 @@ import numpy as np
 import torch
 
 from flashplan.errors import (
-    FieldTypeError,
-    LayoutError,
+    OptionError,
+    OptionTypeError,
     PageTableError,
     PlanMismatchError,
     UnsupportedError,
+    as_option,
 )
 from flashplan.executor.checks import RunArgs, check_apply_args, check_run_args
 from flashplan.executor.flashinfer.buffers import (
@@ -247,7 +248,8 @@ class FlashInferExecutor:
 
     Raises:
         UnsupportedError: no CUDA, or ``device`` is not a CUDA device.
-        LayoutError: an argument of the wrong type or range.
+        OptionError: an argument of the wrong range; :class:`~flashplan.OptionTypeError`
+            (also a ``TypeError``) of the wrong type.
 
     Attributes:
         plan_counts: FlashInfer planning calls made so far, by route: ``"plan"`` (full
@@ -269,11 +271,12 @@ class FlashInferExecutor:
         self._fi = import_flashinfer()
         check_version(str(self._fi.__version__))
         if policy is not None and not isinstance(policy, ExecutorPolicy):
-            raise FieldTypeError("policy", "must be an ExecutorPolicy", value=policy)
+            raise OptionTypeError("policy", "must be an ExecutorPolicy", value=policy)
         self.policy = policy or ExecutorPolicy()
-        self.workspace_bytes = as_int("workspace_bytes", workspace_bytes, minimum=1 << 20)
-        self.check_pages = as_bool("check_pages", check_pages)
-        self.fast_plan = as_bool("fast_plan", fast_plan)
+        self.workspace_bytes = as_option(as_int, "workspace_bytes", workspace_bytes,
+                                         minimum=1 << 20)  # fmt: skip
+        self.check_pages = as_option(as_bool, "check_pages", check_pages)
+        self.fast_plan = as_option(as_bool, "fast_plan", fast_plan)
         self._fast_decode = self.fast_plan and fast_decode_available(self._fi)
         self._fast_prefill = self.fast_plan and fast_prefill_available(self._fi)
         if page_map is not None and (
@@ -282,7 +285,7 @@ class FlashInferExecutor:
             or page_map.dim() != 1
             or page_map.device != self.device
         ):
-            raise LayoutError(
+            raise OptionError(
                 "page_map", f"must be an int32 1-D tensor on {self.device}", value=page_map
             )
         self.page_map = page_map

@@ -11,7 +11,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from flashplan.errors import LayoutError, UnsupportedError
+from flashplan.errors import OptionError, UnsupportedError, as_option
 from flashplan.layout.convert import as_bool
 from flashplan.layout.heads import HeadConfig
 
@@ -29,12 +29,12 @@ _FA3_HEAD_DIMS = (64, 128, 256)
 
 def _backend(field: str, value: object) -> str:
     if value not in ("auto", "fa2", "fa3"):
-        raise LayoutError(field, "must be 'auto', 'fa2' or 'fa3'", value=value)
+        raise OptionError(field, "must be 'auto', 'fa2' or 'fa3'", value=value)
     return str(value)
 
 
 def _optional_bool(field: str, value: object) -> bool | None:
-    return None if value is None else as_bool(field, value)
+    return None if value is None else as_option(as_bool, field, value)
 
 
 @attrs.frozen
@@ -68,12 +68,12 @@ class ExecutorPolicy:
         default="auto", converter=lambda v: _backend("prefill_backend", v)
     )
     deterministic: bool = attrs.field(
-        default=False, converter=lambda v: as_bool("deterministic", v)
+        default=False, converter=lambda v: as_option(as_bool, "deterministic", v)
     )
 
     def __attrs_post_init__(self) -> None:
         if self.deterministic and self.decode_tensor_cores is False:
-            raise LayoutError(
+            raise OptionError(
                 "decode_tensor_cores",
                 "deterministic mode runs decode on tensor cores (the CUDA-core kernel "
                 "has no fixed split)",
