@@ -32,6 +32,7 @@ __all__ = [
     "checked_int32",
     "constant_operand",
     "copy_readonly",
+    "filled",
     "indptr",
     "int32_field",
     "readonly_when_unpickled",
@@ -56,6 +57,17 @@ def constant_operand(value: int, dtype: Any = np.int32) -> npt.NDArray[Any]:
     int operand against the array's dtype on every call.
     """
     out = np.array(value, dtype=dtype)
+    out.setflags(write=False)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def filled(value: int, size: int) -> IntArray:
+    """A read-only int32 ``[size]`` holding ``value`` everywhere, made once per value
+    and size and shared (read-only, so records may share it: a step loop meets the same
+    few batch sizes)."""
+    out = np.empty(size, dtype=np.int32)
+    out.fill(value)  # cheaper than np.full
     out.setflags(write=False)
     return out
 
@@ -159,6 +171,8 @@ def int32_field(field: str, value: object) -> IntArray:
         LayoutError: not 1-D integers, or an entry beyond int32 (naming the request).
     """
     arr = np.asarray(value)
+    if arr.ndim == 1 and arr.size == 0 and arr.dtype.kind == "f":
+        arr = arr.astype(np.int32)  # an empty list: numpy reads it as float64
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise LayoutError(field, "must be a 1-D integer array", shape=getattr(value, "shape", None))
     if arr.dtype == np.int32 and not arr.flags.writeable:

@@ -148,38 +148,40 @@ def test_decode_and_extend_with_same_lengths_differ() -> None:
 
 
 # --------------------------------------------------------------------------- evolve
-def test_attrs_evolve_revalidates() -> None:
+def test_replace_revalidates() -> None:
     layout = BatchLayout.extend([5, 7], [2, 3], page_size=1)
-    bigger = attrs.evolve(layout, page_size=16)
+    bigger = layout.replace(page_size=16)
     assert bigger.page_size == 16
     assert bigger.seq_lens is layout.seq_lens
     assert bigger != layout
-    assert attrs.evolve(bigger, page_size=1) == layout
+    assert bigger.replace(page_size=1) == layout
     with pytest.raises(LayoutError) as err:
-        attrs.evolve(layout, page_size=0)
+        layout.replace(page_size=0)
     assert err.value.field == "page_size"
     with pytest.raises(LayoutError) as err:
-        attrs.evolve(layout, groups=(FULL, CROSS))
+        layout.replace(groups=(FULL, CROSS))
     assert err.value.field == "encoder_lens"
     with pytest.raises(LayoutError) as err:
-        attrs.evolve(layout, groups=())
+        layout.replace(groups=())
     assert err.value.field == "groups"
     with pytest.raises(LayoutError) as err:
-        attrs.evolve(layout, mode=Mode.DECODE)  # 3 and 4 new tokens: not a decode
+        layout.replace(mode=Mode.DECODE)  # 3 and 4 new tokens: not a decode
     assert (err.value.field, err.value.request) == ("seq_lens", 0)
+    # __init__ (and so attrs.evolve) stores what it is given: equal fields, equal record
+    assert attrs.evolve(layout) == layout and hash(attrs.evolve(layout)) == hash(layout)
 
 
-def test_evolve_groups_converts_to_tuple() -> None:
+def test_replace_groups_converts_to_tuple() -> None:
     layout = BatchLayout.decode([4])
-    evolved = attrs.evolve(layout, groups=[FULL, SWA])
-    assert evolved.groups == (FULL, SWA)
-    assert layout.with_groups(FULL, SWA) == evolved
-    assert hash(evolved) == hash(layout.with_groups(FULL, SWA))
+    replaced = layout.replace(groups=[FULL, SWA])
+    assert replaced.groups == (FULL, SWA)
+    assert layout.with_groups(FULL, SWA) == replaced
+    assert hash(replaced) == hash(layout.with_groups(FULL, SWA))
 
 
 @given(layouts(), st.sampled_from([1, 2, 3, 16, 64]))
-def test_evolve_page_size_keeps_lengths(layout: BatchLayout, page_size: int) -> None:
-    other = attrs.evolve(layout, page_size=page_size)
+def test_replace_page_size_keeps_lengths(layout: BatchLayout, page_size: int) -> None:
+    other = layout.replace(page_size=page_size)
     assert other.seq_lens.tolist() == layout.seq_lens.tolist()
     assert other.prefix_lens.tolist() == layout.prefix_lens.tolist()
     assert (other == layout) == (page_size == layout.page_size)

@@ -25,6 +25,7 @@ from flashplan import AttentionGroup, BatchLayout, HeadConfig, LayoutError
 from flashplan.kernel_rules import kernel_visibility
 from flashplan.layout.batch import MAX_ITEM_ROW
 from flashplan.layout.items import ItemDelimiters
+from flashplan.lengths import PageSpans
 from flashplan.oracle import dense_attention, visibility
 from flashplan.planning import KernelPath, PagedPart
 from flashplan.planning.items import MultiItemTensors, plan_items
@@ -341,7 +342,7 @@ def test_other_refusals() -> None:
         BatchLayout.extend([10, 12], item_delimiters=[[1]])
     assert err.value.field == "item_delimiters" and err.value.request is None
     with pytest.raises(LayoutError, match="decode") as err:
-        BatchLayout(fp.Mode.DECODE, [5], [4], item_delimiters=[[0]])
+        BatchLayout.of(fp.Mode.DECODE, [5], [4], item_delimiters=[[0]])
     assert err.value.field == "item_delimiters"
     for group in (AttentionGroup.sliding(8), AttentionGroup.bidirectional()):
         with pytest.raises(LayoutError) as err:
@@ -367,7 +368,7 @@ def test_multi_item_tensors_refuse_a_short_max_item_len() -> None:
         MultiItemTensors.from_rows([3], [0, 1, 2], 2, [2])
     items = MultiItemTensors.from_rows([3], [0, 1, 0], 3, [1])
     with pytest.raises(LayoutError, match="cover"):  # 5 keys from prefix_len 3 need 2, not 6
-        PagedPart([0], [10], 4, True, -1, items=items)
+        PagedPart.over(PageSpans.between([0], [10], 4), causal=True, window_left=-1, items=items)
 
 
 @settings(max_examples=60)
@@ -386,16 +387,30 @@ def test_items_form_round_trips(layout: BatchLayout) -> None:
         it.prefix_len_ptr, dense, it.token_pos_in_items_len, it.max_item_len
     )
     assert again == it and hash(pickle.dumps(again)) is not None
+    # the planner stores its tensors as they are; from_items checks the same arrays
+    checked = MultiItemTensors.from_items(
+        it.prefix_len_ptr, it.token_pos_in_items_len, it.max_item_len, it.item_start,
+        it.item_length,
+    )  # fmt: skip
+    assert checked == it and hash(checked) == hash(it)
+    listed = MultiItemTensors.from_items(
+        it.prefix_len_ptr.tolist(), it.token_pos_in_items_len, it.max_item_len.tolist(),
+        it.item_start.tolist(), it.item_length.tolist(),
+    )  # fmt: skip
+    assert listed == it
     for i in range(layout.batch_size):
         alone = it.request(i)
         assert alone.rows.tolist() == [it.rows[i].tolist()]
+        fields = [getattr(alone, f.name) for f in attrs.fields(MultiItemTensors)]
+        assert MultiItemTensors.from_items(*fields) == alone  # valid as the batch's are
+        assert all(not a.flags.writeable for a in fields if isinstance(a, np.ndarray))
 
 
 def test_multi_item_tensors_refuse_bad_items() -> None:
     """Items that overlap, leave their row, sit on a delimiter column or are empty are
     refused naming the item and its request; a dense array not of the multi-item form is
     refused naming the request and column."""
-    ok = MultiItemTensors([3, 2], 4, [3, 2], [1, 5], [3, 2])
+    ok = MultiItemTensors.from_items([3, 2], 4, [3, 2], [1, 5], [3, 2])
     assert ok.rows.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0]] and ok.max_length == 3
     bad = [
         (([3, 2], 4, [3, 2], [1, 5], [3, 0]), "item_length", 1, 1),  # empty
@@ -408,15 +423,28 @@ def test_multi_item_tensors_refuse_bad_items() -> None:
     ]
     for args, field, item, request in bad:
         with pytest.raises(LayoutError) as err:
-            MultiItemTensors(*args)
+            MultiItemTensors.from_items(*args)
         assert err.value.field == field, args
         assert err.value.request == request, args
         if field != "max_item_len":
             assert err.value.values["item"] == item, args
     with pytest.raises(LayoutError, match="one entry per item"):
-        MultiItemTensors([3], 4, [3], [1, 2], [1])
+        MultiItemTensors.from_items([3], 4, [3], [1, 2], [1])
     with pytest.raises(LayoutError, match="int32"):
-        MultiItemTensors([3] * 2, 2**30 + 1, [3] * 2, [], [])
+        MultiItemTensors.from_items([3] * 2, 2**30 + 1, [3] * 2, [], [])
+    # the converters: dtypes and ranges, named by field and entry
+    with pytest.raises(LayoutError, match="uint16") as err:
+        MultiItemTensors.from_items([3], 4, [70000], [1], [3])
+    assert err.value.field == "max_item_len" and err.value.request == 0
+    with pytest.raises(LayoutError, match="int32") as err:
+        MultiItemTensors.from_items([3], 4, [3], [2**31], [3])
+    assert err.value.field == "item_start" and err.value.values["item"] == 0
+    with pytest.raises(LayoutError, match="1-D integer") as err:
+        MultiItemTensors.from_items([3.0], 4, [3], [1], [3])
+    assert err.value.field == "prefix_len_ptr"
+    with pytest.raises(fp.FieldTypeError) as type_err:
+        MultiItemTensors.from_items([3], 4.0, [3], [1], [3])
+    assert type_err.value.field == "token_pos_in_items_len"
     for dense, request, column in (
         ([0, 1, 3, 0, 0, 0, 0, 0], 0, 2),  # 3 after 1
         ([0, 1, 2, 0, 1, 0, 0, 0], 1, 0),  # column 0 must be a delimiter

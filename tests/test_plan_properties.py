@@ -31,6 +31,7 @@ from flashplan import (
     materialize,
 )
 from flashplan.arrays import array_key
+from flashplan.lengths import PageSpans
 from flashplan.oracle import visibility
 from flashplan.planning import GroupPlan, KernelPath, PagedPart, planned_groups
 from flashplan.planning.masks import pack_dense, pack_threshold_rows, unpack_request
@@ -575,7 +576,7 @@ def test_plan_key_is_static(data: st.DataObject, path: str, heads: HeadConfig) -
 def test_plan_key_differs_on_static_config() -> None:
     layout = BatchLayout.decode([4, 9], page_size=16)
     base = flashplan.plan(layout, HEADS).key
-    assert flashplan.plan(attrs.evolve(layout, page_size=1), HEADS).key != base
+    assert flashplan.plan(layout.replace(page_size=1), HEADS).key != base
     assert flashplan.plan(layout.with_groups(AttentionGroup.sliding(3)), HEADS).key != base
     assert flashplan.plan(layout, attrs.evolve(HEADS, head_dim=128)).key != base
     assert flashplan.plan(BatchLayout.decode([1, 2, 3], page_size=16), HEADS).key == base
@@ -602,7 +603,7 @@ def test_planning_is_deterministic_and_pure(layout: BatchLayout, path: str) -> N
     assert before == after
     for name in before:
         assert not getattr(layout, name).flags.writeable
-    assert layout == BatchLayout(
+    assert layout == BatchLayout.of(
         layout.mode,
         layout.seq_lens,
         layout.prefix_lens,
@@ -659,7 +660,7 @@ def test_pack_threshold_rows_matches_dense(rows: tuple[np.ndarray, ...]) -> None
 def test_paged_segments_brute_force(spans: list[tuple[int, int]], page_size: int) -> None:
     first = np.array([f for f, _ in spans], dtype=np.int32)
     end = np.array([e for _, e in spans], dtype=np.int32)
-    seg = PagedPart(first, end, page_size, True, -1)
+    seg = PagedPart.over(PageSpans.between(first, end, page_size), causal=True, window_left=-1)
     indptr = [0]
     for i, (f, e) in enumerate(spans):
         if e <= f:

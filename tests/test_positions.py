@@ -36,7 +36,7 @@ def brute_force(first: list[int], length: list[int]) -> list[int]:
 def test_runs_materialize_token_by_token(runs: list[tuple[int, int]]) -> None:
     first = [f for f, _ in runs]
     length = [n for _, n in runs]
-    r = PositionRuns(first, length)
+    r = PositionRuns.from_runs(first, length)
     out = r.positions()
     assert out.dtype == np.int32 and not out.flags.writeable
     assert out.tolist() == brute_force(first, length)
@@ -79,10 +79,41 @@ def test_multi_item_runs_are_few(layout: fp.BatchLayout) -> None:
     assert runs.total == spec.total_q
 
 
+@settings(max_examples=60, deadline=None)
+@given(layout=st.one_of(layouts(), multi_item_layouts(), verify_layouts()))
+def test_planned_runs_equal_the_checked_ones(layout: fp.BatchLayout) -> None:
+    """The planner stores its runs as they are; :meth:`PositionRuns.from_runs`, which
+    converts and checks, gives the same record from the same arrays."""
+    runs = fp.plan(layout, HEADS).position_runs
+    again = PositionRuns.from_runs(runs.first, runs.length)
+    assert again == runs and hash(again) == hash(runs)
+    for mine, theirs in ((runs.first, again.first), (runs.length, again.length)):
+        assert mine.dtype == theirs.dtype == np.int32 and not mine.flags.writeable
+    # from plain lists too (copied, then the same value)
+    assert PositionRuns.from_runs(runs.first.tolist(), runs.length.tolist()) == runs
+
+
+def test_one_token_runs_are_their_own_positions() -> None:
+    """Decode and verify plans read their positions without a copy: runs of one token
+    each at positions >= 0 are ``first`` itself; a negative one is still clamped."""
+    runs = PositionRuns.of_tokens([4, 0, 9])
+    assert runs.positions() is runs.first
+    spec = fp.plan(fp.BatchLayout.decode([3, 7, 1]), HEADS)
+    assert spec.position_runs.positions() is spec.position_runs.first
+    assert spec.position_runs.positions().tolist() == [2, 6, 0]
+    clamped = PositionRuns.from_runs([3, -1], [1, 1])
+    out = clamped.positions()
+    assert out is not clamped.first and out.tolist() == [3, 0] and not out.flags.writeable
+    empty = PositionRuns.from_runs([], [])
+    assert empty.positions().tolist() == [] and empty.positions().dtype == np.int32
+    assert PositionRuns.from_runs([5, 2], [1, 0]).positions().tolist() == [5]
+
+
 def test_of_tokens_and_equality() -> None:
     a = PositionRuns.of_tokens([4, 5, 9])
     assert a.positions().tolist() == [4, 5, 9] and a.num_runs == 3
-    assert a == PositionRuns([4, 5, 9], [1, 1, 1]) and hash(a) == hash(copy.deepcopy(a))
+    assert a == PositionRuns.from_runs([4, 5, 9], [1, 1, 1])
+    assert hash(a) == hash(copy.deepcopy(a))
     b = pickle.loads(pickle.dumps(a))
     assert b == a and not b.first.flags.writeable
     with pytest.raises(LayoutError, match=r"positions.*token.*1"):
@@ -103,17 +134,20 @@ def test_of_tokens_and_equality() -> None:
 )
 def test_bad_runs_are_refused(first: object, length: object, field: str, detail: str) -> None:
     with pytest.raises(LayoutError, match=detail) as info:
-        PositionRuns(first, length)
+        PositionRuns.from_runs(first, length)
     assert info.value.field == field
     assert isinstance(info.value, ValueError)
 
 
 def test_plan_spec_refuses_runs_that_do_not_cover_its_queries() -> None:
     spec = fp.plan(fp.BatchLayout.extend([3, 2], [1, 0]), HEADS)
-    fields = {f.name: getattr(spec, f.name) for f in spec.__attrs_attrs__}
-    fields["position_runs"] = PositionRuns([1, 0], [3, 2])  # 5 positions, 4 queries
+    runs = PositionRuns.from_runs([1, 0], [3, 2])  # 5 positions, 4 queries
     with pytest.raises(LayoutError, match="position_runs"):
-        fp.PlanSpec(**fields)
+        fp.planning.PlanSpec.of(
+            spec.key, spec.queries, prefix_lens=spec.prefix_lens,
+            decoder_start=spec.decoder_start, position_runs=runs, encoder=spec.encoder,
+            pages_needed=spec.pages_needed, group_plans=spec.group_plans,
+        )  # fmt: skip
 
 
 @settings(max_examples=25, deadline=None)

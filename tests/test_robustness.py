@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 import flashplan as fp
 from flashplan.__main__ import main
+from flashplan.lengths import PageSpans
 from flashplan.planning import PagedPart
 from flashplan.testing import extend_layouts, layouts, page_tables
 
@@ -100,7 +101,7 @@ def test_layout_constructors_refuse_junk_with_flashplan_errors(
         kwargs.pop("prefix_lens")
         fn = lambda **kw: fp.BatchLayout.block_extend(block_size=2, **kw)  # noqa: E731
     else:
-        fn = lambda **kw: fp.BatchLayout(fp.Mode.EXTEND, **kw)  # noqa: E731
+        fn = lambda **kw: fp.BatchLayout.of(fp.Mode.EXTEND, **kw)  # noqa: E731
     got = _only_flashplan_errors(fn, **kwargs)
     if isinstance(got, fp.BatchLayout):  # accepted: it must be a sound, frozen record
         assert not got.seq_lens.flags.writeable and got.seq_lens.dtype == np.int32
@@ -212,12 +213,14 @@ def test_refused_apply_keeps_the_earlier_plan(spec: Any, table: Any) -> None:
 
 def test_executor_options_are_checked_at_construction() -> None:
     for dtype in (torch.int32, torch.float16, "float32", None):
-        with pytest.raises(fp.LayoutError) as err:
+        with pytest.raises(fp.OptionError) as err:
             fp.ReferenceExecutor(compute_dtype=dtype)  # type: ignore[arg-type]
         assert err.value.field == "compute_dtype"
+        assert not isinstance(err.value, fp.LayoutError)  # the batch is not at fault
     for page_map in (torch.zeros(3), np.zeros(3, dtype=np.int32), [0, 1]):
-        with pytest.raises(fp.LayoutError):
+        with pytest.raises(fp.OptionError) as err:
             fp.ReferenceExecutor(page_map=page_map)  # type: ignore[arg-type]
+        assert err.value.field == "page_map"
 
 
 def test_numbers_are_normalised_or_refused_before_use() -> None:
@@ -588,20 +591,18 @@ def test_cli_bad_input_is_one_line_and_exit_2(
 
 @pytest.mark.parametrize("dtype", [np.int64, np.uint32, np.uint64])
 def test_plan_records_refuse_values_that_would_wrap_in_int32(dtype: Any) -> None:
-    """A hand-built PagedPart / PlanSpec whose wide-integer arrays hold values beyond
+    """Hand-built page spans whose wide-integer arrays hold values beyond
     int32 is refused naming the field and the request, never wrapped into a wrong plan."""
     big = np.array([3, 2**31 + 5], dtype=dtype)
     with pytest.raises(fp.LayoutError) as err:
-        PagedPart(first_token=np.array([0, 0], dtype=dtype), end_token=big, page_size=16,
-                     causal=True, window_left=-1)  # fmt: skip
+        PageSpans.between(np.array([0, 0], dtype=dtype), big, 16)
     assert (err.value.field, err.value.request) == ("end_token", 1)
-    ok = PagedPart(
-        first_token=np.array([0, 1], dtype=dtype), end_token=np.array([3, 9], dtype=dtype),
-        page_size=4, causal=True, window_left=-1,
+    ok = PagedPart.over(
+        PageSpans.between(np.array([0, 1], dtype=dtype), np.array([3, 9], dtype=dtype), 4),
+        causal=True, window_left=-1,
     )  # fmt: skip
     assert ok.end_token.dtype == np.int32 and ok.num_pages.tolist() == [1, 3]
     if dtype is np.int64:
         with pytest.raises(fp.LayoutError) as err:
-            PagedPart(first_token=np.array([-(2**31) - 1, 0]), end_token=np.array([3, 4]),
-                         page_size=4, causal=True, window_left=-1)  # fmt: skip
+            PageSpans.between(np.array([-(2**31) - 1, 0]), np.array([3, 4]), 4)
         assert (err.value.field, err.value.request) == ("first_token", 0)

@@ -171,10 +171,16 @@ def test_error_carries_the_values() -> None:
 
 
 def test_plan_refuses_int32_overflow_of_totals() -> None:
-    layout = BatchLayout.extend([2**30, 2**30, 2**30])
+    # more new tokens in all than int32 holds
+    layout = BatchLayout.extend([2**30, 2**30, 2**30], page_size=16)
     with pytest.raises(LayoutError) as err:
         flashplan.plan(layout, HeadConfig(1, 1, 64))
     assert err.value.field == "extend_lens"
+    # more pages in all than int32 holds (a page per token): named after seq_lens
+    layout = BatchLayout.decode([2**30, 2**30, 2**30], page_size=1)
+    with pytest.raises(LayoutError) as err:
+        flashplan.plan(layout, HeadConfig(1, 1, 64))
+    assert err.value.field == "seq_lens" and "total" in err.value.message
 
 
 def _sealed(arr: object, want: list[int]) -> None:

@@ -77,19 +77,21 @@ class GatherJobs:
     * ``use_map``: 1 where page ids go through the sliding-window page map.
     """
 
-    table: IntArray = attrs.field(validator=lambda _, __, v: _check_table(v))
+    table: IntArray
     regions: tuple[Region, ...]
     total: int
 
     @classmethod
-    def _from_checked(cls, table: IntArray, regions: tuple[Region, ...], total: int) -> GatherJobs:
-        """Internal (:func:`gather_jobs`): a record from a table this module built
-        (C-contiguous, read-only int32 ``[6, n]``); the validator does not run again."""
-        self = object.__new__(cls)
-        object.__setattr__(self, "table", table)
-        object.__setattr__(self, "regions", regions)
-        object.__setattr__(self, "total", total)
-        return self
+    def from_table(cls, table: IntArray, regions: tuple[Region, ...], total: int) -> GatherJobs:
+        """A record from a table built elsewhere, checked: ``GatherJobs(...)`` stores
+        its table as given, which must be C-contiguous read-only int32 ``[6, n]`` (as
+        :func:`gather_jobs`' tables are).
+
+        Raises:
+            ValueError: a table of another dtype, shape or layout, or a writable one.
+        """
+        _check_table(table)
+        return cls(table, regions, total)
 
     @property
     def num_jobs(self) -> int:
@@ -279,7 +281,7 @@ def _job_table(parts: list[_Part], rows: IntArray, bs: int) -> GatherJobs:
     bounds = [0, *ends[bs - 1 :: bs].tolist()] if bs else [0] * (n + 1)
     regions = tuple(map(Region, [p[0] for p in parts], bounds[:-1], bounds[1:]))
     table.setflags(write=False)
-    return GatherJobs._from_checked(table, regions, total)  # C-contiguous int32 [6, n]
+    return GatherJobs(table, regions, total)  # C-contiguous read-only int32 [6, n]
 
 
 def concat_jobs(tables: list[GatherJobs], prefixes: list[str]) -> GatherJobs:

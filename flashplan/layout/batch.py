@@ -15,6 +15,8 @@ from flashplan.arrays import (
     IntArray,
     array_key,
     checked_int32,
+    constant_operand,
+    filled,
     readonly_when_unpickled,
     seal_inplace,
 )
@@ -25,6 +27,7 @@ from flashplan.layout.group import DEFAULT_GROUPS, AttentionGroup, as_groups
 from flashplan.layout.items import FIELD as ITEMS
 from flashplan.layout.items import MAX_ITEM_ROW, ItemDelimiters, as_item_delimiters, check_items_fit
 from flashplan.layout.mode import Mode
+from flashplan.lengths import PageSpans, ceil_pages
 
 __all__ = [
     "DEFAULT_GROUPS",
@@ -43,14 +46,72 @@ def _optional_flags(field: str, value: object) -> npt.NDArray[np.bool_] | None:
     return None if value is None else as_flags(field, value)
 
 
-def _mode(field: str, value: object) -> Mode:
-    if not isinstance(value, Mode):
-        raise FieldTypeError(field, "must be a flashplan.Mode", value=value)
-    return value
-
-
 def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
+
+
+def _check_lengths(mode: Mode, seq: IntArray, prefix: IntArray) -> None:
+    """``prefix_lens`` against ``seq_lens``: one entry per request, never longer, and
+    exactly one token added per request in a decode step."""
+    bs = seq.shape[0]
+    if prefix.shape[0] != bs:
+        raise LayoutError(
+            "prefix_lens",
+            "batch size differs from seq_lens",
+            seq_lens_size=bs,
+            prefix_lens_size=prefix.shape[0],
+        )
+    if not bs:
+        return
+    added = seq - prefix  # int32: both lie in [0, INT32_MAX]
+    if mode is Mode.DECODE:  # one new token each (so no prefix exceeds its seq_len)
+        if np.minimum.reduce(added) != 1 or np.maximum.reduce(added) != 1:
+            i = _first(added != 1)
+            raise LayoutError(
+                "seq_lens",
+                "a decode step adds exactly one token per request",
+                request=i,
+                seq_len=int(seq[i]),
+                prefix_len=int(prefix[i]),
+            )
+    elif np.minimum.reduce(added) < 0:
+        i = _first(added < 0)
+        raise LayoutError(
+            "prefix_lens",
+            "must not exceed seq_lens",
+            request=i,
+            prefix_len=int(prefix[i]),
+            seq_len=int(seq[i]),
+        )
+
+
+def _check_encoder(
+    seq: IntArray,
+    encoder: IntArray | None,
+    cached: npt.NDArray[np.bool_] | None,
+    groups: tuple[AttentionGroup, ...],
+) -> None:
+    """The encoder's fields against the batch, and cross groups against the encoder."""
+    bs = seq.shape[0]
+    if encoder is not None and encoder.shape[0] != bs:
+        raise LayoutError(
+            "encoder_lens",
+            "batch size differs from seq_lens",
+            seq_lens_size=bs,
+            encoder_lens_size=encoder.shape[0],
+        )
+    if encoder is None and any(g.cross_attention for g in groups):
+        raise LayoutError("encoder_lens", "a cross-attention group needs encoder_lens")
+    if cached is not None:
+        if encoder is None:
+            raise LayoutError("encoder_cached", "needs encoder_lens")
+        if cached.shape[0] != bs:
+            raise LayoutError(
+                "encoder_cached",
+                "batch size differs from seq_lens",
+                seq_lens_size=bs,
+                encoder_cached_size=cached.shape[0],
+            )
 
 
 @readonly_when_unpickled
@@ -60,9 +121,10 @@ class BatchLayout:
 
     Per-request arrays are read-only int32 numpy arrays of shape ``[bs]``; the
     record compares and hashes by value. Build it with a named constructor
-    (:meth:`decode`, :meth:`extend`, :meth:`from_extend_lens`); ``__init__`` takes the
-    same per-request data (any sequence of ints, integer array or CPU tensor) and
-    every path converts and validates it the same way.
+    (:meth:`decode`, :meth:`extend`, :meth:`from_extend_lens`, :meth:`verify`,
+    :meth:`draft_extend`, :meth:`block_extend`, or :meth:`of` with every field), which
+    converts and checks its input; ``__init__`` only stores fields that a constructor
+    checked (as attrs advises), and :meth:`replace` is the checked ``attrs.evolve``.
 
     Token coordinates: a *row token* is the index of a logical token in a request's
     page-table row (row token ``t`` lives in slot ``t % page_size`` of page
@@ -100,118 +162,76 @@ class BatchLayout:
             which ignore items). See ``docs/semantics.md``.
     """
 
-    mode: Mode = attrs.field(converter=lambda v: _mode("mode", v))
-    seq_lens: IntArray = attrs.field(converter=lambda v: as_lengths("seq_lens", v), eq=array_key)
-    prefix_lens: IntArray = attrs.field(
-        converter=lambda v: as_lengths("prefix_lens", v), eq=array_key
-    )
-    encoder_lens: IntArray | None = attrs.field(
-        default=None, converter=lambda v: _optional_lengths("encoder_lens", v), eq=array_key
-    )
-    page_size: int = attrs.field(default=1, converter=lambda v: as_int("page_size", v, minimum=1))
-    groups: tuple[AttentionGroup, ...] = attrs.field(
-        default=DEFAULT_GROUPS, converter=lambda v: as_groups("groups", v)
-    )
-    encoder_cached: npt.NDArray[np.bool_] | None = attrs.field(
-        default=None, converter=lambda v: _optional_flags("encoder_cached", v), eq=array_key
-    )
-    draft: DraftTree | None = attrs.field(default=None)
-    item_delimiters: ItemDelimiters | None = attrs.field(
-        default=None, converter=lambda v: as_item_delimiters(ITEMS, v)
-    )
+    mode: Mode
+    seq_lens: IntArray = attrs.field(eq=array_key)
+    prefix_lens: IntArray = attrs.field(eq=array_key)
+    encoder_lens: IntArray | None = attrs.field(default=None, eq=array_key)
+    page_size: int = 1
+    groups: tuple[AttentionGroup, ...] = DEFAULT_GROUPS
+    encoder_cached: npt.NDArray[np.bool_] | None = attrs.field(default=None, eq=array_key)
+    draft: DraftTree | None = None
+    item_delimiters: ItemDelimiters | None = None
 
-    def __attrs_post_init__(self) -> None:
-        bs = self.seq_lens.shape[0]
-        if self.prefix_lens.shape[0] != bs:
-            raise LayoutError(
-                "prefix_lens",
-                "batch size differs from seq_lens",
-                seq_lens_size=bs,
-                prefix_lens_size=self.prefix_lens.shape[0],
-            )
-        over = self.prefix_lens > self.seq_lens
-        if over.any():
-            i = _first(over)
-            raise LayoutError(
-                "prefix_lens",
-                "must not exceed seq_lens",
-                request=i,
-                prefix_len=int(self.prefix_lens[i]),
-                seq_len=int(self.seq_lens[i]),
-            )
-        if self.mode is Mode.DECODE:
-            not_one = (self.seq_lens - self.prefix_lens) != 1
-            if not_one.any():
-                i = _first(not_one)
-                raise LayoutError(
-                    "seq_lens",
-                    "a decode step adds exactly one token per request",
-                    request=i,
-                    seq_len=int(self.seq_lens[i]),
-                    prefix_len=int(self.prefix_lens[i]),
-                )
-        if (self.draft is not None) != (self.mode is Mode.VERIFY):
-            raise LayoutError("draft", "a verify batch, and only a verify batch, has a draft")
-        if self.draft is not None:
-            check_draft_fits(self.draft, new_tokens=self.seq_lens - self.prefix_lens,
-                             groups=self.groups)  # fmt: skip
-        if self.encoder_lens is not None and self.encoder_lens.shape[0] != bs:
-            raise LayoutError(
-                "encoder_lens",
-                "batch size differs from seq_lens",
-                seq_lens_size=bs,
-                encoder_lens_size=self.encoder_lens.shape[0],
-            )
-        if self.encoder_lens is None and any(g.cross_attention for g in self.groups):
-            raise LayoutError("encoder_lens", "a cross-attention group needs encoder_lens")
-        if self.encoder_cached is not None:
-            if self.encoder_lens is None:
-                raise LayoutError("encoder_cached", "needs encoder_lens")
-            if self.encoder_cached.shape[0] != bs:
-                raise LayoutError(
-                    "encoder_cached",
-                    "batch size differs from seq_lens",
-                    seq_lens_size=bs,
-                    encoder_cached_size=self.encoder_cached.shape[0],
-                )
-        if self.item_delimiters is not None:
-            check_items_fit(
-                self.item_delimiters, extend=self.mode is Mode.EXTEND,
-                extend_lens=self.extend_lens, groups=self.groups,
-            )  # fmt: skip
-        # Derived values, in wide integers, must fit the int32 arrays kernels get.
-        _ = self.decoder_start, self.pages_needed
-
+    # -- the general constructor ----------------------------------------------------------
     @classmethod
-    def _from_checked(
+    def of(
         cls,
         mode: Mode,
-        seq_lens: IntArray,
-        prefix_lens: IntArray,
-        encoder_lens: IntArray | None,
-        page_size: int,
-        groups: tuple[AttentionGroup, ...],
-        encoder_cached: npt.NDArray[np.bool_] | None,
-        draft: DraftTree | None,
-        item_delimiters: ItemDelimiters | None,
+        seq_lens: ArrayLike,
+        prefix_lens: ArrayLike,
+        encoder_lens: ArrayLike | None = None,
+        page_size: int = 1,
+        groups: Iterable[AttentionGroup] | AttentionGroup = DEFAULT_GROUPS,
+        encoder_cached: object = None,
+        draft: DraftTree | None = None,
+        item_delimiters: object = None,
     ) -> BatchLayout:
-        """Internal: a layout from fields that already are what the converters return
-        and that already pass every check of ``__init__`` (read-only int32 arrays, a
-        validated page size, a tuple of distinct groups …). Nothing is converted or
-        checked again: only flashplan's own constructors call it, and only with values
-        they validated (tests check that it gives records equal to ``__init__``'s)."""
-        self = object.__new__(cls)
-        _set = object.__setattr__
-        _set(self, "mode", mode)
-        _set(self, "seq_lens", seq_lens)
-        _set(self, "prefix_lens", prefix_lens)
-        _set(self, "encoder_lens", encoder_lens)
-        _set(self, "page_size", page_size)
-        _set(self, "groups", groups)
-        _set(self, "encoder_cached", encoder_cached)
-        _set(self, "draft", draft)
-        _set(self, "item_delimiters", item_delimiters)
-        return self
+        """A layout from every field, converted and checked (the named constructors
+        below compute the fields of their kind of step and call this; it is also the
+        checked form of ``attrs.evolve``: :meth:`replace`).
+
+        Per-request data is any sequence of ints, integer array or CPU tensor.
+
+        Raises:
+            LayoutError: any field that is invalid or contradicts another, naming the
+                field and the first offending request
+                (:class:`~flashplan.errors.FieldTypeError` for a wrong type).
+        """
+        if not isinstance(mode, Mode):
+            raise FieldTypeError("mode", "must be a flashplan.Mode", value=mode)
+        seq = as_lengths("seq_lens", seq_lens)
+        prefix = as_lengths("prefix_lens", prefix_lens)
+        encoder = _optional_lengths("encoder_lens", encoder_lens)
+        ps = as_int("page_size", page_size, minimum=1)
+        checked = as_groups("groups", groups)
+        cached = _optional_flags("encoder_cached", encoder_cached)
+        items = as_item_delimiters(ITEMS, item_delimiters)
+        if draft is not None and not isinstance(draft, DraftTree):
+            raise FieldTypeError("draft", "must be a DraftTree", value=type(draft).__name__)
+        _check_lengths(mode, seq, prefix)
+        if (draft is not None) != (mode is Mode.VERIFY):
+            raise LayoutError("draft", "a verify batch, and only a verify batch, has a draft")
+        if draft is not None:
+            check_draft_fits(draft, new_tokens=seq - prefix, groups=checked)
+        _check_encoder(seq, encoder, cached, checked)
+        if items is not None:
+            check_items_fit(
+                items, extend=mode is Mode.EXTEND, extend_lens=seq - prefix, groups=checked
+            )
+        layout = cls(mode, seq, prefix, encoder, ps, checked, cached, draft, items)
+        # Derived values, in wide integers, must fit the int32 arrays kernels get. Without
+        # an encoder each is at most its seq_len (the pages' total, which could pass
+        # int32 only for a 2**31-token batch, is checked when first read, by plan()).
+        if encoder is not None:
+            _ = layout.row_spans
+        return layout
+
+    def replace(self, **changes: Any) -> BatchLayout:
+        """This layout with some fields changed, checked as :meth:`of` checks (what
+        ``attrs.evolve`` does, with the checks: ``__init__`` only stores)."""
+        fields = {f.name: getattr(self, f.name) for f in attrs.fields(type(self))}
+        fields.update(changes)
+        return type(self).of(**fields)
 
     # -- named constructors -------------------------------------------------------------
     @classmethod
@@ -226,18 +246,15 @@ class BatchLayout:
     ) -> BatchLayout:
         """A decode step: each request adds one token; ``seq_lens`` count it (>= 1)."""
         seq = as_lengths("seq_lens", seq_lens, minimum=1)
-        prefix = seal_inplace(seq - 1)
+        prefix = seal_inplace(seq - constant_operand(1))
         if encoder_lens is not None or encoder_cached is not None:
-            return cls(Mode.DECODE, seq, prefix, encoder_lens, page_size, groups, encoder_cached)
-        # The common step, without encoder: the same checks as the constructor, in its
-        # order, minus those that hold by construction (seq_lens >= 1 was checked, so
-        # prefix_lens = seq_lens - 1 is in [0, seq_lens) and the step adds one token;
-        # without encoder, every derived value is at most seq_lens, which fits int32).
+            return cls.of(Mode.DECODE, seq, prefix, encoder_lens, page_size, groups, encoder_cached)
+        # seq_lens >= 1, so prefix_lens = seq_lens - 1 is valid and the step adds one
+        # token per request: only the page size and the groups can still be wrong.
         ps = as_int("page_size", page_size, minimum=1)
         checked = as_groups("groups", groups)
-        if any(g.cross_attention for g in checked):
-            raise LayoutError("encoder_lens", "a cross-attention group needs encoder_lens")
-        return cls._from_checked(Mode.DECODE, seq, prefix, None, ps, checked, None, None, None)
+        _check_encoder(seq, None, None, checked)
+        return cls(Mode.DECODE, seq, prefix, None, ps, checked)
 
     @classmethod
     def extend(
@@ -264,7 +281,7 @@ class BatchLayout:
         """
         seq = as_lengths("seq_lens", seq_lens)
         prefix = seal_inplace(np.zeros_like(seq)) if prefix_lens is None else prefix_lens
-        return cls(
+        return cls.of(
             Mode.EXTEND,
             seq,
             prefix,
@@ -328,7 +345,9 @@ class BatchLayout:
         seq = checked_int32(
             "prefix_lens", prefix.astype(np.int64) + draft.num_tokens, "prefix + draft length"
         )
-        return cls(Mode.VERIFY, seq, prefix, encoder_lens, page_size, groups, encoder_cached, draft)
+        return cls.of(
+            Mode.VERIFY, seq, prefix, encoder_lens, page_size, groups, encoder_cached, draft
+        )
 
     @classmethod
     def draft_extend(
@@ -379,7 +398,7 @@ class BatchLayout:
                 )
             new = seal_inplace(np.full_like(prefix, n))
         seq = checked_int32("prefix_lens", prefix.astype(np.int64) + new, "prefix + new tokens")
-        return cls(Mode.EXTEND, seq, prefix, None, page_size, groups)
+        return cls.of(Mode.EXTEND, seq, prefix, None, page_size, groups)
 
     @classmethod
     def block_extend(
@@ -413,7 +432,7 @@ class BatchLayout:
         prefix = seal_inplace(seq - np.int32(block))
         if groups is None:
             groups = (AttentionGroup.bidirectional(),)
-        return cls(Mode.EXTEND, seq, prefix, encoder_lens, page_size, groups, encoder_cached)
+        return cls.of(Mode.EXTEND, seq, prefix, encoder_lens, page_size, groups, encoder_cached)
 
     # -- derived ------------------------------------------------------------------------
     @property
@@ -451,9 +470,8 @@ class BatchLayout:
     def encoder_pages(self) -> IntArray:
         """Pages the encoder KV occupies at the start of each row, int32 ``[bs]`` (pages)."""
         if self.encoder_lens is None:
-            return seal_inplace(np.zeros_like(self.seq_lens))
-        ps = self.page_size
-        return seal_inplace((self.encoder_lens.astype(np.int64) + ps - 1) // ps)
+            return filled(0, self.batch_size)
+        return seal_inplace(ceil_pages(self.encoder_lens, self.page_size))
 
     @cached_property
     def decoder_start(self) -> IntArray:
@@ -465,30 +483,53 @@ class BatchLayout:
             LayoutError: the rounded value exceeds int32.
         """
         if self.encoder_lens is None:
-            return seal_inplace(np.zeros(self.seq_lens.shape[0], dtype=np.int32))
+            return filled(0, self.batch_size)
         start = self.encoder_pages.astype(np.int64) * self.page_size
         return checked_int32("encoder_lens", start, "encoder length rounded to a page")
 
     @cached_property
-    def pages_needed(self) -> IntArray:
-        """Pages each request's page-table row must hold, int32 ``[bs]`` (pages).
+    def row_spans(self) -> PageSpans:
+        """Each request's whole row, row token 0 to its last token (encoder pages, then
+        the decoder's ``seq_lens`` tokens), and the pages it covers
+        (:class:`~flashplan.lengths.PageSpans`): a decode step's keys without encoder.
 
         Raises:
-            LayoutError: the row's last token (encoder + decoder) exceeds int32.
+            LayoutError: the row's last token (encoder + decoder), or the pages of all
+                rows together, exceed int32 (named ``seq_lens``).
         """
-        ps = self.page_size
-        if self.encoder_lens is None:  # ceil(seq / ps) in int32, with no sum that could wrap
-            pages = (self.seq_lens - 1) // ps
-            pages += 1
-            return seal_inplace(pages)
+        if self.encoder_lens is None:
+            return PageSpans.from_row_start(self.seq_lens, self.page_size, field="seq_lens")
         end = self.decoder_start.astype(np.int64) + self.seq_lens
         if end.size and int(end.max()) > INT32_MAX:
             i = int(np.argmax(end))
             raise LayoutError(
                 "seq_lens", "encoder + decoder tokens exceed int32", request=i, end=int(end[i])
             )
-        return seal_inplace(np.maximum((end + ps - 1) // ps, self.encoder_pages))
+        return PageSpans.from_row_start(seal_inplace(end), self.page_size, field="seq_lens")
+
+    @cached_property
+    def encoder_spans(self) -> PageSpans:
+        """The encoder's tokens at the start of each row (a cross group's keys), with
+        their pages (:class:`~flashplan.lengths.PageSpans`).
+
+        Raises:
+            LayoutError: the layout has no encoder.
+        """
+        if self.encoder_lens is None:
+            raise LayoutError("encoder_lens", "the layout has no encoder")
+        return PageSpans.from_row_start(self.encoder_lens, self.page_size)
+
+    @property
+    def pages_needed(self) -> IntArray:
+        """Pages each request's page-table row must hold, int32 ``[bs]`` (pages): its
+        :attr:`row_spans`' pages (the decoder's last token's page; an empty decoder
+        after an encoder still needs the encoder's pages, which end where it starts).
+
+        Raises:
+            LayoutError: the row's last token (encoder + decoder) exceeds int32.
+        """
+        return self.row_spans.pages.lens
 
     def with_groups(self, *groups: AttentionGroup) -> BatchLayout:
         """The same batch planned for other groups."""
-        return attrs.evolve(self, groups=groups)
+        return self.replace(groups=groups)

@@ -14,6 +14,7 @@ from flashplan.errors import LayoutError
 from flashplan.layout.batch import DEFAULT_GROUPS, BatchLayout, as_groups
 from flashplan.layout.convert import as_int, as_lengths
 from flashplan.layout.group import AttentionGroup
+from flashplan.lengths import ceil_pages
 
 __all__ = ["DraftDecode"]
 
@@ -77,7 +78,7 @@ class DraftDecode:
         of the prefix's partial last page and the ``steps`` draft tokens (the most over
         the batch)."""
         tail = self.prefix_lens.astype(np.int64) % self.page_size + self.steps
-        return int(((tail + self.page_size - 1) // self.page_size).max()) if tail.size else 1
+        return int(ceil_pages(tail, self.page_size).max()) if tail.size else 1
 
 
 def _draft_groups(value: object) -> tuple[AttentionGroup, ...]:

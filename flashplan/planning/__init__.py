@@ -1,6 +1,7 @@
 """Pure planning: `BatchLayout` -> `PlanSpec` (host data only)."""
 
 from flashplan.errors import PlanIntegrityError
+from flashplan.lengths import Lengths, PageSpans
 from flashplan.planning.items import MultiItemTensors, plan_items
 from flashplan.planning.masks import CustomMask, ThresholdMask, TreeMask
 from flashplan.planning.planner import plan, plan_steps, planned_groups
@@ -22,7 +23,9 @@ __all__ = [
     "ExtendPath",
     "GroupPlan",
     "KernelPath",
+    "Lengths",
     "MultiItemTensors",
+    "PageSpans",
     "PagedPart",
     "PlanIntegrityError",
     "PlanKey",

@@ -92,7 +92,9 @@ class MultiItemTensors:
     entries ``item_start[k] … item_start[k] + item_length[k] - 1`` of it, which hold
     ``1, 2, …, item_length[k]``; every other entry (a delimiter, padding, the row of a
     request without delimiters) is 0. Build it from the planner (:func:`plan_items`),
-    from the items, or from a dense array (:meth:`from_rows`).
+    from the items (:meth:`from_items`), or from a dense array (:meth:`from_rows`).
+    ``MultiItemTensors(...)`` itself stores its arguments as given: read-only arrays of
+    the dtypes below that pass :meth:`from_items`' checks (the planner's).
 
     Example — the reference file's two-request batch: items of lengths 2, 1 after a
     3-token prompt, and items of lengths 1, 3, 2 after a 2-token prompt, each item after
@@ -116,46 +118,38 @@ class MultiItemTensors:
         item_start: int32 ``[items]`` (entries of ``token_pos_in_items``): where each
             non-empty item's first token sits, ascending.
         item_length: int32 ``[items]`` (tokens): each item's length, 1 … 65535.
-
-    Raises:
-        LayoutError: arrays of the wrong shape or sizes, values outside the dtypes, items
-            that overlap, leave their row or are empty (naming the item and its
-            request), or a ``max_item_len`` below its row's longest item (FlashInfer
-            would silently skip visible keys).
     """
 
-    prefix_len_ptr: U32 = attrs.field(
-        converter=lambda v: _typed("prefix_len_ptr", v, np.uint32), eq=array_key
-    )
-    token_pos_in_items_len: int = attrs.field(
-        converter=lambda v: as_int("token_pos_in_items_len", v, minimum=0)
-    )
-    max_item_len: U16 = attrs.field(
-        converter=lambda v: _typed("max_item_len", v, np.uint16), eq=array_key
-    )
-    item_start: IntArray = attrs.field(
-        converter=lambda v: _typed("item_start", v, np.int32, "item"), eq=array_key
-    )
-    item_length: IntArray = attrs.field(
-        converter=lambda v: _typed("item_length", v, np.int32, "item"), eq=array_key
-    )
+    prefix_len_ptr: U32 = attrs.field(eq=array_key)
+    token_pos_in_items_len: int
+    max_item_len: U16 = attrs.field(eq=array_key)
+    item_start: IntArray = attrs.field(eq=array_key)
+    item_length: IntArray = attrs.field(eq=array_key)
 
     @classmethod
-    def _from_checked(
-        cls, prefix_len_ptr: U32, token_pos_in_items_len: int, max_item_len: U16,
-        item_start: IntArray, item_length: IntArray,
+    def from_items(
+        cls, prefix_len_ptr: object, token_pos_in_items_len: object, max_item_len: object,
+        item_start: object, item_length: object,
     ) -> MultiItemTensors:  # fmt: skip
-        """Internal (:func:`plan_items`): tensors from read-only arrays of the fields'
-        dtypes that pass ``__init__``'s checks by construction; nothing is copied or
-        checked again."""
-        self = object.__new__(cls)
-        _set = object.__setattr__
-        _set(self, "prefix_len_ptr", prefix_len_ptr)
-        _set(self, "token_pos_in_items_len", token_pos_in_items_len)
-        _set(self, "max_item_len", max_item_len)
-        _set(self, "item_start", item_start)
-        _set(self, "item_length", item_length)
-        return self
+        """From FlashInfer's arguments with ``token_pos_in_items`` as its items: any
+        integer arrays whose values fit the fields' dtypes (copied to read-only arrays
+        of those dtypes unless they are already).
+
+        Raises:
+            LayoutError: arrays of the wrong shape or sizes, values outside the dtypes,
+                items that overlap, leave their row or are empty (naming the item and its
+                request), or a ``max_item_len`` below its row's longest item (FlashInfer
+                would silently skip visible keys).
+        """
+        tensors = cls(
+            _typed("prefix_len_ptr", prefix_len_ptr, np.uint32),
+            as_int("token_pos_in_items_len", token_pos_in_items_len, minimum=0),
+            _typed("max_item_len", max_item_len, np.uint16),
+            _typed("item_start", item_start, np.int32, "item"),
+            _typed("item_length", item_length, np.int32, "item"),
+        )
+        tensors._check()
+        return tensors
 
     @classmethod
     def from_rows(
@@ -166,12 +160,13 @@ class MultiItemTensors:
         uint16-valued ``[bs * token_pos_in_items_len]``).
 
         Raises:
-            LayoutError: besides ``__init__``'s refusals, a dense array of the wrong size
+            LayoutError: besides :meth:`from_items`' refusals, a dense array of the wrong size
                 or one that is not of the multi-item form: an entry that is neither 0
                 nor one more than the entry before it in its row (naming the request
                 and the column).
         """
-        bs = _typed("prefix_len_ptr", prefix_len_ptr, np.uint32).shape[0]
+        prefix = _typed("prefix_len_ptr", prefix_len_ptr, np.uint32)
+        bs = prefix.shape[0]
         stride = as_int("token_pos_in_items_len", token_pos_in_items_len, minimum=0)
         dense = _typed("token_pos_in_items", token_pos_in_items, np.uint16, "entry")
         if dense.shape[0] != bs * stride:
@@ -204,9 +199,10 @@ class MultiItemTensors:
         if values.size:
             after[stride - 1 :: stride] = 0  # a row's last column ends its item
         ends = np.flatnonzero((values > 0) & (after != values + 1))
-        return cls(prefix_len_ptr, stride, max_item_len, starts, ends - starts + 1)
+        return cls.from_items(prefix, stride, max_item_len, starts, ends - starts + 1)
 
-    def __attrs_post_init__(self) -> None:
+    def _check(self) -> None:
+        """:meth:`from_items`' checks of the converted fields."""
         bs, stride = self.prefix_len_ptr.shape[0], self.token_pos_in_items_len
         if self.max_item_len.shape[0] != bs:
             raise LayoutError(
@@ -312,12 +308,13 @@ class MultiItemTensors:
         the batch's length)."""
         stride = self.token_pos_in_items_len
         own = (self.item_start >= i * stride) & (self.item_start < (i + 1) * stride)
+        # request i's own items, shifted to row 0: valid as the batch's are
         return MultiItemTensors(
             self.prefix_len_ptr[i : i + 1],
             stride,
             self.max_item_len[i : i + 1],
-            self.item_start[own] - i * stride,
-            self.item_length[own],
+            seal_inplace(self.item_start[own] - np.int32(i * stride)),
+            seal_inplace(self.item_length[own]),
         )
 
 
@@ -372,7 +369,7 @@ def plan_items(layout: BatchLayout) -> tuple[MultiItemTensors, PositionRuns]:
     runs = _position_runs(items, prefix, first, prefix_len, gap)
     # uint32 / uint16 hold every value: prefix_len <= seq_len fits int32 (so uint32),
     # and no row is longer than MAX_ITEM_ROW (checked when the layout was built).
-    tensors = MultiItemTensors._from_checked(
+    tensors = MultiItemTensors(
         seal_inplace(prefix_len, np.uint32),
         stride,
         seal_inplace(longest, np.uint16),
@@ -412,4 +409,4 @@ def _position_runs(
     run_len = np.empty(bs + n, dtype=np.int32)
     run_len[own] = first  # ext where a request has no delimiter
     run_len[~own] = gap
-    return PositionRuns._from_checked(seal_inplace(run_first), seal_inplace(run_len))
+    return PositionRuns(seal_inplace(run_first), seal_inplace(run_len))

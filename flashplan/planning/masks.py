@@ -30,6 +30,7 @@ __all__ = [
     "TreeMask",
     "mask_indptr",
     "pack_dense",
+    "pack_tail_bits",
     "pack_threshold_rows",
     "threshold_rows",
     "unpack_request",
@@ -61,7 +62,11 @@ class ThresholdMask:
     request and expanded only where it is used (on the GPU by
     :func:`flashplan.kernels.build_custom_mask`, on the host by :attr:`packed`).
 
-    >>> m = ThresholdMask([2], [5], [2])   # 2 rows over 5 columns, row 0 from column 2
+    ``ThresholdMask(qo_lens, kv_lens, first_visible)`` stores the arrays as given:
+    read-only arrays of the dtypes below, one entry per request (the planner's).
+    :meth:`from_arrays` converts and checks any integer arrays.
+
+    >>> m = ThresholdMask.from_arrays([2], [5], [2])  # 2 rows over 5 columns, from column 2
     >>> m.dense(0).astype(int)
     array([[0, 0, 1, 1, 1],
            [0, 0, 0, 1, 1]])
@@ -75,22 +80,32 @@ class ThresholdMask:
             clamping.
     """
 
-    qo_lens: IntArray = attrs.field(converter=lambda v: _mask_lengths("qo_lens", v), eq=array_key)
-    kv_lens: IntArray = attrs.field(converter=lambda v: _mask_lengths("kv_lens", v), eq=array_key)
-    first_visible: npt.NDArray[np.int64] = attrs.field(
-        converter=lambda v: _first_visible("first_visible", v), eq=array_key
-    )
+    qo_lens: IntArray = attrs.field(eq=array_key)
+    kv_lens: IntArray = attrs.field(eq=array_key)
+    first_visible: npt.NDArray[np.int64] = attrs.field(eq=array_key)
 
-    def __attrs_post_init__(self) -> None:
-        bs = self.qo_lens.shape[0]
-        if self.kv_lens.shape[0] != bs or self.first_visible.shape[0] != bs:
+    @classmethod
+    def from_arrays(cls, qo_lens: object, kv_lens: object, first_visible: object) -> ThresholdMask:
+        """A mask from any 1-D integer arrays (copied to read-only int32 lengths and
+        int64 thresholds).
+
+        Raises:
+            LayoutError: lengths that are not 1-D integers ``>= 0``, thresholds that are
+                not 1-D integers, or arrays without one entry per request.
+        """
+        qo = _mask_lengths("qo_lens", qo_lens)
+        kv = _mask_lengths("kv_lens", kv_lens)
+        first = _first_visible("first_visible", first_visible)
+        bs = qo.shape[0]
+        if kv.shape[0] != bs or first.shape[0] != bs:
             raise LayoutError(
                 "mask",
                 "qo_lens, kv_lens and first_visible must have one entry per request",
                 qo_lens=bs,
-                kv_lens=self.kv_lens.shape[0],
-                first_visible=self.first_visible.shape[0],
+                kv_lens=kv.shape[0],
+                first_visible=first.shape[0],
             )
+        return cls(qo, kv, first)
 
     @cached_property
     def indptr(self) -> IntArray:
@@ -122,7 +137,14 @@ def _tail_bits(field: str, value: object) -> npt.NDArray[np.bool_]:
     arr = np.asarray(value)
     if arr.ndim != 3 or arr.shape[1] != arr.shape[2] or arr.dtype != np.bool_:
         raise LayoutError(field, "must be a bool array [bs, N, N]", shape=arr.shape)
-    return copy_readonly(arr, bool)
+    return arr
+
+
+def pack_tail_bits(bits: npt.NDArray[np.bool_]) -> npt.NDArray[np.uint8]:
+    """uint8 ``[bs, N, ceil(N / 8)]`` (read-only, fresh): each row of the bool
+    ``[bs, N, N]`` draft bits bit-packed little-endian (draft key ``a`` is bit ``a % 8``
+    of byte ``a // 8``, the padding bits 0): :attr:`TreeMask.tail_words`."""
+    return seal_inplace(np.packbits(bits, axis=2, bitorder="little"), np.uint8)
 
 
 @readonly_when_unpickled
@@ -139,10 +161,19 @@ class TreeMask:
     column ``tail_start[i] + a`` when ``tail_bits[i, t, a]`` (``a`` is an ancestor of
     ``t`` or ``t`` itself, inside the window).
 
-    >>> m = TreeMask([2], [5], [1], [[0, 1]], [3], [[[True, False], [True, True]]])
+    ``TreeMask(qo_lens, kv_lens, first_visible, row_offsets, tail_start, tail_words)``
+    stores the arrays as given: read-only arrays of the dtypes and shapes below that
+    pass :meth:`from_bits`' checks (the planner's: a tree's packed rows are its draft's
+    :attr:`~flashplan.DraftTree.ancestor_words`, or window-trimmed rows packed by
+    :func:`pack_tail_bits`). :meth:`from_bits` converts and checks any arrays, and packs
+    the bits.
+
+    >>> m = TreeMask.from_bits([2], [5], [1], [[0, 1]], [3], [[[True, False], [True, True]]])
     >>> m.dense(0).astype(int)
     array([[0, 1, 1, 1, 0],
            [0, 0, 1, 1, 1]])
+    >>> m.tail_words.tolist()  # row 0 sees draft key 0, row 1 keys 0 and 1
+    [[[1], [3]]]
 
     Attributes:
         qo_lens: int32 ``[bs]`` (tokens): ``N`` rows per request.
@@ -151,65 +182,49 @@ class TreeMask:
             offset 0.
         row_offsets: int32 ``[bs, N]`` (columns): each row's shift of that threshold.
         tail_start: int64 ``[bs]`` (columns): where the draft columns begin.
-        tail_bits: bool ``[bs, N, N]``: which draft key each row sees.
-
-    :attr:`tail_words` holds the same bits packed (what the executors stage).
+        tail_words: uint8 ``[bs, N, ceil(N / 8)]``: which draft key each row sees, each
+            row bit-packed little-endian (draft key ``a`` is bit ``a % 8`` of byte
+            ``a // 8``; the padding bits are 0): an eighth of the bytes of
+            :attr:`tail_bits`, which is what the executors send to the device.
     """
 
-    qo_lens: IntArray = attrs.field(converter=lambda v: _mask_lengths("qo_lens", v), eq=array_key)
-    kv_lens: IntArray = attrs.field(converter=lambda v: _mask_lengths("kv_lens", v), eq=array_key)
-    first_visible: npt.NDArray[np.int64] = attrs.field(
-        converter=lambda v: _first_visible("first_visible", v), eq=array_key
-    )
-    row_offsets: npt.NDArray[np.int32] = attrs.field(
-        converter=lambda v: _row_offsets("row_offsets", v), eq=array_key
-    )
-    tail_start: npt.NDArray[np.int64] = attrs.field(
-        converter=lambda v: _first_visible("tail_start", v), eq=array_key
-    )
-    tail_bits: npt.NDArray[np.bool_] = attrs.field(
-        converter=lambda v: _tail_bits("tail_bits", v), eq=array_key
-    )
+    qo_lens: IntArray = attrs.field(eq=array_key)
+    kv_lens: IntArray = attrs.field(eq=array_key)
+    first_visible: npt.NDArray[np.int64] = attrs.field(eq=array_key)
+    row_offsets: npt.NDArray[np.int32] = attrs.field(eq=array_key)
+    tail_start: npt.NDArray[np.int64] = attrs.field(eq=array_key)
+    tail_words: npt.NDArray[np.uint8] = attrs.field(eq=array_key)
 
     @classmethod
-    def _from_checked(
-        cls,
-        qo_lens: IntArray,
-        kv_lens: IntArray,
-        first_visible: npt.NDArray[np.int64],
-        row_offsets: npt.NDArray[np.int32],
-        tail_start: npt.NDArray[np.int64],
-        tail_bits: npt.NDArray[np.bool_],
-        tail_words: npt.NDArray[np.uint8] | None = None,
-    ) -> TreeMask:
-        """Internal (the planner): a mask from read-only arrays of the converters' dtypes
-        and shapes that pass ``__init__``'s checks; nothing is copied or checked again
-        (the ``[bs, N, N]`` bits of a large tree are not copied). ``tail_words`` presets
-        :attr:`tail_words` with the same bits packed (a draft's
-        :attr:`~flashplan.DraftTree.ancestor_words`)."""
-        self = object.__new__(cls)
-        _set = object.__setattr__
-        _set(self, "qo_lens", qo_lens)
-        _set(self, "kv_lens", kv_lens)
-        _set(self, "first_visible", first_visible)
-        _set(self, "row_offsets", row_offsets)
-        _set(self, "tail_start", tail_start)
-        _set(self, "tail_bits", tail_bits)
-        if tail_words is not None:
-            _set(self, "tail_words", tail_words)
-        return self
+    def from_bits(
+        cls, qo_lens: object, kv_lens: object, first_visible: object, row_offsets: object,
+        tail_start: object, tail_bits: object,
+    ) -> TreeMask:  # fmt: skip
+        """A mask from any integer arrays and the draft bits as bool ``[bs, N, N]``
+        (``tail_bits[i, t, a]``: row ``t`` sees draft key ``a``), packed here.
 
-    def __attrs_post_init__(self) -> None:
-        bs, n = self.row_offsets.shape
-        sizes = {
-            a.shape[0] for a in (self.qo_lens, self.kv_lens, self.first_visible, self.tail_start)
-        }
-        if sizes != {bs} or self.tail_bits.shape[:2] != (bs, n):
+        Raises:
+            LayoutError: lengths that are not 1-D integers ``>= 0``, thresholds or
+                ``tail_start`` that are not 1-D integers, ``row_offsets`` that is not an
+                integer ``[bs, N]`` array, bits that are not bool ``[bs, N, N]``, arrays
+                without one entry per request, a request without ``N`` rows, or draft
+                columns outside the call's keys.
+        """
+        qo = _mask_lengths("qo_lens", qo_lens)
+        kv = _mask_lengths("kv_lens", kv_lens)
+        first = _first_visible("first_visible", first_visible)
+        offsets = _row_offsets("row_offsets", row_offsets)
+        start = _first_visible("tail_start", tail_start)
+        bits = _tail_bits("tail_bits", tail_bits)
+        bs, n = offsets.shape
+        sizes = {a.shape[0] for a in (qo, kv, first, start)}
+        if sizes != {bs} or bits.shape[:2] != (bs, n):
             raise LayoutError("mask", "every array needs one entry per request", sizes=sizes)
-        if bs and (self.qo_lens != n).any():
+        if bs and (qo != n).any():
             raise LayoutError("qo_lens", "a tree mask has N rows per request", num_tokens=n)
-        if bs and ((self.tail_start < 0) | (self.tail_start + n > self.kv_lens)).any():
+        if bs and ((start < 0) | (start + n > kv)).any():
             raise LayoutError("tail_start", "the draft columns must lie inside the call's keys")
+        return cls(qo, kv, first, offsets, start, pack_tail_bits(bits))
 
     @cached_property
     def indptr(self) -> IntArray:
@@ -217,12 +232,12 @@ class TreeMask:
         return mask_indptr(self.qo_lens, self.kv_lens)
 
     @cached_property
-    def tail_words(self) -> npt.NDArray[np.uint8]:
-        """uint8 ``[bs, N, ceil(N / 8)]``: each row of :attr:`tail_bits` bit-packed
-        little-endian (draft key ``a`` is bit ``a % 8`` of byte ``a // 8``): an eighth
-        of the bytes, which is what the executors send to the device."""
-        words = np.packbits(self.tail_bits, axis=2, bitorder="little")
-        return seal_inplace(words, np.uint8)
+    def tail_bits(self) -> npt.NDArray[np.bool_]:
+        """bool ``[bs, N, N]`` (read-only): :attr:`tail_words` unpacked,
+        ``tail_bits[i, t, a]`` when row ``t`` of request ``i`` sees draft key ``a``."""
+        n = self.row_offsets.shape[1]
+        bits = np.unpackbits(self.tail_words, axis=2, count=n, bitorder="little")
+        return seal_inplace(bits.view(np.bool_), bool)
 
     def dense(self, request: int) -> npt.NDArray[np.bool_]:
         """bool ``[N, kv_len]``: request ``request``'s mask."""

@@ -6,14 +6,15 @@ import functools
 
 import numpy as np
 
-from flashplan.arrays import INT32_MAX, IntArray, indptr, seal_inplace
+from flashplan.arrays import INT32_MAX, IntArray, filled, seal_inplace
 from flashplan.errors import FieldTypeError, LayoutError
 from flashplan.layout.batch import BatchLayout, Mode
 from flashplan.layout.draft_decode import DraftDecode
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
+from flashplan.lengths import Lengths, PageSpans
 from flashplan.planning.items import MultiItemTensors, plan_items
-from flashplan.planning.masks import ThresholdMask, TreeMask
+from flashplan.planning.masks import ThresholdMask, TreeMask, pack_tail_bits
 from flashplan.planning.policy import default_extend_path
 from flashplan.planning.positions import PositionRuns
 from flashplan.planning.spec import (
@@ -95,38 +96,31 @@ def plan(
 
     if layout.mode is Mode.DECODE:
         return _plan_decode(layout, heads)
-    qo_lens = layout.extend_lens
     if layout.draft is not None:  # every request adds the draft's N tokens (validated)
-        qo_indptr = _uniform_indptr(layout.batch_size, layout.draft.num_tokens)
+        queries = Lengths.uniform(layout.batch_size, layout.draft.num_tokens, "extend_lens")
     else:
-        qo_indptr = indptr(qo_lens, "extend_lens")
+        queries = Lengths.from_lens(layout.extend_lens, "extend_lens")
     items: MultiItemTensors | None = None
-    positions: IntArray | None = None  # preset when it is cheaper than the runs
     if layout.draft is not None:
-        positions = _verify_positions(layout)
-        runs = PositionRuns._from_checked(positions, _ones(positions.shape[0]))
+        # one position per draft token: prefix + depth (int32: below seq_lens)
+        positions = (layout.prefix_lens[:, None] + layout.draft.depth).reshape(-1)
+        runs = PositionRuns(seal_inplace(positions), filled(1, positions.shape[0]))
     elif layout.is_multi_item:
         items, runs = plan_items(layout)
     else:
         # P, P + 1, ... for each request's new tokens: one run per request
-        runs = PositionRuns._from_checked(layout.prefix_lens, qo_lens)
+        runs = PositionRuns(layout.prefix_lens, queries.lens)
     given, resolved = planned_groups(layout.groups, heads.head_dim)
-    group_plans = tuple(_plan_group(layout, g, choice, qo_lens, qo_indptr, items) for g in given)
-    # Every array below is a read-only int32 array the layout or the planner made, of
-    # the sizes PlanSpec checks: no converter or check needs to run again.
-    return PlanSpec._from_checked(
+    group_plans = tuple(_plan_group(layout, g, choice, queries, items) for g in given)
+    return PlanSpec.of(
         _plan_key(layout, resolved, tuple(gp.path for gp in group_plans), heads),
-        qo_indptr,
-        layout.prefix_lens,
-        layout.decoder_start,
-        runs,
-        _encoder_indptr(layout),
-        layout.pages_needed,
-        group_plans,
-        qo_lens=qo_lens,  # the layout's extend_lens, whose running sum qo_indptr is
-        # decoder_start is 0 without an encoder: the writes start after the prefix
-        write_start=layout.prefix_lens if layout.encoder_lens is None else None,
-        positions=positions,
+        queries,
+        prefix_lens=layout.prefix_lens,
+        decoder_start=layout.decoder_start,
+        position_runs=runs,
+        encoder=_encoder_lengths(layout),
+        pages_needed=layout.pages_needed,
+        group_plans=group_plans,
     )
 
 
@@ -156,64 +150,30 @@ def _interned_key(
     return PlanKey(mode, groups, paths, page_size, heads, multi_item)
 
 
-def _encoder_indptr(layout: BatchLayout) -> IntArray | None:
+def _encoder_lengths(layout: BatchLayout) -> Lengths | None:
     new = layout.encoder_new_lens
-    return None if new is None else indptr(new, "encoder_lens")
+    return None if new is None else Lengths.from_lens(new, "encoder_lens")
 
 
 def _plan_decode(layout: BatchLayout, heads: HeadConfig) -> PlanSpec:
     """A decode batch: one new token per request, every self group on the decode path.
 
     Built from the layout's own sealed arrays (shared, never copied): the new token of
-    request ``i`` is query ``i`` (``qo_indptr = arange``), at position ``prefix_lens[i]``.
+    request ``i`` is query ``i``, at position ``prefix_lens[i]``.
     """
-    bs = layout.batch_size
-    qo_indptr = seal_inplace(np.arange(bs + 1, dtype=np.int32))  # no sum, no overflow
+    queries = Lengths.uniform(layout.batch_size, 1, "extend_lens")
     given, key = _decode_statics(layout.groups, heads, layout.page_size)
-    group_plans = tuple(_decode_group(layout, g) for g in given)
-    qo_lens = _ones(bs)
-    # one new token each, at the position after its prefix: a run of one per request
-    runs = PositionRuns._from_checked(layout.prefix_lens, qo_lens)
-    return PlanSpec._from_checked(
+    return PlanSpec.of(
         key,
-        qo_indptr,
-        layout.prefix_lens,
-        layout.decoder_start,
-        runs,
-        _encoder_indptr(layout),
-        layout.pages_needed,
-        group_plans,
-        qo_lens=qo_lens,
-        # decoder_start + prefix_lens, and decoder_start is 0 without encoder
-        write_start=layout.prefix_lens if layout.encoder_lens is None else None,
-        positions=layout.prefix_lens,
+        queries,
+        prefix_lens=layout.prefix_lens,
+        decoder_start=layout.decoder_start,
+        # one new token each, at the position after its prefix: a run of one per request
+        position_runs=PositionRuns(layout.prefix_lens, queries.lens),
+        encoder=_encoder_lengths(layout),
+        pages_needed=layout.pages_needed,
+        group_plans=tuple(_decode_group(layout, g) for g in given),
     )
-
-
-@functools.lru_cache(maxsize=64)
-def _filled(value: int, shape: tuple[int, ...]) -> IntArray:
-    """A read-only int32 array of ``shape`` holding ``value`` everywhere, made once per
-    shape (read-only, so plans may share it: a step loop meets the same few shapes)."""
-    out = np.empty(shape, dtype=np.int32)
-    out.fill(value)  # cheaper than np.full
-    out.setflags(write=False)
-    return out
-
-
-@functools.lru_cache(maxsize=64)
-def _uniform_indptr(batch_size: int, length: int) -> IntArray:
-    """:func:`~flashplan.arrays.indptr` of ``batch_size`` requests of ``length`` tokens
-    each, made once per shape and shared (read-only: a verify loop meets one or two).
-
-    Raises:
-        LayoutError: the total exceeds int32 (named after ``extend_lens``).
-    """
-    return indptr(_filled(length, (batch_size,)), "extend_lens")
-
-
-def _ones(n: int) -> IntArray:
-    """A read-only int32 ``[n]`` of ones (shared: :func:`_filled`)."""
-    return _filled(1, (n,))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -243,31 +203,11 @@ def _decode_group(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
     + max(seq_lens - (w + 1), 0)``, so int32 arithmetic cannot wrap."""
     if group.cross_attention:
         return _plan_cross(layout, group)
-    ps = layout.page_size
     seq = layout.seq_lens
     base = layout.decoder_start
     window = _window(group)
     if layout.encoder_lens is None and window < 0:
-        # Whole rows from row token 0: the derived arrays are the layout's own
-        # (pages_needed = ceil(seq / ps)); the last page holds (seq - 1) % ps + 1 keys,
-        # and seq - 1 = prefix_lens >= 0 (a mask for a power-of-two page size).
-        prefix = layout.prefix_lens
-        last = prefix & (ps - 1) if ps & (ps - 1) == 0 else prefix % ps
-        last += 1
-        last.setflags(write=False)  # our own fresh int32 array
-        paged = PagedPart._from_checked(
-            base,
-            seq,
-            ps,
-            True,
-            window,
-            None,
-            None,
-            start_page=base,
-            kv_lens=seq,
-            num_pages=layout.pages_needed,
-            last_page_len=last,
-        )
+        spans = layout.row_spans  # whole rows from row token 0: the layout's own
     else:
         end = seq if layout.encoder_lens is None else seal_inplace(base + seq)
         if window >= 0:
@@ -275,10 +215,12 @@ def _decode_group(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
             first = seal_inplace(base + np.maximum(seq - hidden, 0))
         else:
             first = base
-        paged = PagedPart._from_checked(first, end, ps, True, window, None, None)
-    return GroupPlan._from_checked(
-        group, KernelPath.DECODE, paged, None, layout.decoder_start, layout.seq_lens
-    )
+        spans = PageSpans.between(first, end, layout.page_size)
+    paged = PagedPart.over(spans, causal=True, window_left=window)
+    return GroupPlan.of(
+        group, KernelPath.DECODE, paged=paged, ragged=None,
+        key_start=layout.decoder_start, num_keys=layout.seq_lens,
+    )  # fmt: skip
 
 
 def plan_steps(draft: DraftDecode, heads: HeadConfig) -> tuple[PlanSpec, ...]:
@@ -290,15 +232,6 @@ def plan_steps(draft: DraftDecode, heads: HeadConfig) -> tuple[PlanSpec, ...]:
     if not isinstance(draft, DraftDecode):
         raise FieldTypeError("draft", "must be a DraftDecode", value=type(draft).__name__)
     return tuple(plan(draft.step(s), heads) for s in range(draft.steps))
-
-
-def _verify_positions(layout: BatchLayout) -> IntArray:
-    """int32 ``[bs * N]``: ``prefix + depth(t)`` of each draft token (request-major)."""
-    assert layout.draft is not None
-    # int32: prefix + depth < prefix + N = seq_lens, which the layout checked fits
-    positions = (layout.prefix_lens[:, None] + layout.draft.depth).reshape(-1)
-    positions.setflags(write=False)  # a fresh array of ours
-    return positions
 
 
 def _row_tokens(values: np.ndarray) -> IntArray:
@@ -315,8 +248,7 @@ def _plan_group(
     layout: BatchLayout,
     group: AttentionGroup,
     choice: ExtendPath,
-    qo_lens: IntArray,
-    qo_indptr: IntArray,
+    queries: Lengths,
     items: MultiItemTensors | None = None,
 ) -> GroupPlan:
     """One group's plan; ``items`` (a multi-item batch: layouts refuse windowed and
@@ -340,17 +272,19 @@ def _plan_group(
     if choice is ExtendPath.PAGED:
         path = KernelPath.PAGED
         first = _row_tokens(base + np.maximum(prefix - window, 0)) if window >= 0 else base
-        paged = PagedPart(first, end, ps, group.causal, window, items=items)
+        spans = PageSpans.between(first, end, ps)
+        paged = PagedPart.over(spans, causal=group.causal, window_left=window, items=items)
     else:
-        ragged = RaggedPart(qo_indptr, group.causal, window)
+        ragged = RaggedPart.over(queries, causal=group.causal, window_left=window)
         if not np.any(prefix):
             path, paged = KernelPath.RAGGED, None
         else:
             path = KernelPath.RAGGED_PAGED
-            paged = _prefix_part(base.astype(np.int64), prefix, qo_lens, window, ps)
-    return GroupPlan._from_checked(
-        group, path, paged, ragged, layout.decoder_start, layout.seq_lens
-    )
+            paged = _prefix_part(base.astype(np.int64), prefix, queries.lens, window, ps)
+    return GroupPlan.of(
+        group, path, paged=paged, ragged=ragged,
+        key_start=layout.decoder_start, num_keys=layout.seq_lens,
+    )  # fmt: skip
 
 
 def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
@@ -361,11 +295,10 @@ def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
     window measures from a token's slot ``L + t``, but the window must follow its
     position ``L + depth(t)``, so the mask carries the window and the kernel's is off.
 
-    Every span holds the ``N >= 1`` draft tokens, so none is empty
-    (:meth:`PagedPart._derived_nonempty`), and every value is computed in int32 without
-    wrapping: ``end = decoder_start + seq_lens`` was checked to fit when the layout was
-    built, ``prefix - window >= -INT32_MAX`` (the window is capped at int32) and every
-    other value lies between 0 and ``end``.
+    Every value is computed in int32 without wrapping: ``end = decoder_start +
+    seq_lens`` was checked to fit when the layout was built, ``prefix - window >=
+    -INT32_MAX`` (the window is capped at int32) and every other value lies between 0
+    and ``end``.
     """
     draft = layout.draft
     assert draft is not None
@@ -376,55 +309,47 @@ def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
     end = layout.seq_lens if layout.encoder_lens is None else base + layout.seq_lens
     window = _window(group)
     first = base + np.maximum(prefix - window, 0) if window >= 0 else base
-    for a in (first, end):
-        if a is not base and a is not layout.seq_lens:
-            a.setflags(write=False)  # fresh int32 arrays of ours
-    start_page, kv_lens, num_pages, last_page_len = PagedPart._derived_nonempty(first, end, ps)
+    spans = PageSpans.between(first, end, ps)
     mask = None
     if not draft.is_chain:
-        span_first = np.multiply(start_page, ps, dtype=np.int64)  # decoder positions
+        span_first = np.multiply(spans.start_page, ps, dtype=np.int64)  # decoder positions
         if layout.encoder_lens is not None:
             span_first -= base
         depth = draft.depth
         prefix64 = prefix.astype(np.int64)
-        bits = draft.ancestors
-        words = None  # packed when first staged
         if window >= 0:
             threshold = prefix64 - window - span_first
             offsets = depth
-            bits = bits & (depth[:, None, :] >= depth[:, :, None] - window)
-            bits.setflags(write=False)
+            bits = draft.ancestors & (depth[:, None, :] >= depth[:, :, None] - window)
+            words = pack_tail_bits(bits)
         else:
             words = draft.ancestor_words  # the tree's own packed rows: no packing per plan
             threshold = -span_first  # only the leading keys of the first page
-            offsets = _filled(0, depth.shape)
+            offsets = np.zeros(depth.shape, dtype=np.int32)
+            offsets.setflags(write=False)
         tail = prefix64 - span_first  # column of draft token 0
         threshold.setflags(write=False)
         tail.setflags(write=False)
-        # Fresh arrays of the mask's dtypes (the bits: the draft's own sealed array, or
-        # a fresh one), which hold its checks by construction: no copy of the N x N bits.
-        mask = TreeMask._from_checked(
-            layout.extend_lens, kv_lens, threshold, offsets, tail, bits, words
-        )
-    paged = PagedPart._from_checked(
-        first, end, ps, draft.is_chain, window if draft.is_chain else -1, mask, None,
-        start_page=start_page, kv_lens=kv_lens, num_pages=num_pages,
-        last_page_len=last_page_len, page_indptr=indptr(num_pages, "pages"),
-        max_kv_len=int(np.maximum.reduce(kv_lens)) if kv_lens.size else 0,
-    )  # fmt: skip
-    return GroupPlan._from_checked(
-        group, KernelPath.PAGED, paged, None, layout.decoder_start, layout.seq_lens
+        # Fresh arrays of the mask's dtypes (the packed bits: the draft's own, or fresh
+        # ones), true by construction: the mask stores them as they are.
+        mask = TreeMask(layout.extend_lens, spans.kv_lens, threshold, offsets, tail, words)
+    paged = PagedPart.over(
+        spans, causal=draft.is_chain, window_left=window if draft.is_chain else -1, mask=mask
     )
+    return GroupPlan.of(
+        group, KernelPath.PAGED, paged=paged, ragged=None,
+        key_start=layout.decoder_start, num_keys=layout.seq_lens,
+    )  # fmt: skip
 
 
 def _plan_cross(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
     assert layout.encoder_lens is not None  # checked when the layout was built
-    zeros = seal_inplace(np.zeros(layout.batch_size, dtype=np.int32))
-    paged = PagedPart._from_checked(
-        zeros, layout.encoder_lens, layout.page_size, False, -1, None, None
-    )
+    paged = PagedPart.over(layout.encoder_spans, causal=False, window_left=-1)
     path = KernelPath.DECODE if layout.mode is Mode.DECODE else KernelPath.PAGED
-    return GroupPlan._from_checked(group, path, paged, None, zeros, layout.encoder_lens)
+    return GroupPlan.of(
+        group, path, paged=paged, ragged=None,
+        key_start=filled(0, layout.batch_size), num_keys=layout.encoder_lens,
+    )  # fmt: skip
 
 
 def _prefix_part(
@@ -438,14 +363,13 @@ def _prefix_part(
     :class:`~flashplan.planning.masks.ThresholdMask` and the kernel's window is off.
     """
     first_key = np.maximum(prefix - window, 0) if window >= 0 else np.zeros_like(prefix)
-    part = PagedPart(base + first_key, base + prefix, page_size, False, -1)
-    if window < 0:
-        return part
-    span_first = part.start_page.astype(np.int64) * page_size - base  # decoder positions
-    q = qo_lens.astype(np.int64)
-    # The window bites for the last new token when it hides the span's first key.
-    bites = (part.kv_lens > 0) & (q > 0) & (span_first < prefix + q - 1 - window)
-    if not np.any(bites):
-        return part
-    mask = ThresholdMask(qo_lens, part.kv_lens, prefix - window - span_first)
-    return PagedPart(part.first_token, part.end_token, page_size, False, -1, mask)
+    spans = PageSpans.between(base + first_key, base + prefix, page_size)
+    mask = None
+    if window >= 0:
+        span_first = spans.start_page.astype(np.int64) * page_size - base  # decoder positions
+        q = qo_lens.astype(np.int64)
+        # The window bites for the last new token when it hides the span's first key.
+        bites = (spans.kv_lens > 0) & (q > 0) & (span_first < prefix + q - 1 - window)
+        if np.any(bites):
+            mask = ThresholdMask.from_arrays(qo_lens, spans.kv_lens, prefix - window - span_first)
+    return PagedPart.over(spans, causal=False, window_left=-1, mask=mask)

@@ -55,9 +55,14 @@ def _runs_array(field: str, value: object) -> IntArray:
 class PositionRuns:
     """Positions of ``total`` tokens as runs that grow by one (module docstring).
 
+    ``PositionRuns(first, length)`` stores the arrays as given: read-only C-contiguous
+    int32 arrays of one length that pass :meth:`from_runs`' checks (the planner's).
+    :meth:`from_runs` converts and checks any integer arrays; :meth:`of_tokens` makes
+    one run per token.
+
     Example — an extend of two requests with 3 and 2 new tokens after 5 and 0 cached:
 
-    >>> runs = PositionRuns(first=[5, 0], length=[3, 2])
+    >>> runs = PositionRuns.from_runs(first=[5, 0], length=[3, 2])
     >>> runs.start.tolist(), runs.total, runs.positions().tolist()
     ([0, 3], 5, [5, 6, 7, 0, 1])
 
@@ -65,55 +70,55 @@ class PositionRuns:
         first: int32 ``[S]``: the position of each run's first token (clamped at 0 when
             negative).
         length: int32 ``[S]`` (tokens): tokens per run, ``>= 0``.
-
-    Raises:
-        LayoutError: arrays that are not 1-D integers of one length, a negative length,
-            a total or a run's last position beyond int32 (naming the run).
     """
 
-    first: IntArray = attrs.field(converter=lambda v: _runs_array("first", v), eq=array_key)
-    length: IntArray = attrs.field(converter=lambda v: _runs_array("length", v), eq=array_key)
+    first: IntArray = attrs.field(eq=array_key)
+    length: IntArray = attrs.field(eq=array_key)
 
     @classmethod
-    def _from_checked(cls, first: IntArray, length: IntArray) -> PositionRuns:
-        """Internal (the planner): runs from read-only int32 arrays of one length whose
-        lengths are ``>= 0`` and whose positions fit int32; nothing is checked again."""
-        self = object.__new__(cls)
-        object.__setattr__(self, "first", first)
-        object.__setattr__(self, "length", length)
-        return self
+    def from_runs(cls, first: object, length: object) -> PositionRuns:
+        """Runs from any 1-D integer arrays (copied to read-only int32 unless they are
+        already).
+
+        Raises:
+            LayoutError: arrays that are not 1-D integers of one length, a negative
+                length, a total or a run's last position beyond int32 (naming the run).
+        """
+        first32 = _runs_array("first", first)
+        length32 = _runs_array("length", length)
+        if first32.shape != length32.shape:
+            raise LayoutError(
+                "length", "must have one entry per run", runs=first32.shape[0],
+                size=length32.shape[0],
+            )  # fmt: skip
+        if length32.size:
+            if int(length32.min()) < 0:
+                i = int(np.flatnonzero(length32 < 0)[0])
+                raise LayoutError("length", "must be >= 0", run=i, value=int(length32[i]))
+            last = first32.astype(np.int64) + length32 - 1
+            if int(last.max()) > INT32_MAX:
+                i = int(np.flatnonzero(last > INT32_MAX)[0])
+                raise LayoutError(
+                    "first", "a run's last position exceeds int32", run=i, value=int(last[i])
+                )
+            total = int(length32.sum(dtype=np.int64))
+            if total > INT32_MAX:
+                raise LayoutError("length", "total exceeds int32", total=total)
+        return cls(first32, length32)
 
     @classmethod
     def of_tokens(cls, positions: object) -> PositionRuns:
-        """One run per token: ``positions`` (int ``[total]``) as they are (negative
-        positions are refused: runs clamp them at 0)."""
-        first = _runs_array("positions", positions)
-        runs = cls(first, np.ones(first.shape[0], dtype=np.int32))
-        if runs.first.size and int(runs.first.min()) < 0:
-            i = int(np.flatnonzero(runs.first < 0)[0])
-            raise LayoutError("positions", "must be >= 0", token=i, value=int(runs.first[i]))
-        return runs
+        """One run per token: ``positions`` (int ``[total]``) as they are.
 
-    def __attrs_post_init__(self) -> None:
-        if self.first.shape != self.length.shape:
-            raise LayoutError(
-                "length", "must have one entry per run", runs=self.first.shape[0],
-                size=self.length.shape[0],
-            )  # fmt: skip
-        if not self.length.size:
-            return
-        if int(self.length.min()) < 0:
-            i = int(np.flatnonzero(self.length < 0)[0])
-            raise LayoutError("length", "must be >= 0", run=i, value=int(self.length[i]))
-        last = self.first.astype(np.int64) + self.length - 1
-        if int(last.max()) > INT32_MAX:
-            i = int(np.flatnonzero(last > INT32_MAX)[0])
-            raise LayoutError(
-                "first", "a run's last position exceeds int32", run=i, value=int(last[i])
-            )
-        total = int(self.length.sum(dtype=np.int64))
-        if total > INT32_MAX:
-            raise LayoutError("length", "total exceeds int32", total=total)
+        Raises:
+            LayoutError: ``positions`` is not a 1-D integer array of int32 values, or
+                holds a negative position (runs clamp them at 0), naming the token.
+        """
+        first = _runs_array("positions", positions)
+        if first.size and int(first.min()) < 0:
+            i = int(np.flatnonzero(first < 0)[0])
+            raise LayoutError("positions", "must be >= 0", token=i, value=int(first[i]))
+        return cls(first, seal_inplace(np.ones(first.shape[0], dtype=np.int32)))
 
     @property
     def num_runs(self) -> int:
@@ -136,7 +141,15 @@ class PositionRuns:
         return int(self.length.max()) if self.num_runs else 0
 
     def positions(self) -> IntArray:
-        """int32 ``[total]``: every token's position (a fresh read-only array)."""
+        """int32 ``[total]``: every token's position (read-only). When every run is one
+        token at a position ``>= 0`` (a decode or a verify), this is :attr:`first`
+        itself; otherwise a fresh array."""
+        if (  # every run one token, none clamped
+            self.max_length <= 1
+            and self.total == self.num_runs
+            and (not self.num_runs or int(np.minimum.reduce(self.first)) >= 0)
+        ):
+            return self.first
         out = np.repeat(self.first - self.start, self.length)
         out += np.arange(out.shape[0], dtype=np.int32)
         if self.num_runs and int(self.first.min()) < 0:

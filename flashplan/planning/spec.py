@@ -30,10 +30,11 @@ from flashplan.arrays import (
     same_length,
     seal_inplace,
 )
-from flashplan.errors import LayoutError, PlanMismatchError
+from flashplan.errors import FieldTypeError, LayoutError, PlanMismatchError
 from flashplan.layout.batch import Mode
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
+from flashplan.lengths import Lengths
 from flashplan.planning.parts import GroupPlan, KernelPath, PagedPart, RaggedPart
 from flashplan.planning.pictures import ascii_visibility
 from flashplan.planning.positions import PositionRuns
@@ -91,18 +92,6 @@ class PlanKey:
     multi_item: bool = False
 
 
-def _group_plans(value: Iterable[object]) -> tuple[GroupPlan, ...]:
-    plans = tuple(value)
-    for i, gp in enumerate(plans):
-        if not isinstance(gp, GroupPlan):
-            raise LayoutError("group_plans", "must hold GroupPlan records", index=i, value=gp)
-    return plans  # type: ignore[return-value]
-
-
-def _encoder_indptr(field: str, value: object) -> IntArray | None:
-    return None if value is None else int32_field(field, value)
-
-
 @readonly_when_unpickled
 @attrs.frozen
 class PlanSpec:
@@ -118,10 +107,15 @@ class PlanSpec:
     >>> paged.page_indptr.tolist(), paged.last_page_len.tolist(), spec.pages_needed.tolist()
     ([0, 2, 5], [1, 1], [2, 3])
 
+    Build it with :meth:`of` (as :func:`~flashplan.plan` does); ``__init__`` stores the
+    fields.
+
     Attributes:
         key: the static part (:class:`PlanKey`).
-        qo_indptr: int32 ``[bs + 1]`` (tokens): request i's queries (and new K/V
-            rows) are ``q[qo_indptr[i]:qo_indptr[i+1]]``.
+        queries: new tokens (queries) per request and their index pointers
+            (:class:`~flashplan.lengths.Lengths`, tokens): :attr:`qo_lens` and
+            :attr:`qo_indptr` (request i's queries and new K/V rows are
+            ``q[qo_indptr[i]:qo_indptr[i+1]]``).
         prefix_lens: int32 ``[bs]`` (tokens) decoder tokens cached before the step.
         decoder_start: int32 ``[bs]`` (row tokens) where decoder position 0 lives.
         position_runs: each new token's decoder position (for RoPE) as runs
@@ -130,98 +124,108 @@ class PlanSpec:
             on (``prefix_len + pos_in_item - 1``: :mod:`flashplan.planning.items`) and
             in a verify batch (``P + depth``). :attr:`positions` is the same as one
             int32 array.
-        encoder_indptr: int32 ``[bs + 1]`` (tokens) into the encoder K/V rows a cross
-            group's ``run`` writes (requests whose encoder is cached have none), or
-            ``None`` without encoder.
+        encoder: the encoder tokens whose K/V a cross group's ``run`` writes, per
+            request (:class:`~flashplan.lengths.Lengths`; 0 for a cached encoder), or
+            ``None`` without encoder: :attr:`encoder_indptr` indexes the rows.
         pages_needed: int32 ``[bs]`` (pages) each page-table row must hold.
         group_plans: one :class:`GroupPlan` per group of ``key.groups``, same order.
     """
 
-    key: PlanKey = attrs.field(validator=attrs.validators.instance_of(PlanKey))
-    qo_indptr: IntArray = attrs.field(converter=lambda v: int32_field("qo_indptr", v), eq=array_key)
-    prefix_lens: IntArray = attrs.field(
-        converter=lambda v: int32_field("prefix_lens", v), eq=array_key
-    )
-    decoder_start: IntArray = attrs.field(
-        converter=lambda v: int32_field("decoder_start", v), eq=array_key
-    )
-    position_runs: PositionRuns = attrs.field(validator=attrs.validators.instance_of(PositionRuns))
-    encoder_indptr: IntArray | None = attrs.field(
-        converter=lambda v: _encoder_indptr("encoder_indptr", v), eq=array_key
-    )
-    pages_needed: IntArray = attrs.field(
-        converter=lambda v: int32_field("pages_needed", v), eq=array_key
-    )
-    group_plans: tuple[GroupPlan, ...] = attrs.field(converter=lambda v: _group_plans(v))
+    key: PlanKey
+    queries: Lengths
+    prefix_lens: IntArray = attrs.field(eq=array_key)
+    decoder_start: IntArray = attrs.field(eq=array_key)
+    position_runs: PositionRuns
+    encoder: Lengths | None
+    pages_needed: IntArray = attrs.field(eq=array_key)
+    group_plans: tuple[GroupPlan, ...]
 
     @classmethod
-    def _from_checked(
+    def of(
         cls,
         key: PlanKey,
-        qo_indptr: IntArray,
-        prefix_lens: IntArray,
-        decoder_start: IntArray,
-        position_runs: PositionRuns,
-        encoder_indptr: IntArray | None,
-        pages_needed: IntArray,
-        group_plans: tuple[GroupPlan, ...],
+        queries: Lengths,
         *,
-        qo_lens: IntArray | None = None,
-        write_start: IntArray | None = None,
-        positions: IntArray | None = None,
+        prefix_lens: object,
+        decoder_start: object,
+        position_runs: PositionRuns,
+        encoder: Lengths | None,
+        pages_needed: object,
+        group_plans: Iterable[GroupPlan],
     ) -> PlanSpec:
-        """Internal (the planner): a plan from values that already pass ``__init__``'s
-        converters and checks (read-only int32 arrays of consistent sizes, a tuple of
-        one :class:`GroupPlan` per group of ``key``); nothing is converted or checked
-        again. The keyword arguments preset cached properties with arrays the caller
-        already holds, each equal to what the property computes."""
-        self = object.__new__(cls)
-        _set = object.__setattr__
-        _set(self, "key", key)
-        _set(self, "qo_indptr", qo_indptr)
-        _set(self, "prefix_lens", prefix_lens)
-        _set(self, "decoder_start", decoder_start)
-        _set(self, "position_runs", position_runs)
-        _set(self, "encoder_indptr", encoder_indptr)
-        _set(self, "pages_needed", pages_needed)
-        _set(self, "group_plans", group_plans)
-        if qo_lens is not None:
-            _set(self, "qo_lens", qo_lens)
-        if write_start is not None:
-            _set(self, "write_start", write_start)
-        if positions is not None:
-            _set(self, "positions", positions)
-        return self
+        """A plan from its parts (the planner builds every plan this way).
 
-    def __attrs_post_init__(self) -> None:
-        bs = self.qo_indptr.shape[0] - 1
-        if bs < 0:
-            raise LayoutError("qo_indptr", "needs at least one entry")
-        same_length("plan", self.prefix_lens, self.decoder_start, self.pages_needed)
-        if self.prefix_lens.shape[0] != bs:
+        Raises:
+            LayoutError: arrays that are not 1-D integers of one entry per request,
+                position runs that do not cover one position per query, or not one
+                :class:`GroupPlan` per group of ``key``.
+            FieldTypeError: a part of the wrong type.
+        """
+        if not isinstance(key, PlanKey):
+            raise FieldTypeError("key", "must be a PlanKey", value=type(key).__name__)
+        for name, value in (("queries", queries), ("encoder", encoder)):
+            if not isinstance(value, Lengths) and (name == "queries" or value is not None):
+                raise FieldTypeError(name, "must be Lengths", value=type(value).__name__)
+        if not isinstance(position_runs, PositionRuns):
+            raise FieldTypeError(
+                "position_runs", "must be PositionRuns", value=type(position_runs).__name__
+            )
+        prefix = int32_field("prefix_lens", prefix_lens)
+        start = int32_field("decoder_start", decoder_start)
+        pages = int32_field("pages_needed", pages_needed)
+        same_length("plan", prefix, start, pages)
+        bs = queries.batch_size
+        if prefix.shape[0] != bs:
             raise LayoutError("prefix_lens", "must have one entry per request", batch_size=bs)
-        if self.position_runs.total != self.total_q:
+        if encoder is not None and encoder.batch_size != bs:
+            raise LayoutError("encoder", "must have one entry per request", batch_size=bs)
+        if position_runs.total != queries.total:
             raise LayoutError(
-                "position_runs", "must cover one position per query", total_q=self.total_q,
-                covered=self.position_runs.total,
+                "position_runs", "must cover one position per query", total_q=queries.total,
+                covered=position_runs.total,
             )  # fmt: skip
-        if len(self.group_plans) != len(self.key.groups):
+        plans = tuple(group_plans)
+        for i, gp in enumerate(plans):
+            if not isinstance(gp, GroupPlan):
+                raise FieldTypeError(
+                    "group_plans", "must hold GroupPlan records", index=i, value=type(gp).__name__
+                )
+        if len(plans) != len(key.groups):
             raise LayoutError("group_plans", "must have one plan per group of the key")
+        return cls(key, queries, prefix, start, position_runs, encoder, pages, plans)
 
     @property
     def batch_size(self) -> int:
         """Number of requests."""
-        return int(self.qo_indptr.shape[0] - 1)
+        return self.queries.batch_size
 
-    @cached_property
+    @property
+    def qo_indptr(self) -> IntArray:
+        """int32 ``[bs + 1]`` (tokens): request i's queries (and new K/V rows) are
+        ``q[qo_indptr[i]:qo_indptr[i+1]]``."""
+        return self.queries.indptr
+
+    @property
     def qo_lens(self) -> IntArray:
         """int32 ``[bs]`` (tokens): new tokens (queries) per request."""
-        return seal_inplace(self.qo_indptr[1:] - self.qo_indptr[:-1])
+        return self.queries.lens
 
     @property
     def total_q(self) -> int:
         """Rows of ``q`` (tokens)."""
-        return int(self.qo_indptr[-1])
+        return self.queries.total
+
+    @property
+    def max_q_len(self) -> int:
+        """Most new tokens of one request (tokens)."""
+        return self.queries.max_len
+
+    @property
+    def encoder_indptr(self) -> IntArray | None:
+        """int32 ``[bs + 1]`` (tokens) into the encoder K/V rows a cross group's ``run``
+        writes (requests whose encoder is cached have none), or ``None`` without
+        encoder."""
+        return None if self.encoder is None else self.encoder.indptr
 
     @cached_property
     def positions(self) -> IntArray:
@@ -231,14 +235,11 @@ class PlanSpec:
         return self.position_runs.positions()
 
     @cached_property
-    def max_q_len(self) -> int:
-        """Most new tokens of one request (tokens)."""
-        return int(self.qo_lens.max()) if self.qo_lens.size else 0
-
-    @cached_property
     def write_start(self) -> IntArray:
         """int32 ``[bs]`` (row tokens): where each request's first new token's K/V is
         written (``decoder_start + prefix_lens``)."""
+        if not self.decoder_start.any():  # no encoder: the prefix lengths themselves
+            return self.prefix_lens
         # int32 sum: equal to the int64 sum cast down (a layout checks that it fits).
         return seal_inplace(self.decoder_start + self.prefix_lens)
 
@@ -255,7 +256,7 @@ class PlanSpec:
     @property
     def total_encoder(self) -> int:
         """Rows of encoder K/V (tokens); 0 without encoder."""
-        return 0 if self.encoder_indptr is None else int(self.encoder_indptr[-1])
+        return 0 if self.encoder is None else self.encoder.total
 
     def group_index(self, group: AttentionGroup) -> int:
         """Position of ``group``'s plan in :attr:`group_plans`.
