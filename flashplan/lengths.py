@@ -49,11 +49,15 @@ def ceil_pages(tokens: npt.NDArray[np.integer], page_size: int) -> npt.NDArray[n
     return pages
 
 
-def page_split(tokens: IntArray, page_size: int) -> tuple[IntArray, IntArray]:
+def page_split(
+    tokens: IntArray, page_size: int, *, fewest: int | None = None
+) -> tuple[IntArray, IntArray]:
     """``(pages, last_page_len)`` of int32 ``tokens >= 0``, both fresh int32 ``[n]``:
     :func:`ceil_pages`, and the tokens of the last page, in ``[1, page_size]`` (0 for 0
     tokens, which have no page), so that ``(pages - 1) * page_size + last_page_len``
-    gives back ``tokens``. One ``divmod`` of ``tokens - 1`` gives both."""
+    gives back ``tokens``. One ``divmod`` of ``tokens - 1`` gives both (a shift and a
+    mask for a power-of-two page size). ``fewest``: ``tokens``' minimum, when the caller
+    has it."""
     one = constant_operand(1)
     if page_size == 1:  # a page per token, each holding one
         pages, last = tokens.copy(), np.ones_like(tokens)
@@ -67,7 +71,9 @@ def page_split(tokens: IntArray, page_size: int) -> tuple[IntArray, IntArray]:
         pages, last = np.divmod(tokens - one, constant_operand(page_size))
         pages += one
         last += one
-    if tokens.size and np.minimum.reduce(tokens) == 0:
+    if fewest is None:
+        fewest = int(np.minimum.reduce(tokens)) if tokens.size else 1
+    if fewest == 0:
         last[tokens == 0] = 0  # divmod(-1, ps) = (-1, ps - 1): no page, no last page
     return pages, last
 
@@ -205,7 +211,7 @@ class PageSpans:
         if not nonempty.all():
             start = np.where(nonempty, start, 0).astype(np.int32, copy=False)
             kv = np.where(nonempty, kv, 0).astype(np.int32, copy=False)
-        return cls._derived(first, end, ps, seal_inplace(start), seal_inplace(kv), field)
+        return cls._derived(first, end, ps, seal_inplace(start), seal_inplace(kv), field, None)
 
     @classmethod
     def from_row_start(
@@ -219,11 +225,12 @@ class PageSpans:
         """
         end = int32_field("end_token", end_token)
         ps = as_int("page_size", page_size, minimum=1)
-        if end.size and np.minimum.reduce(end) < 0:
+        fewest = int(np.minimum.reduce(end)) if end.size else 1
+        if fewest < 0:
             i = int(np.flatnonzero(end < 0)[0])
             raise LayoutError("end_token", "must be >= 0", request=i)
         zeros = filled(0, end.shape[0])
-        return cls._derived(zeros, end, ps, zeros, end, field)
+        return cls._derived(zeros, end, ps, zeros, end, field, fewest)
 
     @classmethod
     def _derived(
@@ -234,12 +241,12 @@ class PageSpans:
         start: IntArray,
         kv: IntArray,
         field: str,
+        fewest: int | None,
     ) -> PageSpans:
-        pages, last = page_split(kv, page_size)
-        return cls(
-            first, end, page_size, start, kv,
-            Lengths.from_lens(seal_inplace(pages), field), seal_inplace(last),
-        )  # fmt: skip
+        pages, last = page_split(kv, page_size, fewest=fewest)
+        pages.setflags(write=False)  # our own fresh arrays, >= 0: stored as they are
+        last.setflags(write=False)
+        return cls(first, end, page_size, start, kv, Lengths(pages, indptr(pages, field)), last)
 
     @property
     def batch_size(self) -> int:

@@ -25,6 +25,7 @@ import numpy.typing as npt
 from flashplan.arrays import (
     IntArray,
     array_key,
+    filled,
     int32_field,
     readonly_when_unpickled,
     same_length,
@@ -179,7 +180,13 @@ class PlanSpec:
             raise LayoutError("prefix_lens", "must have one entry per request", batch_size=bs)
         if encoder is not None and encoder.batch_size != bs:
             raise LayoutError("encoder", "must have one entry per request", batch_size=bs)
-        if position_runs.total != queries.total:
+        if encoder is None and start is not filled(0, bs) and start.any():
+            i = int(np.flatnonzero(start)[0])
+            raise LayoutError(
+                "decoder_start", "must be 0 without an encoder", request=i, value=int(start[i])
+            )
+        # (runs of the queries' own lengths cover them: the decode and extend plans')
+        if position_runs.length is not queries.lens and position_runs.total != queries.total:
             raise LayoutError(
                 "position_runs", "must cover one position per query", total_q=queries.total,
                 covered=position_runs.total,
@@ -238,7 +245,7 @@ class PlanSpec:
     def write_start(self) -> IntArray:
         """int32 ``[bs]`` (row tokens): where each request's first new token's K/V is
         written (``decoder_start + prefix_lens``)."""
-        if not self.decoder_start.any():  # no encoder: the prefix lengths themselves
+        if self.encoder is None:  # decoder_start is 0 (checked): the prefix lengths
             return self.prefix_lens
         # int32 sum: equal to the int64 sum cast down (a layout checks that it fits).
         return seal_inplace(self.decoder_start + self.prefix_lens)
