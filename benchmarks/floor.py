@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""The floor of a decode re-plan on this machine: what no executor can go below.
+
+Issue #24 asks for this before the rebuild: a re-plan needs the compiled module's
+plan entry (FlashInfer's host scheduler), one pinned host-to-device copy of the staged
+arrays, and one Triton launch (the page gather). Their sum is the physical limit of an
+eager re-plan; every target is also reported as a multiple of it. Decode, kv 4096,
+page 16, 32/8 heads x 128, bf16, host µs (median, GPU idle and synchronized before each
+call)::
+
+    python3 benchmarks/floor.py [--out OUT] [--reps 200]
+
+Columns:
+  module plan    ``wrapper._cached_module.plan(*args)`` alone, with the arguments
+                 ``fast_decode_plan`` gives it (recorded from one call; benchmark only)
+  fast_decode    ``flashinfer.fast_decode_plan(wrapper, ...)`` (the module plan entry plus
+                 FlashInfer's Python around it)
+  copy           one pinned-to-device ``copy_(non_blocking=True)`` of as many int32 as the
+                 executor stages for the batch (``DevicePlan.manifest.total``)
+  launch         one launch of a trivial Triton kernel bound for direct launch
+                 (flashplan's ``DirectLaunch``; the gather is one such launch)
+  floor          module plan + copy + launch
+  bare plan()    FlashInfer's public ``plan()`` on ready pinned indptrs and device page ids
+  apply          ``FlashInferExecutor.apply(spec, table)`` of an already-planned spec
+  step           ``BatchLayout.decode`` + ``plan`` + ``apply`` (what #24's target times)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from _timing import host_us
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import flashinfer
+
+import flashplan as fp
+from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
+from flashplan.executor.flashinfer.calls import call_inputs, call_skeleton
+from flashplan.executor.flashinfer.policy import decode_uses_tensor_cores
+from flashplan.executor.flashinfer.staging import device_plan
+from flashplan.executor.gathers import gather_jobs
+
+try:  # where the direct launch lives (the adapter, after #24's step 1)
+    from flashplan.executor.flashinfer.adapter import DirectLaunch
+except ImportError:
+    from flashplan.kernels._triton import DirectLaunch  # type: ignore[no-redef]
+
+HQ, HKV, D, PAGE, KV = 32, 8, 128, 16, 4096
+HEADS = fp.HeadConfig(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D)
+DT = torch.bfloat16
+DEV = torch.device("cuda")
+
+
+@triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["src", "dst"])
+def _copy_kernel(src, dst, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < n
+    tl.store(dst + offs, tl.load(src + offs, mask=keep), mask=keep)
+
+
+class Recorder:
+    """Stands in for a wrapper's compiled module for one call: records the plan
+    entry's arguments and forwards everything (benchmark only)."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.args: tuple[Any, ...] | None = None
+
+    def plan(self, *args: Any) -> Any:
+        self.args = args
+        return self.module.plan(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+
+def measure(bs: int, reps: int) -> dict[str, float]:
+    lens = np.full(bs, KV)
+    layout = fp.BatchLayout.decode(lens, page_size=PAGE)
+    spec = fp.plan(layout, HEADS)
+    table = fp.PageTable.shuffled(spec.pages_needed, seed=bs, device=DEV)
+    part = spec.group_plans[0].paged
+    assert part is not None
+
+    # the inputs a bare plan() gets: pinned host indptr / last page, device page ids
+    pin = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32)).pin_memory()  # noqa: E731
+    indptr, last = pin(part.page_indptr), pin(part.last_page_len)
+    rows = table.rows.astype(np.int64)
+    pages = table.pages.cpu()
+    idx = torch.cat(
+        [pages[r, s : s + n] for r, s, n in zip(rows, part.start_page, part.num_pages, strict=True)]
+    ).to(DEV)
+    tc = decode_uses_tensor_cores(HEADS, ExecutorPolicy(), bs)
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device=DEV)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
+    kwargs = dict(q_data_type=DT, kv_data_type=DT, non_blocking=True)
+
+    def bare() -> None:
+        w.plan(indptr, idx, last, HQ, HKV, D, PAGE, **kwargs)
+
+    bare()
+    indptr_dev, last_dev = indptr.to(DEV), last.to(DEV)
+
+    def fast() -> None:
+        flashinfer.fast_decode_plan(
+            w, indptr_dev, idx, last if tc else last_dev, HQ, HKV, D, PAGE,
+            global_override_indptr_cpu=indptr, **kwargs,
+        )  # fmt: skip
+
+    recorder = Recorder(w._cached_module)
+    w._cached_module = recorder
+    fast()
+    w._cached_module = recorder.module
+    args = recorder.args
+    assert args is not None, "fast_decode_plan did not call the module's plan entry"
+    module = recorder.module
+
+    def module_plan() -> None:
+        module.plan(*args)
+
+    # the executor's staging size for this batch
+    calls = call_skeleton(spec, ExecutorPolicy(), sm90=torch.cuda.get_device_capability() == (9, 0))
+    inputs = call_inputs(spec, calls)
+    jobs = gather_jobs(spec, table.rows, window_pool=False, spans=inputs.spans)
+    entries = device_plan(calls, jobs, inputs.host, inputs.masks).manifest.total
+    host = torch.zeros(entries, dtype=torch.int32).pin_memory()
+    dev = torch.empty(entries, dtype=torch.int32, device=DEV)
+
+    def copy() -> None:
+        dev.copy_(host, non_blocking=True)
+
+    direct = DirectLaunch(_copy_kernel)
+    src = torch.zeros(entries, dtype=torch.int32, device=DEV)
+    dst = torch.empty_like(src)
+    block = 1024
+    grid = triton.cdiv(entries, block)
+    pointers = (src.data_ptr(), dst.data_ptr(), entries, block)
+
+    def launch() -> None:
+        direct(grid, ("copy", block), (src, dst, entries, block), (entries,), pointers)
+
+    launch()  # compiles the variant, the next launches go direct
+    ex = FlashInferExecutor()
+    ex.apply(spec, table)
+
+    def apply() -> None:
+        ex.apply(spec, table)
+
+    def step() -> None:
+        ex.apply(fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), HEADS), table)
+
+    out = {"batch": bs, "staged_entries": entries, "direct_launches": 0}
+    for name, fn in (
+        ("module_plan", module_plan), ("fast_decode", fast), ("copy", copy),
+        ("launch", launch), ("bare_plan", bare), ("apply", apply), ("step", step),
+    ):  # fmt: skip
+        out[f"{name}_us"] = host_us(fn, n=reps, warmup=20)
+    out["direct_launches"] = direct.direct
+    out["floor_us"] = out["module_plan_us"] + out["copy_us"] + out["launch_us"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--reps", type=int, default=200)
+    args = parser.parse_args()
+    rows = [measure(bs, args.reps) for bs in (1, 64, 256, 1024)]
+    head = (
+        f"floor of a decode re-plan, {torch.cuda.get_device_name()}, flashinfer "
+        f"{flashinfer.__version__}, triton {triton.__version__}, {time.strftime('%Y-%m-%d')};"
+        f" kv {KV}, page {PAGE}, heads {HQ}/{HKV} x {D}; host µs, median of {args.reps}"
+    )
+    lines = [
+        head,
+        "",
+        "| batch | staged int32 | module plan | fast_decode_plan | copy | launch | **floor** "
+        "| bare plan() | apply | step | step / bare | step / floor | bare / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['batch']} | {r['staged_entries']} | {r['module_plan_us']:.1f} "
+            f"| {r['fast_decode_us']:.1f} | {r['copy_us']:.1f} | {r['launch_us']:.1f} "
+            f"| **{r['floor_us']:.1f}** | {r['bare_plan_us']:.1f} | {r['apply_us']:.1f} "
+            f"| {r['step_us']:.1f} | {r['step_us'] / r['bare_plan_us']:.2f}x "
+            f"| {r['step_us'] / r['floor_us']:.2f}x | {r['bare_plan_us'] / r['floor_us']:.2f}x |"
+        )
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "floor.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        with open(os.path.join(args.out, "floor.md"), "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
