@@ -12,7 +12,7 @@
 # Caps (seconds) and run_gpu.py's parts can be lowered to fit the device time left:
 # CAP_TESTS, CAP_SAN_EAGER, CAP_SAN_FAST, CAP_SAN_POS, CAP_SAN_ITEMS, CAP_SAN_GRAPHS,
 # CAP_SAN_LONG, CAP_SAN_LONG_GRAPHS (and SAN_LONG_LIVED_BATCHES), CAP_RUN_GPU,
-# CAP_SPEC, CAP_ITEMS, CAP_PROFILE, CAP_PROFILE_CASES, CAP_HOST_CPU, RUN_GPU_PARTS.
+# CAP_FLOOR, CAP_SPEC, CAP_ITEMS, CAP_PROFILE, CAP_PROFILE_CASES, CAP_HOST_CPU, RUN_GPU_PARTS.
 # The FlashInfer wheels and module cache come from the git-ignored .whl/ folder that
 # ../shared/tools/device/prepare.sh fills on the CPU machine (see docs/benchmarks.md).
 set -uo pipefail
@@ -79,6 +79,8 @@ if [[ $PHASES == *,sanitize,* ]]; then
 fi
 
 if [[ $PHASES == *,bench,* ]]; then
+  # the floor of a decode re-plan: module plan entry + one staging copy + one bound launch
+  phase floor "${CAP_FLOOR:-60}" python3 benchmarks/floor.py --out "$OUT"
   phase run_gpu "${CAP_RUN_GPU:-110}" python3 benchmarks/run_gpu.py --out "$OUT" \
     --parts "${RUN_GPU_PARTS:-copy,host,graph,deterministic,window}"
   phase bench_speculative "${CAP_SPEC:-40}" python3 benchmarks/bench_speculative.py --out "$OUT"

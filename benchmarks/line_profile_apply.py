@@ -36,17 +36,16 @@ from bench_speculative import HEADS, bare_verify_plan, verify_batch
 from line_profiler import LineProfiler
 
 import flashplan as fp
+import flashplan.executor.flashinfer.adapter as adapter_mod
 import flashplan.executor.flashinfer.buffers as buffers_mod
 import flashplan.executor.flashinfer.calls as calls_mod
 import flashplan.executor.flashinfer.executor as executor_mod
-import flashplan.executor.flashinfer.fast_prefill as fast_prefill_mod
 import flashplan.executor.flashinfer.staging as staging_mod
 import flashplan.executor.gathers as gathers_mod
 import flashplan.kernels.fused as fused_mod
 import flashplan.planning.planner as planner_mod
 from flashplan.executor.checks import check_apply_args
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
-from flashplan.kernels._triton import DirectLaunch
 
 #: flashplan's functions on the verify host path, profiled line by line.
 FUNCTIONS = [
@@ -64,10 +63,10 @@ FUNCTIONS = [
     gathers_mod._job_table,
     staging_mod.device_plan,
     staging_mod.DevicePlan.write_into,
-    fast_prefill_mod.replan_prefill,
+    adapter_mod.replan_prefill,
     fused_mod.launch_gather_and_mask,
     fused_mod.BoundGatherAndMask.__call__,
-    DirectLaunch.__call__,
+    adapter_mod.DirectLaunch.__call__,
     buffers_mod.PinnedRing.acquire,
     buffers_mod.WrapperPool.acquire,
     buffers_mod.WrapperPool.mark_planned,

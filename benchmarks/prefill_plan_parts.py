@@ -10,7 +10,7 @@ verify benchmark batch (64 x 64-token trees over 4096, page 16), the median host
 * one pageable host-to-device copy of a batch-sized int32 array (``plan()`` makes one or
   two of those),
 
-which is what a re-plan without ``plan()`` (``flashplan.executor.flashinfer.fast_prefill``)
+which is what a re-plan without ``plan()`` (``flashplan.executor.flashinfer.adapter``)
 can save. Run from the repository root on the GPU machine::
 
     python3 benchmarks/prefill_plan_parts.py

@@ -16,21 +16,17 @@ instead of seven views.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from flashplan.arrays import INT32_MAX
-from flashplan.kernels._triton import (
-    HAS_TRITON,
-    DirectLaunch,
-    device_guard,
-    runs_on_triton,
-    tl,
-    triton,
-)
+from flashplan.kernels._triton import HAS_TRITON, device_guard, runs_on_triton, tl, triton
 from flashplan.kernels.custom_mask import build_custom_mask, build_custom_mask_torch
 from flashplan.kernels.gather import gather_slots_torch
+
+if TYPE_CHECKING:
+    from flashplan.executor.flashinfer.adapter import DirectLaunch
 
 __all__ = [
     "BoundGatherAndMask",
@@ -331,7 +327,8 @@ def bind_gather_and_mask(
     """The launch of :func:`launch_gather_and_mask` with these tensors bound
     (:class:`BoundGatherAndMask`; ``mask.max_bytes`` is not bound: each call gives its
     batch's), or ``None`` where it must go through :func:`launch_gather_and_mask`: no
-    :class:`DirectLaunch`, not a CUDA device, or a bound int beyond int32."""
+    ``direct`` (:class:`~flashplan.executor.flashinfer.adapter.DirectLaunch`), not a CUDA
+    device, or a bound int beyond int32."""
     device = pages.device
     if direct is None or device.type != "cuda" or not runs_on_triton(device, ""):
         return None
@@ -427,4 +424,10 @@ def direct_launcher() -> DirectLaunch | None:
     """A cache of this module's compiled kernel variants, for
     :func:`launch_gather_and_mask`'s ``direct`` (one per owner: an executor); ``None``
     without Triton."""
-    return DirectLaunch(_gather_and_mask_kernel) if HAS_TRITON else None
+    if not HAS_TRITON:
+        return None
+    # imported here: the direct launch is Triton's private API, kept with FlashInfer's in
+    # the executor's adapter, whose package imports this module
+    from flashplan.executor.flashinfer.adapter import DirectLaunch
+
+    return DirectLaunch(_gather_and_mask_kernel)

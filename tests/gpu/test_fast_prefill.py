@@ -1,4 +1,4 @@
-"""Paged prefill re-plans without ``plan()`` (``fast_prefill.replan_prefill``) equal full
+"""Paged prefill re-plans without ``plan()`` (``adapter.replan_prefill``) equal full
 ``plan()`` calls, field by field.
 
 An executor with ``fast_plan=True`` (the default) and one with ``fast_plan=False`` apply

@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flashplan.executor.flashinfer.adapter import DirectLaunch
 from flashplan.kernels import build_custom_mask, gather_slots, new_status, triton_mode
-from flashplan.kernels._triton import DirectLaunch
 from flashplan.kernels.fused import (
     StagedMask,
     _torch_twins,

@@ -1,7 +1,8 @@
 """FlashInfer executor: pure call translation, staging layout, policy, and the stateful
 executor.
 
-``calls``, ``staging``, ``bucket``, ``policy`` and ``compat`` are pure and import on any
+``calls``, ``staging``, ``bucket`` and ``policy`` are pure and, like ``adapter`` (the only
+code touching FlashInfer's and Triton's private API, and its version table), import on any
 machine; constructing :class:`FlashInferExecutor` (or a CUDA-graph :class:`GraphExecutor`)
 needs CUDA and flashinfer-python.
 """

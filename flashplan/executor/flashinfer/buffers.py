@@ -193,12 +193,12 @@ class WrapperSlot:
             (a graph-mode decode wrapper's ``"indptr"`` int32 ``[bs + 1]`` and
             ``"last_page_len"`` int32 ``[bs]``); for an eager prefill wrapper whose
             field a re-plan pointed at the staging buffer, its own ``"kv_lens"`` buffer
-            (:func:`~flashplan.executor.flashinfer.fast_prefill.restore_own_buffers`).
+            (:func:`~flashplan.executor.flashinfer.adapter.restore_own_buffers`).
         planned_with: the constant ``plan()`` arguments of its last full ``plan()``
             (:attr:`~flashplan.executor.flashinfer.calls.PlanCall.constants`), which
             fixed its compiled module; ``None`` before one, or after one that failed.
         replannable: whether its last full ``plan()`` took the path a prefill re-plan
-            re-creates (:func:`~flashplan.executor.flashinfer.fast_prefill.replannable`).
+            re-creates (:func:`~flashplan.executor.flashinfer.adapter.replannable`).
     """
 
     wrapper: Any

@@ -85,9 +85,9 @@ __all__ = ["BoundCall", "BoundCallKey", "LayoutMemo", "MaskKey", "mask_layout"]
 
 _T = torch.Tensor
 #: A decode call's staged views: host and device page indptr, host and device last-page
-#: lengths (``fast_plan.DecodeArrays`` order, ``indices`` excluded).
+#: lengths (``adapter.DecodeArrays`` order, ``indices`` excluded).
 DecodeViews = tuple[_T, _T, _T, _T]
-#: A paged prefill call's staged views in ``fast_prefill.PrefillArrays`` order, up to
+#: A paged prefill call's staged views in ``adapter.PrefillArrays`` order, up to
 #: ``kv_lens_device``.
 PrefillViews = tuple[_T, _T, _T, _T, _T, _T, _T]
 

@@ -389,7 +389,7 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
     ``g<i>.kv_lens`` and a masked call's ``mask_indptr`` as ``g<i>.mask.indptr``, with
     the batch's ``qo.total``, ``qo.max_len`` and each call's ``g<i>.max_kv_len`` in
     ``ints``: what FlashInfer's ``plan()`` derives itself, for a re-plan without it
-    (:mod:`~flashplan.executor.flashinfer.fast_prefill`).
+    (:func:`~flashplan.executor.flashinfer.adapter.replan_prefill`).
 
     The multi-item tensors of a call go into ``host``: ``prefix_len_ptr`` and
     ``max_item_len`` as int32 words (:func:`int32_words`, their element counts in
@@ -428,9 +428,9 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
         host[f"g{index}.last_page_len"] = part.last_page_len
         if gc.path is not KernelPath.DECODE:
             # What FlashInfer's prefill plan() derives on the host (a re-plan without it:
-            # fast_prefill): the KV lengths its get_seq_lens computes, max(pages - 1, 0) *
-            # page_size + last_page_len, are the part's own (an empty span has
-            # last_page_len 0 and at most one page), and the longest.
+            # adapter.replan_prefill): the KV lengths its get_seq_lens computes,
+            # max(pages - 1, 0) * page_size + last_page_len, are the part's own (an empty
+            # span has last_page_len 0 and at most one page), and the longest.
             host[f"g{index}.kv_lens"] = part.kv_lens
             ints[f"g{index}.max_kv_len"] = part.max_kv_len
         if gc.masked:

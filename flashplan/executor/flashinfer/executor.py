@@ -50,6 +50,17 @@ from flashplan.errors import (
     as_option,
 )
 from flashplan.executor.checks import RunArgs, check_apply_args, check_run_args
+from flashplan.executor.flashinfer.adapter import (
+    DecodeArrays,
+    PrefillArrays,
+    check_version,
+    fast_decode_available,
+    fast_prefill_available,
+    replan_decode,
+    replan_prefill,
+    replannable,
+    restore_own_buffers,
+)
 from flashplan.executor.flashinfer.buffers import (
     DeviceBuffer,
     PinnedRing,
@@ -82,19 +93,6 @@ from flashplan.executor.flashinfer.calls import (
     call_inputs,
     call_skeleton,
     skeleton_key,
-)
-from flashplan.executor.flashinfer.compat import check_version
-from flashplan.executor.flashinfer.fast_plan import (
-    DecodeArrays,
-    fast_decode_available,
-    replan_decode,
-)
-from flashplan.executor.flashinfer.fast_prefill import (
-    PrefillArrays,
-    fast_prefill_available,
-    replan_prefill,
-    replannable,
-    restore_own_buffers,
 )
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import JOBS, DevicePlan, device_plan
@@ -240,10 +238,9 @@ class FlashInferExecutor:
         fast_plan: re-plan a wrapper whose last ``plan()`` had the same constant
             arguments without ``plan()``'s argument checks, host metadata and copies
             (flashplan has staged the arrays already): a decode wrapper through
-            FlashInfer's ``fast_decode_plan``
-            (:mod:`~flashplan.executor.flashinfer.fast_plan`), an eager FA2 paged prefill
-            wrapper by running FlashInfer's scheduler directly
-            (:mod:`~flashplan.executor.flashinfer.fast_prefill`); only with a flashinfer
+            FlashInfer's ``fast_decode_plan``, an eager FA2 paged prefill wrapper by
+            running FlashInfer's scheduler directly
+            (:mod:`~flashplan.executor.flashinfer.adapter`); only with a flashinfer
             version each was checked against. ``False``: always ``plan()``.
 
     Raises:

@@ -1,0 +1,481 @@
+"""The one module of flashplan that touches FlashInfer's or Triton's private API, and the
+one table of the versions each use was checked against (:data:`SUPPORTED`).
+
+Everywhere else flashplan calls FlashInfer's public ``plan()`` / ``run()`` and launches
+Triton kernels as ``kernel[grid](*args)``. Here, each only on a version in the table:
+
+* **decode re-plans** (:func:`replan_decode`): FlashInfer's exported
+  ``fast_decode_plan``, plus one private field;
+* **paged prefill re-plans** (:func:`replan_prefill`): the private fields that paged
+  prefill ``plan()`` sets, and its compiled scheduler called directly;
+* **direct Triton launches** (:class:`DirectLaunch`): a compiled kernel's launcher
+  called with the arguments ``JITFunction.run`` passes it.
+
+On a FlashInfer version not in the table every wrapper is planned through ``plan()``
+and :func:`check_version` warns (:class:`FlashInferVersionWarning`) once per process and
+version; on a Triton version not in it every launch goes through ``kernel[grid]``.
+
+The table also vouches for two behaviours of flashinfer 0.7.4 that flashplan works
+around (both checked against the installed flashinfer by ``tests/test_flashinfer_calls.py``;
+another version may have fixed either, and then the workarounds would misplace bits):
+
+* **Packed mask offsets.** Given ``packed_custom_mask``, ``plan()`` computes each
+  request's mask offset as a running sum of ``qo_len * kv_len`` — a count of bits —
+  and the kernel adds it to a byte pointer (flashinfer PR #2201). flashplan lays each
+  request's bytes at the offsets flashinfer computes
+  (:func:`~flashplan.executor.flashinfer.calls.flashinfer_mask_offsets`).
+* **Empty masked spans.** ``plan()`` sizes a masked request as
+  ``qo_len * ((pages - 1) * page_size + last_page_len)`` without clamping, so a span of
+  zero pages gives a negative size; flashplan gives such a span one unread page with
+  ``last_page_len = 0`` (:func:`~flashplan.executor.flashinfer.calls.call_inputs`).
+
+A re-plan issues no sync and no pageable copy (schedulers read pinned host arrays,
+kernels the staged device arrays), and runs only when the wrapper's last full ``plan()``
+had the same constant arguments (``WrapperSlot.planned_with``: everything its compiled
+module depends on). This module imports no other executor module (the kernels import
+:class:`DirectLaunch` lazily).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Hashable, Iterable, Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple, Protocol
+
+import attrs
+import torch
+
+from flashplan.arrays import INT32_MAX
+from flashplan.kernels._triton import HAS_TRITON, triton, triton_mode
+
+__all__ = [
+    "SUPPORTED", "DecodeArrays", "DirectLaunch", "FlashInferVersionWarning",
+    "PrefillArrays", "Slot", "Support", "VersionTable", "base_version", "check_version",
+    "direct_launch_known", "fast_decode_available", "fast_prefill_available",
+    "flashinfer_support", "replan_decode", "replan_prefill", "replannable",
+    "restore_own_buffers",
+]  # fmt: skip
+
+
+# -- the version table -------------------------------------------------------------------
+@attrs.frozen
+class Support:
+    """What flashplan relies on in one flashinfer-python version (its mask quirks, as
+    above, for every version in the table).
+
+    Attributes:
+        flashinfer: the version, without a local ``+…`` suffix.
+        fast_decode: its ``fast_decode_plan`` equals ``plan()`` (GPU test
+            ``test_fast_decode_plan_equals_plan``): :func:`replan_decode` may run.
+        fast_prefill: :func:`replan_prefill` re-creates its paged prefill ``plan()``
+            (GPU test ``test_fast_prefill_plan_equals_plan``).
+    """
+
+    flashinfer: str
+    fast_decode: bool
+    fast_prefill: bool
+
+
+def _keyed(supports: Iterable[Support]) -> Mapping[str, Support]:
+    return MappingProxyType({s.flashinfer: s for s in supports})
+
+
+@attrs.frozen
+class VersionTable:
+    """The versions flashplan's private-API uses were checked against.
+
+    Attributes:
+        flashinfer: :class:`Support` by flashinfer-python version (built from a sequence
+            of records; read-only).
+        triton_direct_launch: Triton versions whose compiled-kernel launcher
+            :class:`DirectLaunch` calls (GPU test
+            ``test_direct_launches_equal_the_jit_launches``).
+    """
+
+    flashinfer: Mapping[str, Support] = attrs.field(converter=_keyed)
+    triton_direct_launch: tuple[str, ...]
+
+
+#: The one version table (see :class:`VersionTable`).
+SUPPORTED = VersionTable(
+    flashinfer=(Support(flashinfer="0.7.4", fast_decode=True, fast_prefill=True),),
+    triton_direct_launch=("3.6.0", "3.9.0"),
+)
+
+
+class FlashInferVersionWarning(UserWarning):
+    """The installed flashinfer is not one whose quirks flashplan was checked against."""
+
+
+def base_version(version: object) -> str:
+    """``version`` as a string without its local suffix (``"0.7.4+cu130"``: ``"0.7.4"``)."""
+    return str(version).split("+")[0]
+
+
+def flashinfer_support(fi: Any) -> Support | None:
+    """The table's record for the imported flashinfer module ``fi``; ``None`` if unknown."""
+    return SUPPORTED.flashinfer.get(base_version(getattr(fi, "__version__", "")))
+
+
+def check_version(version: str) -> bool:
+    """Whether flashinfer ``version`` is in the table; warn
+    (:class:`FlashInferVersionWarning`, once per process and version) if not."""
+    if base_version(version) in SUPPORTED.flashinfer:
+        return True
+    _warn_unknown(version)
+    return False
+
+
+@functools.cache
+def _warn_unknown(version: str) -> None:
+    """The warning of :func:`check_version` (cached: once per version; stacklevel: the
+    caller of the executor's constructor, which calls :func:`check_version`)."""
+    warnings.warn(
+        f"flashinfer {version} is not a version flashplan was checked against "
+        f"({', '.join(SUPPORTED.flashinfer)}): every wrapper is planned through plan() "
+        "(no fast re-plans), and its custom-mask offsets and empty masked spans are "
+        "worked around as in 0.7.4 (see flashplan.executor.flashinfer.adapter); run "
+        "the GPU tests (nox -s gpu) before trusting masked extends",
+        FlashInferVersionWarning,
+        stacklevel=4,
+    )
+
+
+def fast_decode_available(fi: Any) -> bool:
+    """Whether the imported flashinfer module ``fi`` has a checked ``fast_decode_plan``."""
+    support = flashinfer_support(fi)
+    return (
+        support is not None
+        and support.fast_decode
+        and callable(getattr(fi, "fast_decode_plan", None))
+    )
+
+
+def fast_prefill_available(fi: Any) -> bool:
+    """Whether the imported flashinfer module ``fi`` is a version :func:`replan_prefill`
+    was checked against."""
+    support = flashinfer_support(fi)
+    return support is not None and support.fast_prefill
+
+
+def direct_launch_known(triton_version: str) -> bool:
+    """Whether :class:`DirectLaunch` may call the compiled launcher of this Triton."""
+    return base_version(triton_version) in SUPPORTED.triton_direct_launch
+
+
+class Slot(Protocol):
+    """What a re-plan uses of a ``WrapperSlot`` (``buffers.WrapperSlot``; a protocol, so
+    that this module imports no executor module)."""
+
+    wrapper: Any
+    fixed: dict[str, torch.Tensor]
+
+
+# -- decode: fast_decode_plan ------------------------------------------------------------
+#: The ``plan()`` keywords of a decode call that ``fast_decode_plan`` takes too; the
+#: others (``o_data_type``) are compiled into the module, which the constants pin.
+_PASSED = frozenset({
+    "num_qo_heads", "num_kv_heads", "head_dim", "page_size", "pos_encoding_mode",
+    "window_left", "logits_soft_cap", "q_data_type", "kv_data_type", "data_type",
+    "sm_scale", "rope_scale", "rope_theta", "non_blocking", "fixed_split_size",
+    "disable_split_kv",
+})  # fmt: skip
+#: The array arguments, passed separately (:class:`DecodeArrays`).
+_ARRAYS = frozenset({"indptr", "indices", "last_page_len"})
+
+
+class DecodeArrays(NamedTuple):
+    """The arrays of one decode ``plan()`` call, on both sides of the staging copy.
+
+    Attributes:
+        indptr_host, indptr_device: int32 ``[bs + 1]`` (pages) page indptr: a pinned
+            host view of the staging slot and its device copy.
+        last_page_len_host, last_page_len_device: int32 ``[bs]`` (tokens), likewise.
+        indices: int32 ``[indptr[-1]]`` (page ids) on the device (gathered).
+    """
+
+    indptr_host: torch.Tensor
+    indptr_device: torch.Tensor
+    last_page_len_host: torch.Tensor
+    last_page_len_device: torch.Tensor
+    indices: torch.Tensor
+
+
+def replan_decode(
+    fi: Any,
+    slot: Slot,
+    kwargs: dict[str, Any],
+    arrays: DecodeArrays,
+    *,
+    graph: bool,
+) -> None:
+    """Re-plan ``slot``'s decode wrapper with ``fi.fast_decode_plan``, which runs only
+    FlashInfer's host scheduler (the reference file replays its decode CUDA graphs
+    through it); called as a function, it never replaces a wrapper's method.
+
+    * **graph mode** (the wrapper reads fixed buffers): the wrapper's fixed indptr and
+      last-page-length buffers are refreshed from the staged device copy (two
+      device-to-device copies; ``fast_decode_plan`` leaves them to the caller) and its
+      scheduler gets the pinned host arrays;
+    * **eager mode:** the wrapper gets the staged device views to read at run time and
+      the pinned host indptr (``global_override_indptr_cpu``) for its scheduler. Its
+      tensor-core branch reads ``last_page_len`` back to the host, so it gets the pinned
+      host array and the wrapper's last-page-length field is then pointed at the staged
+      device view (the one field ``fast_decode_plan`` would otherwise have set to it).
+
+    The caller guarantees ``fast_decode_available(fi)`` and ``slot.planned_with`` equal
+    to the call's constants.
+
+    Args:
+        fi: the flashinfer module.
+        slot: the wrapper (graph mode: with its ``fixed`` ``"indptr"`` and
+            ``"last_page_len"`` buffers).
+        kwargs: the call's ``plan()`` keyword arguments.
+        arrays: the batch's arrays (:class:`DecodeArrays`).
+        graph: whether the wrapper was made with ``use_cuda_graph=True``.
+    """
+    passed = {name: value for name, value in kwargs.items() if name in _PASSED}
+    wrapper = slot.wrapper
+    if graph:
+        slot.fixed["indptr"].copy_(arrays.indptr_device, non_blocking=True)
+        slot.fixed["last_page_len"].copy_(arrays.last_page_len_device, non_blocking=True)
+        fi.fast_decode_plan(
+            wrapper, arrays.indptr_host, arrays.indices, arrays.last_page_len_host,
+            global_override_indptr_cpu=arrays.indptr_host, **passed,
+        )  # fmt: skip
+        return
+    tensor_cores = bool(wrapper.use_tensor_cores)
+    fi.fast_decode_plan(
+        wrapper,
+        arrays.indptr_device,
+        arrays.indices,
+        arrays.last_page_len_host if tensor_cores else arrays.last_page_len_device,
+        global_override_indptr_cpu=arrays.indptr_host,
+        **passed,
+    )
+    if tensor_cores:  # the kernel reads the device copy, as after plan()
+        wrapper._paged_kv_last_page_len_buf = arrays.last_page_len_device
+
+
+# -- paged prefill: the scheduler without plan() -----------------------------------------
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def replannable(wrapper: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``wrapper``'s last ``plan()`` took the path :func:`replan_prefill`
+    re-creates: an eager FA2 wrapper running FlashInfer's own compiled module, without
+    per-token scales, with fp16 / bf16 queries and KV."""
+    return (
+        not wrapper.is_cuda_graph_enabled
+        and getattr(wrapper, "_backend", None) == "fa2"
+        and getattr(wrapper, "_jit_module", None) is None
+        and getattr(wrapper, "_cached_module", None) is not None
+        and not getattr(wrapper, "_use_token_head_sf", True)
+        and kwargs.get("q_data_type") in _HALF_DTYPES
+        and kwargs.get("kv_data_type") in _HALF_DTYPES
+    )
+
+
+def restore_own_buffers(slot: Slot) -> None:
+    """Give ``slot``'s wrapper back the buffers a re-plan pointed elsewhere (its own KV
+    lengths buffer: :func:`replan_prefill` aims the field at the staging buffer, which a
+    full ``plan()`` must not write into). Call it before every full ``plan()``."""
+    own = slot.fixed.pop("kv_lens", None)
+    if own is not None:
+        slot.wrapper._kv_lens_buffer = own
+
+
+class PrefillArrays(NamedTuple):
+    """The arrays of one paged prefill ``plan()`` call, on both sides of the staging copy.
+
+    Host tensors are pinned views of the staging slot (what the scheduler reads); device
+    tensors are views of its device copy (what the kernels read).
+
+    Attributes:
+        qo_indptr_host, qo_indptr_device: int32 ``[bs + 1]`` (tokens).
+        page_indptr_host, page_indptr_device: int32 ``[bs + 1]`` (pages).
+        last_page_len_device: int32 ``[bs]`` (tokens).
+        kv_lens_host, kv_lens_device: int32 ``[bs]`` (tokens): FlashInfer's KV lengths,
+            ``max(pages - 1, 0) * page_size + last_page_len``.
+        indices: int32 ``[page_indptr[-1]]`` (page ids), gathered on the device.
+        mask_indptr_device: int32 ``[bs + 1]``, FlashInfer's ``mask_indptr`` of a call
+            with a custom mask (``None`` without one).
+        total_rows: ``qo_indptr[-1]`` (tokens).
+        max_q_len, max_kv_len: the longest query and KV of the batch (tokens).
+    """
+
+    qo_indptr_host: torch.Tensor
+    qo_indptr_device: torch.Tensor
+    page_indptr_host: torch.Tensor
+    page_indptr_device: torch.Tensor
+    last_page_len_device: torch.Tensor
+    kv_lens_host: torch.Tensor
+    kv_lens_device: torch.Tensor
+    indices: torch.Tensor
+    mask_indptr_device: torch.Tensor | None
+    total_rows: int
+    max_q_len: int
+    max_kv_len: int
+
+
+def replan_prefill(slot: Slot, kwargs: dict[str, Any], arrays: PrefillArrays) -> None:
+    """Re-plan ``slot``'s eager paged prefill wrapper without ``plan()``.
+
+    Paged prefill ``plan()`` checks its arguments, derives host metadata (KV lengths, a
+    mask indptr, the longest query and KV) with small CPU tensor ops, copies arrays to
+    the device and runs its compiled scheduler (``_cached_module.plan``). flashplan has
+    the metadata and every array staged already, so this sets exactly the fields
+    flashinfer 0.7.4's ``plan()`` sets on that path (eager, FA2, FlashInfer's own module,
+    fp16 / bf16 KV), pointed at the staged arrays, and calls the scheduler with the same
+    arguments (FlashInfer exports no such entry point for prefill; the reference file's
+    ``fast_prefill_plan`` does this for CUDA graphs only).
+
+    The caller guarantees ``fast_prefill_available(fi)``, ``replannable(wrapper,
+    kwargs)`` after the wrapper's last full ``plan()`` (``WrapperSlot.replannable``),
+    and ``slot.planned_with`` equal to the call's constants (so every field that depends
+    only on them is as that ``plan()`` set it).
+
+    Args:
+        slot: the wrapper.
+        kwargs: the call's ``plan()`` keyword arguments (placeholders resolved).
+        arrays: the batch's arrays (:class:`PrefillArrays`).
+    """
+    w = slot.wrapper
+    bs = int(arrays.kv_lens_host.shape[0])
+    w._batch_size = bs
+    w._num_qo_heads = kwargs["num_qo_heads"]
+    w._num_kv_heads = kwargs["num_kv_heads"]
+    w._eagle_verify_fp8kv_sm90_state = None
+    w._prefix_len_ptr = kwargs.get("prefix_len_ptr")
+    w._token_pos_in_items_ptr = kwargs.get("token_pos_in_items_ptr")
+    w._token_pos_in_items_len = kwargs.get("token_pos_in_items_len", 0)
+    w._max_item_len_ptr = kwargs.get("max_item_len_ptr")
+    w._qo_indptr_last = arrays.total_rows
+    w._max_q_len = arrays.max_q_len
+    w._max_kv_len = arrays.max_kv_len
+    w._cudnn_paged_bounds = None
+    # plan() copies the KV lengths into the wrapper's own buffer, which the FA2 kernels
+    # never read: the re-plan points the field at the staged copy instead (no copy) and
+    # keeps the wrapper's own buffer, which restore_own_buffers() puts back before a
+    # full plan() writes into the field.
+    slot.fixed.setdefault("kv_lens", w._kv_lens_buffer)
+    w._kv_lens_buffer = arrays.kv_lens_device
+    w._qo_indptr_buf = arrays.qo_indptr_device
+    w._paged_kv_indptr_buf = arrays.page_indptr_device
+    w._paged_kv_last_page_len_buf = arrays.last_page_len_device
+    w._paged_kv_indices_buf = arrays.indices
+    mask = kwargs.get("packed_custom_mask")
+    w._custom_mask_buf = mask
+    w._mask_indptr_buf = arrays.mask_indptr_device if mask is not None else None
+    w._block_tables = None
+    head_dim = kwargs["head_dim_qk"]
+    fixed_split = kwargs.get("fixed_split_size")
+    w._plan_info = w._cached_module.plan(
+        w._float_workspace_buffer,
+        w._int_workspace_buffer,
+        w._pin_memory_int_workspace_buffer,
+        arrays.qo_indptr_host,
+        arrays.page_indptr_host,
+        arrays.kv_lens_host,
+        w._max_total_num_rows or arrays.total_rows,
+        bs,
+        kwargs["num_qo_heads"],
+        kwargs["num_kv_heads"],
+        kwargs["page_size"],
+        False,  # is_cuda_graph_enabled (eager wrappers only)
+        head_dim,
+        kwargs.get("head_dim_vo") or head_dim,
+        kwargs.get("causal", False),
+        kwargs.get("window_left", -1),
+        fixed_split if fixed_split else -1,
+        bool(kwargs.get("disable_split_kv", False)),
+        0,  # num_colocated_ctas
+        0,  # uniform_q_len: no promise (only graph plans read it)
+        False,  # fixed_uniform_q_len
+    )
+    w._seq_lens_kv = None
+    w._seq_lens_q = None
+
+
+# -- Triton: direct launches -------------------------------------------------------------
+class DirectLaunch:
+    """Launches of one ``@triton.jit`` kernel that skip Triton's Python binder after the
+    first launch of each variant.
+
+    Triton's ``kernel[grid](*args)`` binds and specializes every argument on every call
+    before its compiled launcher runs: tens of microseconds of host time, more than a
+    small kernel runs. For a kernel whose every int parameter is in ``do_not_specialize``
+    and every pointer parameter in ``do_not_specialize_on_alignment``, the compiled
+    variant depends only on the constexprs, the tensors' dtypes and the device, all of
+    which the caller names in ``key``; so the first launch of a key goes through
+    ``kernel[grid]`` (compiling if needed) and keeps the compiled kernel it returns, and
+    later launches call that kernel's launcher with the same arguments
+    ``JITFunction.run`` passes it (Triton versions ``SUPPORTED.triton_direct_launch``
+    only: :func:`direct_launch_known`).
+
+    Every launch goes through ``kernel[grid]`` instead under another Triton version or
+    the interpreter, and so does one with an int argument beyond int32 (another
+    variant). Launch hooks (profilers) are called as ``kernel[grid]`` calls them. One
+    instance per owner (an executor): no global state.
+
+    Attributes:
+        kernel: the jit kernel.
+        variants: compiled kernels by key.
+        direct: launches made through the compiled launcher so far.
+        enabled: whether launches may go direct (this Triton, compiled mode).
+    """
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.variants: dict[Hashable, Any] = {}
+        self.direct = 0
+        self.enabled = (
+            HAS_TRITON and triton_mode() == "compiled" and direct_launch_known(triton.__version__)
+        )
+
+    def __call__(
+        self,
+        grid: int,
+        key: Hashable,
+        args: tuple[Any, ...],
+        ints: tuple[int, ...],
+        pointers: tuple[Any, ...] | None = None,
+    ) -> None:
+        """Launch ``grid`` programs with ``args`` (every parameter, constexprs included,
+        in order); ``ints`` are the int arguments (checked to fit int32).
+
+        ``pointers``: ``args`` with every tensor replaced by its ``data_ptr()``, for a
+        caller that holds those tensors (so the memory stays theirs). The compiled
+        launcher then takes the addresses as they are instead of calling each tensor's
+        ``data_ptr`` and asking the driver about it (a driver call per tensor); the
+        first launch of a variant and launches with a hook set still get ``args``."""
+        if not self.enabled:
+            self.kernel[(grid,)](*args)
+            return
+        fits = not ints or (max(ints) <= INT32_MAX and min(ints) >= -INT32_MAX)
+        driver = triton.runtime.driver.active
+        device = driver.get_current_device()
+        variant = self.variants.get((device, key)) if fits else None
+        if variant is None:
+            compiled = self.kernel[(grid,)](*args)
+            if fits:
+                self.variants[(device, key)] = compiled
+            return
+        stream = driver.get_current_stream(device)
+        # what JITFunction.run does after finding the variant (launch hooks included)
+        hooks = triton.knobs.runtime
+        enter = hooks.launch_enter_hook
+        # launch_metadata returns None without an enter hook (these versions): skip
+        # binding every argument to it then
+        metadata = None
+        if enter is not None:
+            metadata = variant.launch_metadata((grid,), stream, *args)
+        elif pointers is not None:
+            args = pointers
+        variant.run(
+            grid, 1, 1, stream, variant.function, variant.packed_metadata, metadata,
+            enter, hooks.launch_exit_hook, *args,
+        )  # fmt: skip
+        self.direct += 1
