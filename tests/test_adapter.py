@@ -49,8 +49,8 @@ def test_the_table_for_0_7_4() -> None:
         assert flashinfer_support(fake(version)) == want
         assert fast_decode_available(fake(version))
         assert fast_prefill_available(fake(version))
-    # a decode re-plan needs the exported function too
-    assert not fast_decode_available(fake("0.7.4", has_function=False))
+    # a decode re-plan calls the compiled scheduler, not the exported fast_decode_plan
+    assert fast_decode_available(fake("0.7.4", has_function=False))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert check_version("0.7.4") and check_version("0.7.4+cu130")
@@ -195,8 +195,8 @@ def test_the_scan_sees_the_adapters_uses() -> None:
     """The scan finds what the adapter does (so an empty result elsewhere means
     something)."""
     hits = "\n".join(private_uses(ADAPTER.read_text()))
-    for needle in ("w._cached_module", "wrapper._paged_kv_last_page_len_buf",
-                   "fi.fast_decode_plan", "slot.wrapper._kv_lens_buffer", "w._plan_info",
+    for needle in ("w._cached_module", "w._paged_kv_last_page_len_buf",
+                   "w._qo_indptr_buf", "slot.wrapper._kv_lens_buffer", "w._plan_info",
                    "wrapper._backend", "triton.knobs", "variant.launch_metadata",
                    "variant.packed_metadata", "triton.runtime.driver"):  # fmt: skip
         assert needle in hits, needle

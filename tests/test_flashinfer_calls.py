@@ -479,9 +479,26 @@ def check_translation(
     kv = {
         f"g{gc.group_index}.kv_lens"
         for gc in calls
-        if gc.paged is not None and gc.path is not KernelPath.DECODE
+        if gc.paged is not None
+        and (gc.path is not KernelPath.DECODE or gc.paged.wrapper.use_tensor_cores)
     }
-    assert set(inputs.host) == named | extra | items | kv
+    # a tensor-core decode re-plan hands its scheduler qo_indptr (adapter.replan_decode)
+    tc_decode = any(
+        gc.paged is not None and gc.path is KernelPath.DECODE and gc.paged.wrapper.use_tensor_cores
+        for gc in calls
+    )
+    qo = {"qo_indptr"} if tc_decode else set()
+    assert set(inputs.host) == named | extra | items | kv | qo
+    for gc in calls:  # the scheduler's KV lengths are FlashInfer's get_seq_lens
+        if gc.paged is not None and f"g{gc.group_index}.kv_lens" in inputs.host:
+            part = spec.group_plans[gc.group_index].paged
+            assert part is not None
+            pages = np.diff(inputs.host[f"g{gc.group_index}.page_indptr"].astype(np.int64))
+            last = inputs.host[f"g{gc.group_index}.last_page_len"].astype(np.int64)
+            if gc.path is KernelPath.DECODE and spec.page_size == 1:
+                last = np.ones_like(last)  # fast_decode_plan's host last_page_len at page 1
+            want = np.maximum(pages - 1, 0) * spec.page_size + last
+            assert inputs.host[f"g{gc.group_index}.kv_lens"].tolist() == want.tolist()
     _check_staging(spec, translation)
     return calls
 

@@ -1,4 +1,4 @@
-"""Decode re-plans through FlashInfer's ``fast_decode_plan`` equal full ``plan()`` calls.
+"""Decode re-plans (adapter.replan_decode: the compiled scheduler) equal ``plan()`` calls.
 
 An executor with ``fast_plan=True`` (the default) and one with ``fast_plan=False`` run
 the same sequence of decode batches — the first with short requests, the later ones

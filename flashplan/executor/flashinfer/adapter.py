@@ -4,8 +4,7 @@ one table of the versions each use was checked against (:data:`SUPPORTED`).
 Everywhere else flashplan calls FlashInfer's public ``plan()`` / ``run()`` and launches
 Triton kernels as ``kernel[grid](*args)``. Here, each only on a version in the table:
 
-* **decode re-plans** (:func:`replan_decode`): FlashInfer's exported
-  ``fast_decode_plan``, plus one private field;
+* **decode re-plans** (:func:`replan_decode`): the compiled scheduler called directly;
 * **paged prefill re-plans** (:func:`replan_prefill`): the private fields that paged
   prefill ``plan()`` sets, and its compiled scheduler called directly;
 * **direct Triton launches** (:class:`DirectLaunch`): a compiled kernel's launcher
@@ -29,11 +28,9 @@ another version may have fixed either, and then the workarounds would misplace b
   zero pages gives a negative size; flashplan gives such a span one unread page with
   ``last_page_len = 0`` (:func:`~flashplan.executor.flashinfer.calls.call_inputs`).
 
-A re-plan issues no sync and no pageable copy (schedulers read pinned host arrays,
-kernels the staged device arrays), and runs only when the wrapper's last full ``plan()``
-had the same constant arguments (``WrapperSlot.planned_with``: everything its compiled
-module depends on). This module imports no other executor module (the kernels import
-:class:`DirectLaunch` lazily).
+A re-plan issues no sync and no copy (schedulers read pinned host arrays, kernels the
+staged device arrays), and runs only after a full ``plan()`` with the same constants
+(``WrapperSlot.planned_with``). This module imports no other executor module.
 """
 
 from __future__ import annotations
@@ -67,8 +64,8 @@ class Support:
 
     Attributes:
         flashinfer: the version, without a local ``+…`` suffix.
-        fast_decode: its ``fast_decode_plan`` equals ``plan()`` (GPU test
-            ``test_fast_decode_plan_equals_plan``): :func:`replan_decode` may run.
+        fast_decode: :func:`replan_decode` re-creates its decode ``plan()`` (GPU test
+            ``test_fast_decode_plan_equals_plan``).
         fast_prefill: :func:`replan_prefill` re-creates its paged prefill ``plan()``
             (GPU test ``test_fast_prefill_plan_equals_plan``).
     """
@@ -144,13 +141,10 @@ def _warn_unknown(version: str) -> None:
 
 
 def fast_decode_available(fi: Any) -> bool:
-    """Whether the imported flashinfer module ``fi`` has a checked ``fast_decode_plan``."""
+    """Whether the imported flashinfer module ``fi`` is a version :func:`replan_decode`
+    was checked against."""
     support = flashinfer_support(fi)
-    return (
-        support is not None
-        and support.fast_decode
-        and callable(getattr(fi, "fast_decode_plan", None))
-    )
+    return support is not None and support.fast_decode
 
 
 def fast_prefill_available(fi: Any) -> bool:
@@ -173,9 +167,10 @@ class Slot(Protocol):
     fixed: dict[str, torch.Tensor]
 
 
-# -- decode: fast_decode_plan ------------------------------------------------------------
-#: The ``plan()`` keywords of a decode call that ``fast_decode_plan`` takes too; the
-#: others (``o_data_type``) are compiled into the module, which the constants pin.
+# -- decode: the compiled scheduler without plan() ---------------------------------------
+#: The ``plan()`` keywords of a decode call that a re-plan reads (``fast_decode_plan``'s
+#: parameters); the others (``o_data_type``) are compiled into the module, which the
+#: constants pin.
 _PASSED = frozenset({
     "num_qo_heads", "num_kv_heads", "head_dim", "page_size", "pos_encoding_mode",
     "window_left", "logits_soft_cap", "q_data_type", "kv_data_type", "data_type",
@@ -193,6 +188,9 @@ class DecodeArrays(NamedTuple):
         indptr_host, indptr_device: int32 ``[bs + 1]`` (pages) page indptr: a pinned
             host view of the staging slot and its device copy.
         last_page_len_host, last_page_len_device: int32 ``[bs]`` (tokens), likewise.
+        qo_indptr_host, qo_indptr_device, kv_lens_host: a tensor-core decode's int32
+            ``[bs + 1]`` ``0, 1, …, bs`` and ``[bs]`` scheduler KV lengths (tokens:
+            ``calls.decode_scheduler_kv_lens``); ``None`` otherwise.
         indices: int32 ``[indptr[-1]]`` (page ids) on the device (gathered).
     """
 
@@ -200,63 +198,84 @@ class DecodeArrays(NamedTuple):
     indptr_device: torch.Tensor
     last_page_len_host: torch.Tensor
     last_page_len_device: torch.Tensor
+    qo_indptr_host: torch.Tensor | None
+    qo_indptr_device: torch.Tensor | None
+    kv_lens_host: torch.Tensor | None
     indices: torch.Tensor
 
 
-def replan_decode(
-    fi: Any,
-    slot: Slot,
-    kwargs: dict[str, Any],
-    arrays: DecodeArrays,
-    *,
-    graph: bool,
-) -> None:
-    """Re-plan ``slot``'s decode wrapper with ``fi.fast_decode_plan``, which runs only
-    FlashInfer's host scheduler (the reference file replays its decode CUDA graphs
-    through it); called as a function, it never replaces a wrapper's method.
+@functools.lru_cache(maxsize=32)
+def _empty(dtype: torch.dtype | str, device: torch.device) -> torch.Tensor:
+    """A 0-element tensor of ``dtype`` (or its name) on ``device``, from which the CUDA-core
+    decode scheduler reads the dtypes (made once; it holds no data, so it is shared)."""
+    return torch.empty(0, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype,
+                       device=device)  # fmt: skip
 
-    * **graph mode** (the wrapper reads fixed buffers): the wrapper's fixed indptr and
-      last-page-length buffers are refreshed from the staged device copy (two
-      device-to-device copies; ``fast_decode_plan`` leaves them to the caller) and its
-      scheduler gets the pinned host arrays;
-    * **eager mode:** the wrapper gets the staged device views to read at run time and
-      the pinned host indptr (``global_override_indptr_cpu``) for its scheduler. Its
-      tensor-core branch reads ``last_page_len`` back to the host, so it gets the pinned
-      host array and the wrapper's last-page-length field is then pointed at the staged
-      device view (the one field ``fast_decode_plan`` would otherwise have set to it).
 
-    The caller guarantees ``fast_decode_available(fi)`` and ``slot.planned_with`` equal
-    to the call's constants.
+def replan_decode(slot: Slot, kwargs: dict[str, Any], arrays: DecodeArrays, *, graph: bool) -> None:
+    """Re-plan ``slot``'s decode wrapper by calling its compiled module's scheduler
+        (``_cached_module.plan``) with the staged arrays, as vLLM's ``fast_plan_decode``
+        does: what flashinfer 0.7.4's ``fast_decode_plan`` does for an FA2 decode wrapper of
+        one query per request, without its per-call Python (argument checks, backend
+        routing, a host-to-device copy of ``qo_indptr``, the KV lengths computed with torch
+        ops, two empty tensors).
 
-    Args:
-        fi: the flashinfer module.
-        slot: the wrapper (graph mode: with its ``fixed`` ``"indptr"`` and
-            ``"last_page_len"`` buffers).
-        kwargs: the call's ``plan()`` keyword arguments.
-        arrays: the batch's arrays (:class:`DecodeArrays`).
-        graph: whether the wrapper was made with ``use_cuda_graph=True``.
+    Graph mode: the wrapper's fixed indptr and last-page-length buffers are refreshed from
+        the staged device copy (two device-to-device copies). Eager mode: the wrapper's fields
+        point at the staged device views (page indptr, page ids, last-page lengths, a
+        tensor-core decode's ``qo_indptr``), as ``fast_decode_plan`` points them.
+
+        The caller guarantees ``fast_decode_available(fi)``, an FA2 wrapper (flashplan's
+        decode wrappers all are) and ``slot.planned_with`` equal to the call's constants.
+        Issues no sync.
+
+        ``slot``: graph mode, with its ``fixed`` ``"indptr"`` and ``"last_page_len"`` buffers;
+        ``kwargs``: the call's ``plan()`` keyword arguments; ``graph``: whether the wrapper was
+        made with ``use_cuda_graph=True``.
     """
-    passed = {name: value for name, value in kwargs.items() if name in _PASSED}
-    wrapper = slot.wrapper
+    w = slot.wrapper
+    tensor_cores = bool(w.use_tensor_cores)
     if graph:
         slot.fixed["indptr"].copy_(arrays.indptr_device, non_blocking=True)
         slot.fixed["last_page_len"].copy_(arrays.last_page_len_device, non_blocking=True)
-        fi.fast_decode_plan(
-            wrapper, arrays.indptr_host, arrays.indices, arrays.last_page_len_host,
-            global_override_indptr_cpu=arrays.indptr_host, **passed,
-        )  # fmt: skip
-        return
-    tensor_cores = bool(wrapper.use_tensor_cores)
-    fi.fast_decode_plan(
-        wrapper,
-        arrays.indptr_device,
-        arrays.indices,
-        arrays.last_page_len_host if tensor_cores else arrays.last_page_len_device,
-        global_override_indptr_cpu=arrays.indptr_host,
-        **passed,
-    )
-    if tensor_cores:  # the kernel reads the device copy, as after plan()
-        wrapper._paged_kv_last_page_len_buf = arrays.last_page_len_device
+    else:
+        w._paged_kv_indptr_buf = arrays.indptr_device
+        w._paged_kv_indices_buf = arrays.indices
+        w._paged_kv_last_page_len_buf = arrays.last_page_len_device
+        if tensor_cores:
+            w._qo_indptr_buf = arrays.qo_indptr_device
+    bs = arrays.last_page_len_host.shape[0]
+    hq, hkv, dim = kwargs["num_qo_heads"], kwargs["num_kv_heads"], kwargs["head_dim"]
+    window = kwargs.get("window_left", -1)
+    soft_cap = kwargs.get("logits_soft_cap")
+    graph_enabled = w.is_cuda_graph_enabled
+    with torch.cuda.device(w.device):
+        if tensor_cores:
+            split = kwargs.get("fixed_split_size")
+            w._plan_info = w._cached_module.plan(
+                w._float_workspace_buffer, w._int_workspace_buffer,
+                w._pin_memory_int_workspace_buffer, arrays.qo_indptr_host, arrays.indptr_host,
+                arrays.kv_lens_host, bs, bs, hq, hkv, kwargs["page_size"], graph_enabled,
+                dim, dim, False, window, -1 if split is None else split,
+                kwargs.get("disable_split_kv", False), 0, 1, True,
+            )  # fmt: skip
+        else:
+            q_dtype = kwargs.get("q_data_type") or kwargs.get("data_type") or torch.float16
+            kv_dtype = kwargs.get("kv_data_type") or kwargs.get("data_type") or q_dtype
+            w._plan_info = w._cached_module.plan(
+                w._float_workspace_buffer, w._int_workspace_buffer,
+                w._pin_memory_int_workspace_buffer, arrays.indptr_host, bs, hq, hkv,
+                kwargs["page_size"], graph_enabled, window,
+                0.0 if soft_cap is None else soft_cap, dim, dim,
+                _empty(q_dtype, w.device), _empty(kv_dtype, w.device),
+            )  # fmt: skip
+    w._q_len_per_req = 1
+    w._pos_encoding_mode = kwargs.get("pos_encoding_mode", "NONE")
+    w._window_left = window
+    w._logits_soft_cap = 0.0 if soft_cap is None else soft_cap
+    w._sm_scale = kwargs.get("sm_scale")
+    w._rope_scale = kwargs.get("rope_scale")
+    w._rope_theta = kwargs.get("rope_theta")
 
 
 # -- paged prefill: the scheduler without plan() -----------------------------------------

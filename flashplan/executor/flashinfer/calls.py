@@ -47,7 +47,7 @@ from flashplan.executor.flashinfer.policy import (
 from flashplan.executor.gathers import pages_region
 from flashplan.layout.group import AttentionGroup
 from flashplan.planning.masks import CustomMask, TreeMask
-from flashplan.planning.spec import KernelPath, PlanKey, PlanSpec
+from flashplan.planning.spec import KernelPath, PagedPart, PlanKey, PlanSpec
 
 __all__ = [
     "PLACEHOLDERS",
@@ -68,6 +68,7 @@ __all__ = [
     "bytes_as_int32",
     "call_inputs",
     "call_skeleton",
+    "decode_scheduler_kv_lens",
     "flashinfer_mask_offsets",
     "int32_words",
     "skeleton_key",
@@ -400,9 +401,14 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
     Raises:
         UnsupportedError: a custom mask too large for flashinfer's int32 offsets.
     """
-    # Every prefill call (paged or ragged) takes qo_indptr; decode calls do not.
+    # Every prefill call (paged or ragged) takes qo_indptr; decode calls do not, but a
+    # tensor-core decode re-plan hands it to the scheduler (adapter.replan_decode).
     uses_qo = any(gc.ragged is not None or gc.path is not KernelPath.DECODE for gc in calls)
-    host: dict[str, IntArray] = {"qo_indptr": spec.qo_indptr} if uses_qo else {}
+    tc_decode = any(
+        gc.paged is not None and gc.path is KernelPath.DECODE and gc.paged.wrapper.use_tensor_cores
+        for gc in calls
+    )
+    host: dict[str, IntArray] = {"qo_indptr": spec.qo_indptr} if uses_qo or tc_decode else {}
     spans: dict[int, tuple[IntArray, IntArray]] = {}
     masks: dict[int, MaskRecipe] = {}
     ints: dict[str, int] = {}
@@ -433,6 +439,8 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
             # span has last_page_len 0 and at most one page), and the longest.
             host[f"g{index}.kv_lens"] = part.kv_lens
             ints[f"g{index}.max_kv_len"] = part.max_kv_len
+        elif gc.paged is not None and gc.paged.wrapper.use_tensor_cores:
+            host[f"g{index}.kv_lens"] = decode_scheduler_kv_lens(part)
         if gc.masked:
             assert part.mask is not None
             masks[index] = _mask_recipe(index, part.mask, host)
@@ -482,6 +490,17 @@ def flashinfer_mask_offsets(
     must start at byte ``sum_{r<i} qo_r * kv_r``. Returns int64 ``[bs + 1]``.
     """
     return running_sum(np.multiply(qo_lens, kv_lens, dtype=np.int64))
+
+
+def decode_scheduler_kv_lens(part: PagedPart) -> IntArray:
+    """int32 ``[bs]`` (tokens): the KV lengths FlashInfer's tensor-core decode scheduler
+    gets from ``fast_decode_plan``: ``max(pages - 1, 0) * page_size + last_page_len``, with
+    ``last_page_len`` taken as 1 at page size 1 — the part's own ``kv_lens`` except for
+    an empty span at page size 1 (a cross group over an empty encoder), which counts one."""
+    kv = part.kv_lens
+    if part.page_size > 1 or not kv.size or np.logical_and.reduce(kv):
+        return kv
+    return seal_inplace(np.where(kv == 0, 1, kv))
 
 
 def bytes_as_int32(values: npt.NDArray[np.uint8]) -> IntArray:

@@ -175,7 +175,12 @@ def _bound_call(
     mask_indptr = None
     if call.wrapper.kind is WrapperKind.DECODE:
         ind, last = g + ".page_indptr", g + ".last_page_len"
-        decode = (host[ind], staged[ind], host[last], staged[last])
+        if call.wrapper.use_tensor_cores:  # the scheduler's qo_indptr and KV lengths
+            qo, kv = prefix + "qo_indptr", g + ".kv_lens"
+            decode = (host[ind], staged[ind], host[last], staged[last],
+                      host[qo], staged[qo], host[kv])  # fmt: skip
+        else:
+            decode = (host[ind], staged[ind], host[last], staged[last], None, None, None)
     elif call.wrapper.kind is WrapperKind.PAGED_PREFILL:
         qo, ind, kv = prefix + "qo_indptr", g + ".page_indptr", g + ".kv_lens"
         prefill = (host[qo], staged[qo], host[ind], staged[ind], staged[g + ".last_page_len"],
@@ -237,9 +242,8 @@ class FlashInferExecutor:
         check_pages: the checked mode above.
         fast_plan: re-plan a wrapper whose last ``plan()`` had the same constant
             arguments without ``plan()``'s argument checks, host metadata and copies
-            (flashplan has staged the arrays already): a decode wrapper through
-            FlashInfer's ``fast_decode_plan``, an eager FA2 paged prefill wrapper by
-            running FlashInfer's scheduler directly
+            (flashplan has staged the arrays already): a decode wrapper or an eager
+            FA2 paged prefill wrapper by running FlashInfer's compiled scheduler directly
             (:mod:`~flashplan.executor.flashinfer.adapter`); only with a flashinfer
             version each was checked against. ``False``: always ``plan()``.
 
@@ -314,8 +318,9 @@ class FlashInferExecutor:
         self._positions_buf = DeviceBuffer(self.device, torch.int32)
         self._positions: torch.Tensor | None = None  # built by positions() for _spec
         self._step_positions: list[DeviceBuffer] = []  # apply_steps' views: one per step
-        #: FlashInfer planning calls made so far: full ``plan()`` calls and decode
-        #: re-plans through ``fast_decode_plan`` (see ``fast_plan``).
+        #: FlashInfer planning calls made so far: full ``plan()`` calls, decode re-plans
+        #: (``"fast_decode_plan"``: the scheduler called as ``fast_decode_plan`` calls it)
+        #: and paged prefill re-plans (see ``fast_plan``).
         self.plan_counts = {"plan": 0, "fast_decode_plan": 0, "fast_prefill_plan": 0}
 
     # -- state --------------------------------------------------------------------------
@@ -485,7 +490,7 @@ class FlashInferExecutor:
                     and held.planned_with == call.constants  # None before a full plan()
                 ):
                     arrays = DecodeArrays(*bound.decode, indices=kwargs["indices"])
-                    replan_decode(self._fi, held, kwargs, arrays, graph=self._graph_wrappers)
+                    replan_decode(held, kwargs, arrays, graph=self._graph_wrappers)
                     self.plan_counts["fast_decode_plan"] += 1
                 elif (
                     self._fast_prefill
