@@ -104,9 +104,7 @@ def measure(bs: int, reps: int) -> dict[str, float]:
     tc = decode_uses_tensor_cores(HEADS, ExecutorPolicy(), bs)
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device=DEV)
     # backend "fa2", as the executor's decode wrappers (and run_gpu.py's bare plan())
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        ws, "NHD", use_tensor_cores=tc, backend="fa2"
-    )
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc, backend="fa2")
     kwargs = dict(q_data_type=DT, kv_data_type=DT, non_blocking=True)
 
     def bare() -> None:

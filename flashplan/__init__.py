@@ -49,10 +49,14 @@ _GPU_NAMES = {
     "GraphBucket": "flashplan.executor.flashinfer",
     "GraphExecutor": "flashplan.executor.flashinfer",
     "capture": "flashplan.executor.flashinfer",
+    # registers the flashplan::run custom op on first use (torch.library)
+    "AttentionOp": "flashplan.executor.custom_op",
+    "attention": "flashplan.executor.custom_op",
 }
 
 __all__ = [
     "AttentionGroup",
+    "AttentionOp",
     "BatchLayout",
     "BucketError",
     "DraftDecode",
@@ -78,6 +82,7 @@ __all__ = [
     "PlanSpec",
     "ReferenceExecutor",
     "UnsupportedError",
+    "attention",
     "capture",
     "materialize",
     "plan",
