@@ -20,6 +20,10 @@ def _window(field: str, value: object) -> int:
     return as_int(field, value, minimum=-1, maximum=2**63 - 1)
 
 
+def _chunk(field: str, value: object) -> int:
+    return as_int(field, value, minimum=0, maximum=2**31 - 1)
+
+
 def _soft_cap(field: str, value: object) -> float:
     cap = as_real(field, value)
     if cap < 0:
@@ -53,11 +57,26 @@ class AttentionGroup:
             position ``p`` sees keys ``p - window_left <= k <= p`` (``window_left + 1``
             keys). ``-1`` means full attention. A Hugging Face ``sliding_window`` of
             ``S`` is ``window_left = S - 1``. Any size is accepted; a window at least as
-            long as a sequence shows that sequence in full.
+            long as a sequence shows that sequence in full. On a non-causal group it is
+            the left bound of a bidirectional window (with ``window_right``).
         cross_attention: attend to the request's encoder tokens instead of the
-            decoder tokens. Cross groups are non-causal and have no window.
+            decoder tokens. Cross groups are non-causal and have no window, chunk or
+            right bound.
         causal: a query sees keys up to its own position (bottom-right aligned);
             ``False`` lets every new token see every key of the request.
+        window_right: the right bound of a bidirectional window (tokens): a query of
+            a non-causal self group at position ``p`` sees keys
+            ``p - window_left <= k <= p + window_right`` (and ``k < seq_len``).
+            ``-1`` = no window; a non-causal group sets both bounds or neither, and a
+            causal group keeps ``-1`` (its right bound is the query itself).
+        attention_chunk_size: chunked local attention (Llama 4's
+            ``attention_chunk_size``, tokens): a causal query at position ``p`` sees
+            keys ``C * (p // C) <= k <= p``. ``0`` = off. Causal self groups only, and
+            not together with a sliding window.
+        sinks: the group has attention sinks (gpt-oss): one learned logit per query
+            head joins every softmax denominator with no value. The logits are a
+            run-time float32 ``[num_qo_heads]`` tensor passed to ``run`` like ``q``;
+            the plan fixes that the group has them.
         logits_soft_cap: ``cap * tanh(logits / cap)`` before the softmax; 0 = off.
         sm_scale: softmax scale; ``None`` means ``1 / sqrt(head_dim)``. A group does
             not know its head size, so ``sm_scale=None`` and an explicit
@@ -74,6 +93,11 @@ class AttentionGroup:
         default=0.0, converter=lambda v: _soft_cap("logits_soft_cap", v)
     )
     sm_scale: float | None = attrs.field(default=None, converter=lambda v: _sm_scale("sm_scale", v))
+    window_right: int = attrs.field(default=-1, converter=lambda v: _window("window_right", v))
+    attention_chunk_size: int = attrs.field(
+        default=0, converter=lambda v: _chunk("attention_chunk_size", v)
+    )
+    sinks: bool = attrs.field(default=False, converter=lambda v: as_bool("sinks", v))
 
     def __attrs_post_init__(self) -> None:
         if self.cross_attention and self.causal:
@@ -83,48 +107,131 @@ class AttentionGroup:
                 cross_attention=True,
                 causal=True,
             )
-        if self.window_left >= 0 and not self.causal:
+        if self.cross_attention and (
+            self.window_left >= 0 or self.window_right >= 0 or self.attention_chunk_size
+        ):
             raise LayoutError(
-                "window_left",
-                "a sliding window needs a causal group",
+                "window_left"
+                if self.window_left >= 0
+                else "window_right"
+                if self.window_right >= 0
+                else "attention_chunk_size",
+                "a cross group sees every encoder key: no window, right bound or chunk",
                 window_left=self.window_left,
+                window_right=self.window_right,
+                attention_chunk_size=self.attention_chunk_size,
+            )
+        if self.causal and self.window_right >= 0:
+            raise LayoutError(
+                "window_right",
+                "a right window bound needs a non-causal group (a causal query sees no key "
+                "after itself)",
+                window_right=self.window_right,
+                causal=True,
+            )
+        if not self.causal and (self.window_left >= 0) != (self.window_right >= 0):
+            raise LayoutError(
+                "window_left" if self.window_left >= 0 else "window_right",
+                "a sliding window on a non-causal group is bidirectional: set both "
+                "window_left and window_right (AttentionGroup.bidirectional(window_left=..., "
+                "window_right=...))",
+                window_left=self.window_left,
+                window_right=self.window_right,
                 causal=False,
-                cross_attention=self.cross_attention,
+            )
+        if self.attention_chunk_size and not self.causal:
+            raise LayoutError(
+                "attention_chunk_size",
+                "chunked local attention needs a causal self group",
+                attention_chunk_size=self.attention_chunk_size,
+                causal=False,
+            )
+        if self.attention_chunk_size and self.window_left >= 0:
+            raise LayoutError(
+                "attention_chunk_size",
+                "chunked local attention and a sliding window are exclusive (no model combines "
+                "them): plan one or the other",
+                attention_chunk_size=self.attention_chunk_size,
+                window_left=self.window_left,
             )
 
     # -- named constructors -------------------------------------------------------------
     @classmethod
-    def full(cls, *, logits_soft_cap: float = 0.0, sm_scale: float | None = None) -> AttentionGroup:
+    def full(
+        cls, *, logits_soft_cap: float = 0.0, sm_scale: float | None = None, sinks: bool = False
+    ) -> AttentionGroup:
         """Causal self-attention over every earlier token."""
-        return cls(logits_soft_cap=logits_soft_cap, sm_scale=sm_scale)
+        return cls(logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, sinks=sinks)
 
     @classmethod
     def sliding(
-        cls, window_left: int, *, logits_soft_cap: float = 0.0, sm_scale: float | None = None
+        cls,
+        window_left: int,
+        *,
+        logits_soft_cap: float = 0.0,
+        sm_scale: float | None = None,
+        sinks: bool = False,
     ) -> AttentionGroup:
         """Causal self-attention over the last ``window_left + 1`` keys."""
-        return cls(window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale)
+        return cls(
+            window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
+            sinks=sinks,
+        )  # fmt: skip
+
+    @classmethod
+    def chunked(
+        cls,
+        attention_chunk_size: int,
+        *,
+        logits_soft_cap: float = 0.0,
+        sm_scale: float | None = None,
+        sinks: bool = False,
+    ) -> AttentionGroup:
+        """Chunked local attention (Llama 4): a query at position ``p`` sees keys
+        ``C * (p // C) <= k <= p`` for ``C = attention_chunk_size >= 1``."""
+        if as_int("attention_chunk_size", attention_chunk_size) < 1:
+            raise LayoutError(
+                "attention_chunk_size", "must be >= 1 for a chunked group",
+                attention_chunk_size=attention_chunk_size,
+            )  # fmt: skip
+        return cls(
+            attention_chunk_size=attention_chunk_size, logits_soft_cap=logits_soft_cap,
+            sm_scale=sm_scale, sinks=sinks,
+        )  # fmt: skip
 
     @classmethod
     def bidirectional(
-        cls, *, logits_soft_cap: float = 0.0, sm_scale: float | None = None
+        cls,
+        *,
+        window_left: int = -1,
+        window_right: int = -1,
+        logits_soft_cap: float = 0.0,
+        sm_scale: float | None = None,
+        sinks: bool = False,
     ) -> AttentionGroup:
-        """Non-causal self-attention: each new token sees every key of its request.
+        """Non-causal self-attention: each new token sees every key of its request, or,
+        with ``window_left`` and ``window_right``, the keys
+        ``p - window_left <= k <= p + window_right`` around its position ``p``
+        (ModernBERT / EmbeddingGemma local layers).
 
         With a cached prefix this is block-bidirectional extend (diffusion LMs,
         encoder-only layers): new tokens see the prefix and every new token of their
         block.
         """
-        return cls(causal=False, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale)
+        return cls(
+            causal=False, window_left=window_left, window_right=window_right,
+            logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, sinks=sinks,
+        )  # fmt: skip
 
     @classmethod
     def cross(
-        cls, *, logits_soft_cap: float = 0.0, sm_scale: float | None = None
+        cls, *, logits_soft_cap: float = 0.0, sm_scale: float | None = None, sinks: bool = False
     ) -> AttentionGroup:
         """Non-causal attention to the request's encoder tokens."""
         return cls(
-            cross_attention=True, causal=False, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale
-        )
+            cross_attention=True, causal=False, logits_soft_cap=logits_soft_cap,
+            sm_scale=sm_scale, sinks=sinks,
+        )  # fmt: skip
 
     # -- derived ------------------------------------------------------------------------
     @property
@@ -133,11 +240,21 @@ class AttentionGroup:
         return self.window_left >= 0
 
     @property
+    def has_band(self) -> bool:
+        """True for a bidirectional window (a non-causal group with both bounds)."""
+        return self.window_right >= 0
+
+    @property
+    def has_chunks(self) -> bool:
+        """True for chunked local attention (``attention_chunk_size >= 1``)."""
+        return self.attention_chunk_size > 0
+
+    @property
     def uses_window_pool(self) -> bool:
         """Whether the group's KV lives in the sliding-window pool of an executor with a
-        ``page_map`` (every windowed group does; full, bidirectional and cross groups
-        stay in the full pool)."""
-        return self.has_window
+        ``page_map`` (every causal windowed group does; full, chunked, bidirectional
+        and cross groups stay in the full pool)."""
+        return self.has_window and self.causal
 
     def scale_for(self, head_dim: int) -> float:
         """The softmax scale for ``head_dim``: ``sm_scale`` or ``1 / sqrt(head_dim)``."""
@@ -151,11 +268,18 @@ class AttentionGroup:
         return attrs.evolve(self, sm_scale=self.scale_for(head_dim))
 
     def describe(self) -> str:
-        """Short human-readable name, e.g. ``"self causal window=127 cap=30"``."""
+        """Short human-readable name, e.g. ``"self causal window=127 cap=30"``,
+        ``"self causal chunk=8192 sinks"`` or ``"self bidirectional window=-64..+64"``."""
         parts = ["cross" if self.cross_attention else "self"]
         parts.append("causal" if self.causal else "bidirectional")
-        if self.has_window:
+        if self.has_band:
+            parts.append(f"window=-{self.window_left}..+{self.window_right}")
+        elif self.has_window:
             parts.append(f"window={self.window_left}")
+        if self.has_chunks:
+            parts.append(f"chunk={self.attention_chunk_size}")
+        if self.sinks:
+            parts.append("sinks")
         if self.logits_soft_cap:
             parts.append(f"cap={self.logits_soft_cap:g}")
         if self.sm_scale is not None:

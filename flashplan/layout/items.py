@@ -397,6 +397,14 @@ def check_items_fit(
                 "file turns it off); plan windowed layers without item_delimiters",
                 window_left=g.window_left,
             )
+        if g.has_chunks:
+            raise LayoutError(
+                "groups",
+                "a multi-item batch cannot be planned for a chunked group: FlashInfer's "
+                "multi-item mask has no chunk bound (and a chunk would cut into the prompt an "
+                "item must see); plan chunked layers without item_delimiters",
+                attention_chunk_size=g.attention_chunk_size,
+            )
         if not g.causal:
             raise LayoutError(
                 "groups",
