@@ -21,7 +21,14 @@ from flashplan.arrays import (
     seal_inplace,
 )
 from flashplan.errors import FieldTypeError, LayoutError
-from flashplan.layout.convert import ArrayLike, as_flags, as_int, as_lengths
+from flashplan.layout.checks import (
+    check_encoder,
+    check_lengths,
+    first_index,
+    optional_flags,
+    optional_lengths,
+)
+from flashplan.layout.convert import ArrayLike, as_int, as_lengths
 from flashplan.layout.drafts import DraftTree, check_draft_fits
 from flashplan.layout.group import DEFAULT_GROUPS, AttentionGroup, as_groups
 from flashplan.layout.items import FIELD as ITEMS
@@ -36,82 +43,6 @@ __all__ = [
     "Mode",
     "as_groups",
 ]  # (DEFAULT_GROUPS, as_groups: layout.group; MAX_ITEM_ROW: layout.items; Mode: layout.mode)
-
-
-def _optional_lengths(field: str, value: object) -> IntArray | None:
-    return None if value is None else as_lengths(field, value)
-
-
-def _optional_flags(field: str, value: object) -> npt.NDArray[np.bool_] | None:
-    return None if value is None else as_flags(field, value)
-
-
-def _first(mask: np.ndarray) -> int:
-    return int(np.flatnonzero(mask)[0])
-
-
-def _check_lengths(mode: Mode, seq: IntArray, prefix: IntArray) -> None:
-    """``prefix_lens`` against ``seq_lens``: one entry per request, never longer, and
-    exactly one token added per request in a decode step."""
-    bs = seq.shape[0]
-    if prefix.shape[0] != bs:
-        raise LayoutError(
-            "prefix_lens",
-            "batch size differs from seq_lens",
-            seq_lens_size=bs,
-            prefix_lens_size=prefix.shape[0],
-        )
-    if not bs:
-        return
-    added = seq - prefix  # int32: both lie in [0, INT32_MAX]
-    if mode is Mode.DECODE:  # one new token each (so no prefix exceeds its seq_len)
-        if np.minimum.reduce(added) != 1 or np.maximum.reduce(added) != 1:
-            i = _first(added != 1)
-            raise LayoutError(
-                "seq_lens",
-                "a decode step adds exactly one token per request",
-                request=i,
-                seq_len=int(seq[i]),
-                prefix_len=int(prefix[i]),
-            )
-    elif np.minimum.reduce(added) < 0:
-        i = _first(added < 0)
-        raise LayoutError(
-            "prefix_lens",
-            "must not exceed seq_lens",
-            request=i,
-            prefix_len=int(prefix[i]),
-            seq_len=int(seq[i]),
-        )
-
-
-def _check_encoder(
-    seq: IntArray,
-    encoder: IntArray | None,
-    cached: npt.NDArray[np.bool_] | None,
-    groups: tuple[AttentionGroup, ...],
-) -> None:
-    """The encoder's fields against the batch, and cross groups against the encoder."""
-    bs = seq.shape[0]
-    if encoder is not None and encoder.shape[0] != bs:
-        raise LayoutError(
-            "encoder_lens",
-            "batch size differs from seq_lens",
-            seq_lens_size=bs,
-            encoder_lens_size=encoder.shape[0],
-        )
-    if encoder is None and any(g.cross_attention for g in groups):
-        raise LayoutError("encoder_lens", "a cross-attention group needs encoder_lens")
-    if cached is not None:
-        if encoder is None:
-            raise LayoutError("encoder_cached", "needs encoder_lens")
-        if cached.shape[0] != bs:
-            raise LayoutError(
-                "encoder_cached",
-                "batch size differs from seq_lens",
-                seq_lens_size=bs,
-                encoder_cached_size=cached.shape[0],
-            )
 
 
 @readonly_when_unpickled
@@ -201,19 +132,19 @@ class BatchLayout:
             raise FieldTypeError("mode", "must be a flashplan.Mode", value=mode)
         seq = as_lengths("seq_lens", seq_lens)
         prefix = as_lengths("prefix_lens", prefix_lens)
-        encoder = _optional_lengths("encoder_lens", encoder_lens)
+        encoder = optional_lengths("encoder_lens", encoder_lens)
         ps = as_int("page_size", page_size, minimum=1)
         checked = as_groups("groups", groups)
-        cached = _optional_flags("encoder_cached", encoder_cached)
+        cached = optional_flags("encoder_cached", encoder_cached)
         items = as_item_delimiters(ITEMS, item_delimiters)
         if draft is not None and not isinstance(draft, DraftTree):
             raise FieldTypeError("draft", "must be a DraftTree", value=type(draft).__name__)
-        _check_lengths(mode, seq, prefix)
+        check_lengths(mode, seq, prefix)
         if (draft is not None) != (mode is Mode.VERIFY):
             raise LayoutError("draft", "a verify batch, and only a verify batch, has a draft")
         if draft is not None:
             check_draft_fits(draft, new_tokens=seq - prefix, groups=checked)
-        _check_encoder(seq, encoder, cached, checked)
+        check_encoder(seq, encoder, cached, checked)
         if items is not None:
             check_items_fit(
                 items, extend=mode is Mode.EXTEND, extend_lens=seq - prefix, groups=checked
@@ -253,7 +184,7 @@ class BatchLayout:
         # token per request: only the page size and the groups can still be wrong.
         ps = as_int("page_size", page_size, minimum=1)
         checked = as_groups("groups", groups)
-        _check_encoder(seq, None, None, checked)
+        check_encoder(seq, None, None, checked)
         return cls(Mode.DECODE, seq, prefix, None, ps, checked)
 
     @classmethod
@@ -388,7 +319,7 @@ class BatchLayout:
             n = as_int("tokens_per_request", tokens_per_request, minimum=1)
             over = accepted > n
             if over.any():
-                i = _first(over)
+                i = first_index(over)
                 raise LayoutError(
                     "accepted_lens",
                     "more accepted tokens than tokens_per_request",
@@ -421,7 +352,7 @@ class BatchLayout:
         block = as_int("block_size", block_size, minimum=1)
         short = seq < block
         if short.any():
-            i = _first(short)
+            i = first_index(short)
             raise LayoutError(
                 "seq_lens",
                 "must be at least block_size",
