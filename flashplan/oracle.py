@@ -7,8 +7,11 @@ plan's kernel calls with :mod:`flashplan.kernel_rules`) and use
 :func:`dense_attention` as the ground truth for both executors. The rules are those
 of ``docs/semantics.md``: new token ``j`` of request ``i`` sits at decoder position
 ``P + j``; a causal self group shows keys ``k <= P + j``, a window ``W >= 0`` also
-requires ``k >= P + j - W``; a bidirectional group shows every key ``k < L``; a cross
-group shows every encoder key.
+requires ``k >= P + j - W``; a chunked group (``attention_chunk_size`` C) requires
+``k // C == (P + j) // C``; a bidirectional group shows every key ``k < L``, and with a
+bidirectional window ``P + j - window_left <= k <= P + j + window_right``; a cross
+group shows every encoder key. Sinks add ``exp(s_h)`` to each query's softmax
+denominator (:func:`dense_attention`).
 
 Multi-item scoring (a layout with ``item_delimiters``; self groups are causal without
 window there): with the request's first delimiter at new token ``f``, the *prefix* is
@@ -73,14 +76,26 @@ def visibility(layout: BatchLayout, group: AttentionGroup) -> list[npt.NDArray[n
         key = np.arange(n_keys)[None, :]
         seen = np.ones((new, n_keys), dtype=bool)
         if not group.cross_attention:
-            if group.causal:
-                seen &= key <= pos
-            if group.window_left >= 0:
-                seen &= key >= pos - group.window_left
+            seen &= _position_rule(group, pos, key)
         if items is not None and items.counts[i]:
             seen &= _item_rule(prefix, new, items.request(i).tolist(), n_keys)
         out.append(seen)
     return out
+
+
+def _position_rule(group: AttentionGroup, pos: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """bool: whether a self group's query at position ``pos`` sees the key at position
+    ``key`` (broadcast), by the group's causal flag, window, right bound and chunk."""
+    seen = np.ones(np.broadcast_shapes(pos.shape, key.shape), dtype=bool)
+    if group.causal:
+        seen &= key <= pos
+    if group.window_left >= 0:
+        seen &= key >= pos - group.window_left
+    if group.window_right >= 0:
+        seen &= key <= pos + group.window_right
+    if group.attention_chunk_size:
+        seen &= key // group.attention_chunk_size == pos // group.attention_chunk_size
+    return seen
 
 
 def _item_rule(prefix: int, new: int, delimiters: list[int], n_keys: int) -> np.ndarray:
@@ -107,8 +122,14 @@ def dense_attention(
     v: torch.Tensor,
     seen: npt.NDArray[np.bool_],
     group: AttentionGroup,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 attention of one request over the keys ``seen`` allows.
+
+    With ``sinks`` (a sink group), query head ``h``'s softmax denominator gets one more
+    term ``exp(sinks[h])`` that carries no value, and the LSE includes it (the sink is a
+    key of value 0 that every query sees): a query that sees no key then has output 0
+    and LSE ``sinks[h] / ln 2``.
 
     Args:
         q: ``[num_queries, num_qo_heads, head_dim]``.
@@ -116,6 +137,8 @@ def dense_attention(
             in groups of ``num_qo_heads // num_kv_heads``).
         seen: bool ``[num_queries, num_keys]`` (e.g. one entry of :func:`visibility`).
         group: gives the scale (``group.scale_for(head_dim)``) and the soft cap.
+        sinks: float ``[num_qo_heads]`` sink logits (natural-log units, not scaled or
+            capped), or ``None``.
 
     Returns:
         ``(out [num_queries, num_qo_heads, head_dim], lse [num_queries, num_qo_heads])``
@@ -126,7 +149,10 @@ def dense_attention(
     scale = group.scale_for(d)
     if e == 0 or k.shape[0] == 0 or not seen.any():
         out = torch.zeros(e, hq, d, dtype=torch.float64, device=q.device)
-        return out, torch.full((e, hq), -math.inf, dtype=torch.float64, device=q.device)
+        lse = torch.full((e, hq), -math.inf, dtype=torch.float64, device=q.device)
+        if sinks is not None:
+            lse = sinks.double().to(q.device)[None, :].expand(e, hq) / _LN2
+        return out, lse
     gs = hq // k.shape[1]
     kh = k.double().repeat_interleave(gs, dim=1)
     vh = v.double().repeat_interleave(gs, dim=1)
@@ -136,7 +162,11 @@ def dense_attention(
         cap = group.logits_soft_cap
         logits = cap * torch.tanh(logits / cap)
     logits = logits.masked_fill(~mask[None], -math.inf)
-    lse = torch.logsumexp(logits, dim=-1)  # [Hq, E], natural log
+    if sinks is not None:  # one more column per head: the sink's logit, with value 0
+        sink_col = sinks.double().to(q.device)[:, None, None].expand(hq, e, 1)
+        lse = torch.logsumexp(torch.cat([logits, sink_col], dim=-1), dim=-1)
+    else:
+        lse = torch.logsumexp(logits, dim=-1)  # [Hq, E], natural log
     probs = torch.exp(logits - lse.clamp_min(-1e300)[..., None])
     probs = probs.masked_fill(~mask[None], 0.0)  # keys nobody sees contribute nothing
     out = torch.einsum("hqk,khd->qhd", probs, vh.masked_fill(~mask.any(0)[:, None, None], 0.0))
@@ -147,7 +177,7 @@ def _verify_visibility(layout: BatchLayout, group: AttentionGroup) -> list[npt.N
     """Verify: draft token ``t`` (position ``P + depth(t)``, key slot ``P + t``) sees every
     prefix key and the slots of its ancestors and itself; a window ``W`` keeps the keys
     whose *position* is at least ``P + depth(t) - W`` (a draft key's position is
-    ``P + depth``)."""
+    ``P + depth``), a chunk ``C`` the keys whose position is in the query's chunk."""
     draft = layout.draft
     assert draft is not None
     out = []
@@ -158,12 +188,13 @@ def _verify_visibility(layout: BatchLayout, group: AttentionGroup) -> list[npt.N
         seen = np.zeros((n, prefix + n), dtype=bool)
         for t in range(n):
             pos = prefix + int(depth[t])
+            p = np.array(pos)
             for k in range(prefix):
-                seen[t, k] = group.window_left < 0 or k >= pos - group.window_left
+                seen[t, k] = _position_rule(group, p, np.array(k))
             a = t
             while a >= 0:  # the token, then its parent, up to the root
                 key_pos = prefix + int(depth[a])
-                seen[t, prefix + a] = group.window_left < 0 or key_pos >= pos - group.window_left
+                seen[t, prefix + a] = _position_rule(group, p, np.array(key_pos))
                 a = parents[a]
         out.append(seen)
     return out

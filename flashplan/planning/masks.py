@@ -26,6 +26,7 @@ from flashplan.errors import LayoutError
 
 __all__ = [
     "CustomMask",
+    "PositionMask",
     "ThresholdMask",
     "TreeMask",
     "mask_indptr",
@@ -256,7 +257,114 @@ class TreeMask:
         return pack_dense(parts)[0]
 
 
-#: The custom masks a paged kernel call may carry.
+@readonly_when_unpickled
+@attrs.frozen
+class PositionMask:
+    """A custom mask computed from positions: a bidirectional window or a chunk.
+
+    Row ``j`` of request ``i`` is the query at position ``p = row_position[i] + j``;
+    column ``c`` is the key at position ``k = col_position[i] + c``. The query sees the
+    key when ``c < kv_lens[i]`` and the group's rule holds: ``k <= p`` (``causal``),
+    ``k >= p - window_left`` (``window_left >= 0``), ``k <= p + window_right``
+    (``window_right >= 0``) and ``k // chunk == p // chunk`` (``chunk >= 1``). Every row
+    is one run of columns, so the mask is two integers per request and four per call;
+    an executor expands it where it is used (on the host by :attr:`packed`).
+
+    >>> m = PositionMask.from_arrays([3], [6], [2], [0], window_left=1, window_right=1)
+    >>> m.dense(0).astype(int)
+    array([[0, 1, 1, 1, 0, 0],
+           [0, 0, 1, 1, 1, 0],
+           [0, 0, 0, 1, 1, 1]])
+
+    Attributes:
+        qo_lens: int32 ``[bs]`` (tokens) rows per request.
+        kv_lens: int32 ``[bs]`` (tokens) columns per request (the kernel's kv length).
+        row_position: int64 ``[bs]`` (positions) of row 0's query.
+        col_position: int64 ``[bs]`` (positions) of column 0's key.
+        causal: hide keys after the query.
+        window_left: left bound (tokens), -1 = none.
+        window_right: right bound (tokens), -1 = none.
+        chunk: chunk size (tokens), 0 = none.
+    """
+
+    qo_lens: IntArray = attrs.field(eq=array_key)
+    kv_lens: IntArray = attrs.field(eq=array_key)
+    row_position: npt.NDArray[np.int64] = attrs.field(eq=array_key)
+    col_position: npt.NDArray[np.int64] = attrs.field(eq=array_key)
+    causal: bool = False
+    window_left: int = -1
+    window_right: int = -1
+    chunk: int = 0
+
+    @classmethod
+    def from_arrays(
+        cls, qo_lens: object, kv_lens: object, row_position: object, col_position: object, *,
+        causal: bool = False, window_left: int = -1, window_right: int = -1, chunk: int = 0,
+    ) -> PositionMask:  # fmt: skip
+        """A mask from any 1-D integer arrays (copied read-only).
+
+        Raises:
+            LayoutError: lengths that are not 1-D integers ``>= 0``, positions that are
+                not 1-D integers, arrays without one entry per request, bounds below -1 or
+                a negative chunk.
+        """
+        qo = _mask_lengths("qo_lens", qo_lens)
+        kv = _mask_lengths("kv_lens", kv_lens)
+        row = _first_visible("row_position", row_position)
+        col = _first_visible("col_position", col_position)
+        if {kv.shape[0], row.shape[0], col.shape[0]} != {qo.shape[0]}:
+            raise LayoutError("mask", "every array needs one entry per request")
+        if min(window_left, window_right) < -1 or chunk < 0:
+            raise LayoutError(
+                "mask", "bounds must be >= -1 and the chunk >= 0", window_left=window_left,
+                window_right=window_right, chunk=chunk,
+            )  # fmt: skip
+        return cls(qo, kv, row, col, bool(causal), int(window_left), int(window_right), int(chunk))
+
+    @cached_property
+    def indptr(self) -> IntArray:
+        """int32 ``[bs + 1]`` (bytes) offsets of the compact packed form."""
+        return mask_indptr(self.qo_lens, self.kv_lens)
+
+    def row_runs(
+        self, pos: npt.NDArray[np.int64], col: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """``(first, stop)`` columns (int64, unclamped) of the visible run of the query
+        at position ``pos`` over columns starting at position ``col`` (broadcast)."""
+        big = np.int64(2**62)
+        lo = np.full(np.broadcast_shapes(pos.shape, col.shape), -big, dtype=np.int64)
+        hi = np.full(lo.shape, big, dtype=np.int64)
+        if self.window_left >= 0:
+            lo = np.maximum(lo, pos - self.window_left)
+        if self.chunk:
+            lo = np.maximum(lo, pos // self.chunk * self.chunk)
+            hi = np.minimum(hi, (pos // self.chunk + 1) * self.chunk - 1)
+        if self.causal:
+            hi = np.minimum(hi, pos)
+        if self.window_right >= 0:
+            hi = np.minimum(hi, pos + self.window_right)
+        return lo - col, hi + 1 - col
+
+    @cached_property
+    def packed(self) -> npt.NDArray[np.uint8]:
+        """uint8 ``[indptr[-1]]``: the compact packed bytes (host; vectorized over rows)."""
+        q = self.qo_lens
+        req = np.repeat(np.arange(q.shape[0]), q)
+        pos = threshold_rows(q, self.row_position)
+        first, stop = self.row_runs(pos, self.col_position[req])
+        return pack_threshold_rows(q, self.kv_lens, first, stop)[0]
+
+    def dense(self, request: int) -> npt.NDArray[np.bool_]:
+        """bool ``[qo_len, kv_len]``: request ``request``'s mask."""
+        q, kv = int(self.qo_lens[request]), int(self.kv_lens[request])
+        pos = int(self.row_position[request]) + np.arange(q, dtype=np.int64)[:, None]
+        first, stop = self.row_runs(pos, np.array(self.col_position[request]))
+        c = np.arange(kv)[None, :]
+        return (c >= first) & (c < stop)
+
+
+#: The custom masks a paged kernel call may carry as ``PagedPart.mask`` (a
+#: :class:`PositionMask` is ``PagedPart.position_mask``: executors declare it apart).
 CustomMask = ThresholdMask | TreeMask
 
 
@@ -277,21 +385,28 @@ def mask_indptr(qo_lens: IntArray, kv_lens: IntArray) -> IntArray:
 
 
 def pack_threshold_rows(
-    qo_lens: IntArray, kv_lens: IntArray, first_visible: npt.NDArray[np.int64]
+    qo_lens: IntArray,
+    kv_lens: IntArray,
+    first_visible: npt.NDArray[np.int64],
+    stop_visible: npt.NDArray[np.int64] | None = None,
 ) -> tuple[npt.NDArray[np.uint8], IntArray]:
-    """Pack masks whose every row is "hidden up to a column, visible after it".
+    """Pack masks whose every row is one run of visible columns.
 
     Row ``j`` of request ``i`` sees columns ``c`` with
-    ``first_visible_row <= c < kv_lens[i]``. This is the shape of a sliding window
-    seen through a trimmed prefix. The work is vectorized over all rows of the
-    batch: each row's visible run is written as whole 0xFF bytes (a difference
-    array and one cumulative sum) plus at most two partial boundary bytes.
+    ``first_visible_row <= c < stop_visible_row`` (``stop_visible`` defaults to
+    ``kv_lens[i]``: "hidden up to a column, visible after it", the shape of a sliding
+    window seen through a trimmed prefix; a bounded run is a bidirectional window or a
+    chunk). The work is vectorized over all rows of the batch: each row's visible run
+    is written as whole 0xFF bytes (a difference array and one cumulative sum) plus at
+    most two partial boundary bytes.
 
     Args:
         qo_lens: int32 ``[bs]`` (tokens) rows per request.
         kv_lens: int32 ``[bs]`` (tokens) columns per request.
         first_visible: int64 ``[sum(qo_lens)]`` (columns, clamped to ``[0, kv_len]``
             here), in request-then-row order.
+        stop_visible: int64 ``[sum(qo_lens)]`` (columns, exclusive, clamped to
+            ``[0, kv_len]`` here), or ``None`` for ``kv_len``.
 
     Returns:
         ``(packed uint8 [indptr[-1]], indptr int32 [bs + 1] in bytes)``.
@@ -303,7 +418,7 @@ def pack_threshold_rows(
     m = kv_lens.astype(np.int64)[req]
     base_bit = byte_ptr.astype(np.int64)[req] * 8 + row_in_req * m
     start = base_bit + np.clip(first_visible, 0, m)
-    stop = base_bit + m
+    stop = base_bit + (m if stop_visible is None else np.clip(stop_visible, 0, m))
     keep = stop > start
     start, stop = start[keep], stop[keep]
 

@@ -22,9 +22,9 @@ from flashplan.layout.convert import as_bool, as_int
 from flashplan.layout.group import AttentionGroup
 from flashplan.lengths import Lengths, PageSpans
 from flashplan.planning.items import MultiItemTensors
-from flashplan.planning.masks import CustomMask, ThresholdMask, TreeMask
+from flashplan.planning.masks import CustomMask, PositionMask, ThresholdMask, TreeMask
 
-__all__ = ["GroupPlan", "KernelPath", "PagedPart", "RaggedPart"]
+__all__ = ["GroupPlan", "KernelPath", "PagedPart", "RaggedPart", "VirtualRequests"]
 
 
 class KernelPath(enum.Enum):
@@ -77,6 +77,19 @@ class PagedPart:
             (:class:`~flashplan.planning.items.MultiItemTensors`, in the call's key
             coordinates) or ``None``. Given, the call runs FlashInfer's multi-item mask
             (:mod:`flashplan.kernel_rules`); it excludes a custom mask.
+        position_mask: a :class:`~flashplan.planning.masks.PositionMask` (a custom
+            mask stated by positions: a bidirectional window, or a chunk starting inside
+            a page) or ``None``; it excludes ``mask`` and ``items``.
+        sinks: whether this call folds the group's attention sinks in (exactly one
+            call of a sink group does): its ``(out, lse)`` is that of the keys plus one
+            key of logit ``sinks[h]`` and value 0, so that a merge with the group's
+            other call counts the sink once.
+        virtual: for a group split into virtual requests (chunked local attention,
+            :class:`VirtualRequests`), the call's spans per *virtual* request — what the
+            kernel is planned with (``page_indptr``, ``kv_lens``, ``last_page_len``
+            over ``GroupPlan.virtual.queries``); their pages, laid end to end, are the
+            pages of :attr:`spans` (per request: what is gathered). ``None``: the
+            kernel runs over :attr:`spans` and the plan's queries.
     """
 
     spans: PageSpans
@@ -84,6 +97,9 @@ class PagedPart:
     window_left: int
     mask: CustomMask | None = None
     items: MultiItemTensors | None = None
+    sinks: bool = False
+    virtual: PageSpans | None = None
+    position_mask: PositionMask | None = None
 
     @classmethod
     def over(
@@ -94,14 +110,19 @@ class PagedPart:
         window_left: object,
         mask: CustomMask | None = None,
         items: MultiItemTensors | None = None,
+        sinks: object = False,
+        virtual: PageSpans | None = None,
+        position_mask: PositionMask | None = None,
     ) -> PagedPart:
         """The call that reads ``spans``.
 
         Raises:
             LayoutError: ``spans`` is not a :class:`~flashplan.lengths.PageSpans`, a
                 window below -1, a mask whose columns are not the keys read, both a mask
-                and items, or items that do not fit the spans (naming the request).
-            FieldTypeError: ``causal`` is not a bool.
+                and items, items that do not fit the spans (naming the request), or
+                virtual spans whose pages are not those of ``spans`` (or that come with a
+                mask or items).
+            FieldTypeError: ``causal`` or ``sinks`` is not a bool.
         """
         if not isinstance(spans, PageSpans):
             raise FieldTypeError("spans", "must be a PageSpans", value=type(spans).__name__)
@@ -116,7 +137,36 @@ class PagedPart:
                 raise LayoutError("mask", "the mask's columns must be the keys the call reads")
         if items is not None:
             _check_items(spans, items, mask)
-        return cls(spans, flag, window, mask, items)
+        if virtual is not None:
+            _check_virtual(spans, virtual, mask, items)
+        if position_mask is not None:
+            if not isinstance(position_mask, PositionMask):
+                raise FieldTypeError(
+                    "position_mask", "must be a PositionMask", value=type(position_mask).__name__
+                )
+            if mask is not None or items is not None or virtual is not None:
+                raise LayoutError(
+                    "position_mask", "a call carries one mask: no custom mask, items or virtual "
+                    "spans with a position mask",
+                )  # fmt: skip
+            if not np.array_equal(position_mask.kv_lens, spans.kv_lens):
+                raise LayoutError("position_mask", "the mask's columns must be the keys read")
+        return cls(
+            spans, flag, window, mask, items, as_bool("sinks", sinks), virtual, position_mask
+        )
+
+    def dense_mask(self, request: int) -> npt.NDArray[np.bool_] | None:
+        """bool ``[qo_len, kv_len]``: request (or virtual request) ``request``'s custom
+        or position mask, or ``None`` without one."""
+        if self.position_mask is not None:
+            return self.position_mask.dense(request)
+        return None if self.mask is None else self.mask.dense(request)
+
+    @property
+    def call_spans(self) -> PageSpans:
+        """The spans the kernel is planned with: :attr:`virtual` when the group is split
+        into virtual requests, else :attr:`spans`."""
+        return self.spans if self.virtual is None else self.virtual
 
     # -- the spans' page math, under the names the kernels' arguments have -------------
     @property
@@ -195,6 +245,42 @@ def _check_items(spans: PageSpans, items: MultiItemTensors, mask: object) -> Non
         )
 
 
+def _check_virtual(spans: PageSpans, virtual: object, mask: object, items: object) -> None:
+    if not isinstance(virtual, PageSpans):
+        raise FieldTypeError("virtual", "must be a PageSpans", value=type(virtual).__name__)
+    if mask is not None or items is not None:
+        raise LayoutError("virtual", "virtual requests carry no custom mask or multi-item tensors")
+    if virtual.page_size != spans.page_size or virtual.pages.total != spans.pages.total:
+        raise LayoutError(
+            "virtual", "the virtual spans' pages must be the spans' pages, end to end",
+            pages=spans.pages.total, virtual_pages=virtual.pages.total,
+        )  # fmt: skip
+
+
+@readonly_when_unpickled
+@attrs.frozen
+class VirtualRequests:
+    """A group's requests split into *virtual requests*: consecutive runs of a request's
+    new tokens, each planned as a request of its own (chunked local attention: one
+    virtual request per request and chunk that its new tokens touch).
+
+    Attributes:
+        request: int32 ``[n]``: the request of each virtual request (non-decreasing;
+            every request has at least one).
+        queries: the virtual requests' queries (:class:`~flashplan.lengths.Lengths`,
+            tokens): their index pointers split the plan's ``qo_indptr`` finer (the
+            same rows of ``q``, in the same order).
+    """
+
+    request: IntArray = attrs.field(eq=array_key)
+    queries: Lengths
+
+    @property
+    def batch_size(self) -> int:
+        """Number of virtual requests."""
+        return self.queries.batch_size
+
+
 @readonly_when_unpickled
 @attrs.frozen
 class RaggedPart:
@@ -204,27 +290,36 @@ class RaggedPart:
 
     Attributes:
         keys: keys per request (:class:`~flashplan.lengths.Lengths`, tokens): the plan's
-            queries, whose index pointers index ``k_new``/``v_new``.
+            queries (or the group's virtual queries), whose index pointers index
+            ``k_new``/``v_new``; the call's queries are the same rows.
         causal: the kernel's causal flag.
         window_left: the window compiled into this call (-1 = none).
+        sinks: whether this call folds the group's sinks in (see
+            :attr:`PagedPart.sinks`).
     """
 
     keys: Lengths
     causal: bool
     window_left: int
+    sinks: bool = False
 
     @classmethod
-    def over(cls, keys: Lengths, *, causal: object, window_left: object) -> RaggedPart:
+    def over(
+        cls, keys: Lengths, *, causal: object, window_left: object, sinks: object = False
+    ) -> RaggedPart:
         """The ragged call over ``keys``.
 
         Raises:
             LayoutError: ``keys`` is not :class:`~flashplan.lengths.Lengths`, a window
                 below -1.
-            FieldTypeError: ``causal`` is not a bool.
+            FieldTypeError: ``causal`` or ``sinks`` is not a bool.
         """
         if not isinstance(keys, Lengths):
             raise FieldTypeError("keys", "must be Lengths", value=type(keys).__name__)
-        return cls(keys, as_bool("causal", causal), as_int("window_left", window_left, minimum=-1))
+        return cls(
+            keys, as_bool("causal", causal), as_int("window_left", window_left, minimum=-1),
+            as_bool("sinks", sinks),
+        )  # fmt: skip
 
     @property
     def kv_indptr(self) -> IntArray:
@@ -271,6 +366,9 @@ class GroupPlan:
             (self groups: the layout's ``decoder_start``; cross groups: 0).
         num_keys: int32 ``[bs]`` (tokens): keys in the group's key space
             (``seq_lens`` for self groups, ``encoder_lens`` for cross groups).
+        virtual: the virtual requests the group's kernel calls run over
+            (:class:`VirtualRequests`: chunked local attention over more than one chunk
+            of a request's new tokens), or ``None``: the plan's requests.
     """
 
     group: AttentionGroup
@@ -279,6 +377,7 @@ class GroupPlan:
     ragged: RaggedPart | None
     key_start: IntArray = attrs.field(eq=array_key)
     num_keys: IntArray = attrs.field(eq=array_key)
+    virtual: VirtualRequests | None = None
 
     @classmethod
     def of(
@@ -290,12 +389,15 @@ class GroupPlan:
         ragged: RaggedPart | None,
         key_start: object,
         num_keys: object,
+        virtual: VirtualRequests | None = None,
     ) -> GroupPlan:
         """The plan of ``group`` on ``path`` with its kernel calls.
 
         Raises:
-            LayoutError: calls that do not match ``path``, or arrays that are not 1-D
-                integers of one length.
+            LayoutError: calls that do not match ``path``, arrays that are not 1-D
+                integers of one length, a sink group whose calls do not fold the sinks in
+                exactly once (or a group without sinks whose calls do), or virtual
+                requests that the calls do not follow.
             FieldTypeError: ``group`` or ``path`` of the wrong type.
         """
         if not isinstance(group, AttentionGroup):
@@ -309,12 +411,34 @@ class GroupPlan:
         start = int32_field("key_start", key_start)
         keys = int32_field("num_keys", num_keys)
         same_length("group_plan", start, keys)
-        return cls(group, path, paged, ragged, start, keys)
+        folds = int(paged is not None and paged.sinks) + int(ragged is not None and ragged.sinks)
+        if folds != int(group.sinks):
+            raise LayoutError(
+                "sinks", "a sink group's calls fold the sinks in exactly once, other groups' "
+                "never", group=group.describe(), calls_with_sinks=folds,
+            )  # fmt: skip
+        if virtual is not None:
+            _check_split(virtual, paged, ragged, start.shape[0])
+        elif paged is not None and paged.virtual is not None:
+            raise LayoutError("virtual", "virtual spans without the group's virtual requests")
+        return cls(group, path, paged, ragged, start, keys, virtual)
 
     @property
-    def uses_custom_mask(self) -> bool:
-        """Whether the paged call carries a custom mask."""
-        return self.paged is not None and self.paged.mask is not None
+    def sinks(self) -> bool:
+        """Whether the group has attention sinks (its ``run`` takes ``sinks``)."""
+        return self.group.sinks
+
+    @property
+    def call_queries(self) -> Lengths | None:
+        """The kernel calls' queries: the virtual requests' (or ``None``: the plan's)."""
+        return None if self.virtual is None else self.virtual.queries
+
+    @property
+    def uses_custom_mask(self) -> bool:  # (a virtual split carries none)
+        """Whether the paged call carries a custom mask (a position mask included)."""
+        return self.paged is not None and (
+            self.paged.mask is not None or self.paged.position_mask is not None
+        )
 
     @property
     def items(self) -> MultiItemTensors | None:
@@ -328,3 +452,22 @@ class GroupPlan:
         if self.paged is None:
             return np.zeros(self.num_keys.shape[0], dtype=np.int64)
         return np.maximum(self.paged.first_token.astype(np.int64) - self.key_start, 0)
+
+
+def _check_split(
+    virtual: VirtualRequests, paged: PagedPart | None, ragged: RaggedPart | None, bs: int
+) -> None:
+    if not isinstance(virtual, VirtualRequests):
+        raise FieldTypeError("virtual", "must be VirtualRequests", value=type(virtual).__name__)
+    n = virtual.batch_size
+    req = virtual.request
+    if req.shape[0] != n or (n and (np.any(np.diff(req) < 0) or req[0] < 0 or req[-1] >= bs)):
+        raise LayoutError("virtual", "request must be non-decreasing request indices", size=n)
+    if paged is not None:
+        if paged.virtual is None or paged.virtual.batch_size != n:
+            raise LayoutError("virtual", "the paged call needs spans per virtual request")
+        per_request = np.bincount(req, weights=paged.virtual.pages.lens, minlength=bs)
+        if not np.array_equal(per_request, paged.spans.pages.lens):
+            raise LayoutError("virtual", "each request's virtual spans must read exactly its pages")
+    if ragged is not None and ragged.keys.batch_size != n:
+        raise LayoutError("virtual", "the ragged call's keys must be per virtual request")

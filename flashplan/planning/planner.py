@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import attrs
 import numpy as np
 
 from flashplan.arrays import INT32_MAX, IntArray, filled, seal_inplace
@@ -13,6 +14,12 @@ from flashplan.layout.draft_decode import DraftDecode
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
 from flashplan.lengths import Lengths, PageSpans
+from flashplan.planning.chunks import (
+    chunk_decode_first,
+    needs_position_mask,
+    plan_chunked,
+    plan_position_masked,
+)
 from flashplan.planning.items import MultiItemTensors, plan_items
 from flashplan.planning.masks import ThresholdMask, TreeMask, pack_tail_bits
 from flashplan.planning.policy import default_extend_path
@@ -25,6 +32,7 @@ from flashplan.planning.spec import (
     PlanKey,
     PlanSpec,
     RaggedPart,
+    VirtualRequests,
 )
 
 __all__ = ["plan", "plan_steps", "planned_groups"]
@@ -87,7 +95,19 @@ def plan(
             "silently ignores the multi-item tensors): plan it with 'paged' or 'auto'",
             extend_path=extend_path,
         )
+    if choice is ExtendPath.RAGGED and layout.mode is Mode.EXTEND:
+        for g in layout.groups:
+            if not g.cross_attention and needs_position_mask(g, layout.page_size):
+                raise LayoutError(
+                    "extend_path",
+                    f"group {g.describe()!r} runs on one paged prefill with a position mask "
+                    "(a bidirectional window, or a chunk that does not start on a page "
+                    "boundary): plan it with 'paged' or 'auto'",
+                    extend_path=choice.value,
+                    page_size=layout.page_size,
+                )
     if layout.mode is Mode.EXTEND and choice is ExtendPath.AUTO:
+        # ('auto' puts a position-masked group on its paged prefill, as cross groups)
         choice = default_extend_path(layout, heads)
     if layout.mode is Mode.VERIFY and choice is ExtendPath.RAGGED:
         raise LayoutError(
@@ -188,12 +208,44 @@ def _decode_statics(
     key = PlanKey(
         mode=Mode.DECODE,
         groups=resolved,
-        paths=(KernelPath.DECODE,) * len(given),
+        paths=tuple(_decode_path(g, page_size) for g in given),
         page_size=page_size,
         heads=heads,
         multi_item=False,  # a decode layout takes no item delimiters
     )
     return given, key
+
+
+def _decode_path(group: AttentionGroup, page_size: int) -> KernelPath:
+    """A decode step's path: the decode kernel, except for a chunked group whose chunks
+    start inside pages (one paged prefill with a position mask)."""
+    if group.has_chunks and needs_position_mask(group, page_size):
+        return KernelPath.PAGED
+    return KernelPath.DECODE
+
+
+def _group_plan(
+    group: AttentionGroup,
+    path: KernelPath,
+    paged: PagedPart | None,
+    ragged: RaggedPart | None,
+    key_start: IntArray,
+    num_keys: IntArray,
+    virtual: VirtualRequests | None = None,
+) -> GroupPlan:
+    """:meth:`GroupPlan.of`, with a sink group's sinks folded into exactly one call: the
+    ragged call where there is one (every query sees at least itself there), else the
+    paged call."""
+    if group.sinks:
+        if ragged is not None:
+            ragged = attrs.evolve(ragged, sinks=True)
+        else:
+            assert paged is not None
+            paged = attrs.evolve(paged, sinks=True)
+    return GroupPlan.of(
+        group, path, paged=paged, ragged=ragged, key_start=key_start, num_keys=num_keys,
+        virtual=virtual,
+    )  # fmt: skip
 
 
 def _decode_group(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
@@ -206,7 +258,17 @@ def _decode_group(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
     seq = layout.seq_lens
     base = layout.decoder_start
     window = _window(group)
-    if layout.encoder_lens is None and window < 0:
+    if group.has_chunks:
+        if needs_position_mask(group, layout.page_size):
+            paged = plan_position_masked(layout, group)
+            return _group_plan(
+                group, KernelPath.PAGED, paged, None, layout.decoder_start, layout.seq_lens
+            )
+        # the query's chunk starts on a page boundary: a trim, the kernel's window off
+        first = seal_inplace(base + chunk_decode_first(layout, group.attention_chunk_size))
+        end = seq if layout.encoder_lens is None else seal_inplace(base + seq)
+        spans = PageSpans.between(first, end, layout.page_size)
+    elif layout.encoder_lens is None and window < 0:
         spans = layout.row_spans  # whole rows from row token 0: the layout's own
     else:
         end = seq if layout.encoder_lens is None else seal_inplace(base + seq)
@@ -216,11 +278,10 @@ def _decode_group(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
         else:
             first = base
         spans = PageSpans.between(first, end, layout.page_size)
+    # (a bidirectional window's decode query is its request's last token: the keys
+    # [L - 1 - window_left, L), the causal kernel's sliding window)
     paged = PagedPart.over(spans, causal=True, window_left=window)
-    return GroupPlan.of(
-        group, KernelPath.DECODE, paged=paged, ragged=None,
-        key_start=layout.decoder_start, num_keys=layout.seq_lens,
-    )  # fmt: skip
+    return _group_plan(group, KernelPath.DECODE, paged, None, layout.decoder_start, layout.seq_lens)
 
 
 def plan_steps(draft: DraftDecode, heads: HeadConfig) -> tuple[PlanSpec, ...]:
@@ -261,6 +322,18 @@ def _plan_group(
         return _plan_verify(layout, group)
     if layout.mode is Mode.DECODE:
         return _decode_group(layout, group)
+    if needs_position_mask(group, layout.page_size):
+        return _group_plan(
+            group, KernelPath.PAGED, plan_position_masked(layout, group), None,
+            layout.decoder_start, layout.seq_lens,
+        )  # fmt: skip
+    if group.has_chunks:
+        path, paged_c, ragged_c, virtual = plan_chunked(
+            layout, group, ragged_path=choice is not ExtendPath.PAGED
+        )
+        return _group_plan(
+            group, path, paged_c, ragged_c, layout.decoder_start, layout.seq_lens, virtual
+        )
     seq = layout.seq_lens.astype(np.int64)
     prefix = layout.prefix_lens.astype(np.int64)
     base = layout.decoder_start
@@ -281,10 +354,7 @@ def _plan_group(
         else:
             path = KernelPath.RAGGED_PAGED
             paged = _prefix_part(base.astype(np.int64), prefix, queries.lens, window, ps)
-    return GroupPlan.of(
-        group, path, paged=paged, ragged=ragged,
-        key_start=layout.decoder_start, num_keys=layout.seq_lens,
-    )  # fmt: skip
+    return _group_plan(group, path, paged, ragged, layout.decoder_start, layout.seq_lens)
 
 
 def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
@@ -308,16 +378,27 @@ def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
     # decoder_start is 0 without an encoder: the layout's own (read-only) lengths then
     end = layout.seq_lens if layout.encoder_lens is None else base + layout.seq_lens
     window = _window(group)
+    chunk = group.attention_chunk_size
     first = base + np.maximum(prefix - window, 0) if window >= 0 else base
+    if chunk:  # the root's chunk: every draft token sits at or after it
+        first = base + prefix // chunk * chunk
     spans = PageSpans.between(first, end, ps)
     mask = None
-    if not draft.is_chain:
+    use_mask = not draft.is_chain or chunk > 0  # a chunk boundary may cut a chain too
+    if use_mask:
         span_first = np.multiply(spans.start_page, ps, dtype=np.int64)  # decoder positions
         if layout.encoder_lens is not None:
             span_first -= base
         depth = draft.depth
         prefix64 = prefix.astype(np.int64)
-        if window >= 0:
+        if chunk:  # row t sees prefix keys from its chunk's start, drafts in its chunk
+            pos = prefix64[:, None] + depth
+            threshold = -span_first
+            offsets = seal_inplace(pos // chunk * chunk)
+            block = pos // chunk
+            bits = draft.ancestors & (block[:, None, :] == block[:, :, None])
+            words = pack_tail_bits(bits)
+        elif window >= 0:
             threshold = prefix64 - window - span_first
             offsets = depth
             bits = draft.ancestors & (depth[:, None, :] >= depth[:, :, None] - window)
@@ -334,22 +415,16 @@ def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
         # ones), true by construction: the mask stores them as they are.
         mask = TreeMask(layout.extend_lens, spans.kv_lens, threshold, offsets, tail, words)
     paged = PagedPart.over(
-        spans, causal=draft.is_chain, window_left=window if draft.is_chain else -1, mask=mask
+        spans, causal=not use_mask, window_left=-1 if use_mask else window, mask=mask
     )
-    return GroupPlan.of(
-        group, KernelPath.PAGED, paged=paged, ragged=None,
-        key_start=layout.decoder_start, num_keys=layout.seq_lens,
-    )  # fmt: skip
+    return _group_plan(group, KernelPath.PAGED, paged, None, layout.decoder_start, layout.seq_lens)
 
 
 def _plan_cross(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
     assert layout.encoder_lens is not None  # checked when the layout was built
     paged = PagedPart.over(layout.encoder_spans, causal=False, window_left=-1)
     path = KernelPath.DECODE if layout.mode is Mode.DECODE else KernelPath.PAGED
-    return GroupPlan.of(
-        group, path, paged=paged, ragged=None,
-        key_start=filled(0, layout.batch_size), num_keys=layout.encoder_lens,
-    )  # fmt: skip
+    return _group_plan(group, path, paged, None, filled(0, layout.batch_size), layout.encoder_lens)
 
 
 def _prefix_part(

@@ -36,7 +36,7 @@ from flashplan.layout.batch import Mode
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
 from flashplan.lengths import Lengths
-from flashplan.planning.parts import GroupPlan, KernelPath, PagedPart, RaggedPart
+from flashplan.planning.parts import GroupPlan, KernelPath, PagedPart, RaggedPart, VirtualRequests
 from flashplan.planning.pictures import ascii_visibility
 from flashplan.planning.positions import PositionRuns
 from flashplan.planning.visibility import materialize
@@ -49,6 +49,7 @@ __all__ = [
     "PlanKey",
     "PlanSpec",
     "RaggedPart",
+    "VirtualRequests",
 ]
 
 

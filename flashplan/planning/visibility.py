@@ -73,23 +73,38 @@ def materialize(spec: _Plan, group: AttentionGroup) -> list[npt.NDArray[np.bool_
     gp = spec.group_plan(group)
     ps = spec.page_size
     qo = spec.qo_lens
-    out = []
-    for i in range(spec.batch_size):
-        e, k_total = int(qo[i]), int(gp.num_keys[i])
-        pic = np.zeros((e, k_total), dtype=bool)
+    bs = spec.batch_size
+    # The calls' entries: the plan's requests, or the group's virtual requests; entry v
+    # belongs to request req[v] and holds its queries from row offset[v] on.
+    if gp.virtual is None:
+        req = np.arange(bs)
+        entry_q = qo.astype(np.int64)
+    else:
+        req = gp.virtual.request.astype(np.int64)
+        entry_q = gp.virtual.queries.lens.astype(np.int64)
+    starts = np.cumsum(entry_q) - entry_q
+    offset = starts - starts[np.searchsorted(req, req)]
+    out = [np.zeros((int(qo[i]), int(gp.num_keys[i])), dtype=bool) for i in range(bs)]
+    for v in range(req.shape[0]):
+        i, e, row = int(req[v]), int(entry_q[v]), int(offset[v])
+        k_total = int(gp.num_keys[i])
         parts: list[tuple[int, npt.NDArray[np.bool_]]] = []
         if gp.paged is not None:
             p = gp.paged
-            mask = None if p.mask is None else p.mask.dense(i)
+            call = p.call_spans
+            mask = p.dense_mask(v)
             seen = _one_call(
-                e, int(p.kv_lens[i]), causal=p.causal, window_left=p.window_left, mask=mask,
-                items=None if p.items is None else p.items.request(i),
+                e, int(call.kv_lens[v]), causal=p.causal, window_left=p.window_left, mask=mask,
+                items=None if p.items is None else p.items.request(v),
             )  # fmt: skip
-            parts.append((int(p.start_page[i]) * ps - int(gp.key_start[i]), seen))
+            parts.append((int(call.start_page[v]) * ps - int(gp.key_start[i]), seen))
         if gp.ragged is not None:
             r = gp.ragged
-            n = int(r.kv_lens[i])
-            parts.append((k_total - n, _one_call(e, n, causal=r.causal, window_left=r.window_left)))
+            n = int(r.kv_lens[v])
+            # the entry's keys are its own new tokens: after the request's cached prefix
+            first = k_total - int(qo[i]) + row
+            parts.append((first, _one_call(e, n, causal=r.causal, window_left=r.window_left)))
+        pic = out[i][row : row + e]
         for first, seen in parts:
             keys = first + np.arange(seen.shape[1])
             inside = (keys >= 0) & (keys < k_total)
@@ -103,5 +118,4 @@ def materialize(spec: _Plan, group: AttentionGroup) -> list[npt.NDArray[np.bool_
             if (pic[:, cols] & sub).any():
                 raise PlanIntegrityError(f"request {i}: two kernel calls read the same key")
             pic[:, cols] |= sub
-        out.append(pic)
     return out
