@@ -22,6 +22,7 @@ __all__ = [
     "TensorValues",
     "check_gather_args",
     "check_states",
+    "fold_sinks_torch",
     "gather_slots_torch",
     "merge_state_torch",
     "tensor_values",
@@ -256,3 +257,33 @@ def merge_state_torch(
     # Elementwise ops keep the inputs' memory layout; return the kernel's (contiguous) one.
     v = merged.to(v_a.dtype).contiguous()
     return v, s.to(torch.float32).contiguous()
+
+
+def fold_sinks_torch(
+    v: torch.Tensor, s: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold attention sinks into a state: ``(v, s)`` of a key set plus, per head ``h``,
+    one more key of logit ``sinks[h]`` and value 0 (base-2 LSE in, base-2 LSE out).
+
+    ``s' = log2(2**s + e**sinks[h])`` and ``v' = v * 2**(s - s')``: the share of the
+    softmax mass that stays on the keys. A state with ``s = -inf`` (no key) becomes
+    ``v' = 0`` and ``s' = sinks[h] / ln 2``. Any device, vectorized, no sync; safe to
+    capture in a CUDA graph.
+
+    Args:
+        v: ``[tokens, heads, head_dim]`` (any float dtype; the result keeps it).
+        s: float32 ``[tokens, heads]`` base-2 log-sum-exp; -inf = no key.
+        sinks: float32 ``[heads]`` sink logits, natural-log units.
+
+    Returns:
+        ``(v', s')``: ``v'`` ``[tokens, heads, head_dim]`` in ``v``'s dtype, ``s'``
+        float32 ``[tokens, heads]``.
+    """
+    ln2 = 0.6931471805599453
+    math_dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+    s_e = s.to(math_dtype) * ln2  # natural log
+    sink = sinks.to(device=s.device, dtype=math_dtype)[None, :]
+    total = torch.logaddexp(s_e, sink)
+    keep = torch.exp(s_e - total)  # 0 where s = -inf
+    out = torch.where(keep[..., None] > 0, v.to(math_dtype) * keep[..., None], 0.0)
+    return out.to(v.dtype), (total / ln2).float()

@@ -95,6 +95,7 @@ def check_run_args(
     return_lse: object,
     *,
     total_q: int | None = None,
+    sinks: object = None,
 ) -> RunArgs:
     """Check a ``run`` call against the applied plan, before anything is written.
 
@@ -106,7 +107,9 @@ def check_run_args(
         PlanMismatchError: nothing applied; the group was not planned; a tensor that
             is not a dense torch tensor on the applied device, or whose shape or dtype
             contradicts the plan; a ragged group without ``k_new``; a missing cache;
-            ``return_lse`` that is not a bool.
+            ``return_lse`` that is not a bool; sink logits missing for a sink group,
+            given to a group without sinks, or not float32 ``[num_qo_heads]`` on the
+            applied device.
     """
     if spec is None or device is None:
         raise PlanMismatchError("spec", "run() before apply(): apply a PlanSpec first")
@@ -116,6 +119,7 @@ def check_run_args(
     if not isinstance(return_lse, bool):
         raise PlanMismatchError("return_lse", "expected a bool", value=return_lse)
     heads = spec.heads
+    _check_sinks(sinks, gp.sinks, heads.num_qo_heads, device)
     d = heads.head_dim
     q_rows = spec.total_q if total_q is None else total_q
     _expect("q", _tensor("q", q, device), (q_rows, heads.num_qo_heads, d), heads.q_dtype)
@@ -150,3 +154,22 @@ def check_run_args(
             "kv_cache", "dtype differs from the plan's", planned=heads.kv_dtype, dtype=cache.dtype
         )
     return RunArgs(index, gp, writes=writes)
+
+
+def _check_sinks(sinks: object, wanted: bool, num_qo_heads: int, device: torch.device) -> None:
+    """A sink group's ``run`` takes its sink logits, float32 ``[num_qo_heads]`` on the
+    applied device; other groups take none."""
+    if not wanted:
+        if sinks is not None:
+            raise PlanMismatchError(
+                "sinks", "the group was planned without attention sinks: pass sinks=None",
+                type=type(sinks).__name__,
+            )  # fmt: skip
+        return
+    if sinks is None:
+        raise PlanMismatchError(
+            "sinks", "the group was planned with attention sinks: pass its sink logits, a "
+            "float32 [num_qo_heads] tensor",
+        )  # fmt: skip
+    t = _tensor("sinks", sinks, device)
+    _expect("sinks", t, (num_qo_heads,), torch.float32)

@@ -26,17 +26,27 @@ from typing import Literal, overload
 
 import attrs
 import numpy as np
-import numpy.typing as npt
 import torch
 
-from flashplan.errors import OptionError, PageTableError, PlanMismatchError
+from flashplan.errors import OptionError, PlanMismatchError
 from flashplan.executor.checks import check_apply_args, check_run_args
 from flashplan.executor.gathers import GatherJobs, gather_jobs, pages_region
+from flashplan.executor.reference_calls import (
+    CallRows,
+    PagedCall,
+    Slots,
+    call_rows,
+    check_collisions,
+    check_page_map,
+    entries,
+    entry_queries,
+    paged_call,
+)
 from flashplan.kernel_rules import kernel_visibility
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.page_table import PageTable
-from flashplan.planning.spec import PagedPart, PlanSpec
-from flashplan.torch_kernels import gather_slots_torch, merge_state_torch
+from flashplan.planning.spec import PlanSpec
+from flashplan.torch_kernels import fold_sinks_torch, gather_slots_torch, merge_state_torch
 
 __all__ = ["ReferenceExecutor"]
 
@@ -45,86 +55,14 @@ _COMPUTE_DTYPES = (torch.float32, torch.float64)
 
 
 @attrs.frozen(eq=False)
-class _Slots:
-    """Host (page, slot) of a list of cache entries, with the request each belongs to."""
-
-    page: npt.NDArray[np.int64]
-    slot: npt.NDArray[np.int64]
-    request: npt.NDArray[np.int64]
-    bad: npt.NDArray[np.bool_]  # the gather found no valid page id
-    what: str  # "reads group 0's keys", "writes the new tokens' K/V" …
-
-    def check(self, num_pages: int, table: PageTable) -> None:
-        """Raise PageTableError for the first entry whose page is bad or outside the cache."""
-        wrong = self.bad | (self.page >= num_pages)
-        if wrong.any():
-            k = int(np.flatnonzero(wrong)[0])
-            i = int(self.request[k])
-            raise PageTableError(
-                "pages",
-                f"a page id the plan {self.what} is not a page of the KV cache "
-                "(negative, evicted from the window pool, or beyond the cache)",
-                request=i,
-                row=int(table.rows[i]),
-                num_pages=num_pages,
-            )
-
-    def device(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.from_numpy(self.page).to(dev), torch.from_numpy(self.slot).to(dev)
-
-
-@attrs.frozen(eq=False)
-class _PagedCall:
-    """One paged kernel call: its keys' cache slots and where they go in the padding."""
-
-    keys: _Slots
-    padded_index: torch.Tensor  # int64 [n_keys]: b * max_kv + c of each key
-    page: torch.Tensor  # int64 [n_keys] on the device
-    slot: torch.Tensor
-    visible: torch.Tensor  # bool [bs, max_q, max_kv]
-    max_kv: int
-
-
-@attrs.frozen(eq=False)
 class _Applied:
     spec: PlanSpec
     table: PageTable
     device: torch.device
-    q_index: torch.Tensor  # int64 [bs, max_q] row of q for (request, j); 0 for padding
-    q_valid: torch.Tensor  # bool [bs, max_q]
-    writes: dict[str, tuple[_Slots, torch.Tensor, torch.Tensor]]  # region -> host, page, slot
-    paged: dict[int, _PagedCall]
-    ragged: dict[int, torch.Tensor]  # group index -> bool [bs, max_q, max_q] visibility
-
-
-def _padded_rows(indptr: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(index [bs, width], valid [bs, width])``: the rows of each indptr span, padded
-    (host int64 / bool)."""
-    lens = np.diff(indptr.astype(np.int64))
-    j = np.arange(width, dtype=np.int64)[None, :]
-    valid = j < lens[:, None]
-    index = np.where(valid, indptr[:-1, None].astype(np.int64) + j, 0)
-    return index, valid
-
-
-def _entries(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(request, k)`` of every entry of per-request runs of ``counts`` entries."""
-    c = counts.astype(np.int64)
-    req = np.repeat(np.arange(c.shape[0]), c)
-    k = np.arange(req.shape[0]) - np.repeat(np.cumsum(c) - c, c)
-    return req, k
-
-
-def _check_page_map(page_map: object) -> torch.Tensor | None:
-    if page_map is None:
-        return None
-    if (
-        not isinstance(page_map, torch.Tensor)
-        or page_map.dtype != torch.int32
-        or page_map.dim() != 1
-    ):
-        raise OptionError("page_map", "must be an int32 1-D tensor", value=type(page_map).__name__)
-    return page_map
+    writes: dict[str, tuple[Slots, torch.Tensor, torch.Tensor]]  # region -> host, page, slot
+    paged: dict[int, PagedCall]
+    # group index -> (the call's entries' query rows, bool [n, max_q, max_q] visibility)
+    ragged: dict[int, tuple[CallRows, torch.Tensor]]
 
 
 class ReferenceExecutor:
@@ -153,7 +91,7 @@ class ReferenceExecutor:
                 "compute_dtype", "must be torch.float32 or torch.float64", value=compute_dtype
             )
         self.compute_dtype = compute_dtype
-        self.page_map = _check_page_map(page_map)
+        self.page_map = check_page_map(page_map)
         self._applied: _Applied | None = None
 
     @property
@@ -191,12 +129,12 @@ class ReferenceExecutor:
         jobs = gather_jobs(spec, table.rows, window_pool=self.page_map is not None)
         page, offset = self._gather(jobs, table)
 
-        def region_slots(name: str, counts: np.ndarray, what: str) -> _Slots:
+        def region_slots(name: str, counts: np.ndarray, what: str) -> Slots:
             r = jobs.region(name)
             p, o = page[r.lo : r.hi], offset[r.lo : r.hi]
-            return _Slots(p, o.clip(0), _entries(counts)[0], o < 0, what)
+            return Slots(p, o.clip(0), entries(counts)[0], o < 0, what)
 
-        writes: dict[str, tuple[_Slots, torch.Tensor, torch.Tensor]] = {}
+        writes: dict[str, tuple[Slots, torch.Tensor, torch.Tensor]] = {}
         for name, counts, what in (
             ("write", spec.qo_lens, "writes the new tokens' K/V to"),
             ("write/window", spec.qo_lens, "writes the new tokens' K/V to (window pool)"),
@@ -208,36 +146,27 @@ class ReferenceExecutor:
                 assert spec.encoder_indptr is not None
                 counts = np.diff(spec.encoder_indptr)
             slots = region_slots(name, counts, what)
-            _check_collisions(slots, spec.page_size, table)
+            check_collisions(slots, spec.page_size, table)
             writes[name] = (slots, *slots.device(dev))
 
-        qo_lens = spec.qo_lens
-        max_q = spec.max_q_len
-        paged: dict[int, _PagedCall] = {}
-        ragged: dict[int, torch.Tensor] = {}
+        paged: dict[int, PagedCall] = {}
+        ragged: dict[int, tuple[CallRows, torch.Tensor]] = {}
         for index, gp in enumerate(spec.group_plans):
+            queries, request = entry_queries(spec, gp)
             if gp.paged is not None:
                 r = jobs.region(pages_region(index))
-                paged[index] = self._paged_call(
-                    gp.paged, page[r.lo : r.hi], offset[r.lo : r.hi], qo_lens, max_q, dev,
+                paged[index] = paged_call(
+                    gp.paged, queries, request, page[r.lo : r.hi], offset[r.lo : r.hi], dev,
                     f"reads for group {index} ({gp.group.describe()})",
                 )  # fmt: skip
             if gp.ragged is not None:
                 seen = kernel_visibility(
-                    qo_lens, gp.ragged.kv_lens, max_q, max_q,
+                    queries.lens, gp.ragged.kv_lens, queries.max_len, queries.max_len,
                     causal=gp.ragged.causal, window_left=gp.ragged.window_left,
                 )  # fmt: skip
-                ragged[index] = torch.from_numpy(seen).to(dev)
-        q_index, q_valid = _padded_rows(spec.qo_indptr, max_q)
+                ragged[index] = (call_rows(queries, dev), torch.from_numpy(seen).to(dev))
         self._applied = _Applied(
-            spec=spec,
-            table=table,
-            device=dev,
-            q_index=torch.from_numpy(q_index).to(dev),
-            q_valid=torch.from_numpy(q_valid).to(dev),
-            writes=writes,
-            paged=paged,
-            ragged=ragged,
+            spec=spec, table=table, device=dev, writes=writes, paged=paged, ragged=ragged
         )
 
     def _gather(self, jobs: GatherJobs, table: PageTable) -> tuple[np.ndarray, np.ndarray]:
@@ -254,39 +183,6 @@ class ReferenceExecutor:
             page_map=page_map, num_pages=table.num_pages or 0,
         )  # fmt: skip
         return page.numpy(), offset.numpy()
-
-    @staticmethod
-    def _paged_call(
-        part: PagedPart,
-        region_page: np.ndarray,
-        region_offset: np.ndarray,
-        qo_lens: np.ndarray,
-        max_q: int,
-        dev: torch.device,
-        what: str,
-    ) -> _PagedCall:
-        ps = part.page_size
-        req, c = _entries(part.kv_lens)
-        entry = part.page_indptr[:-1].astype(np.int64)[req] + c // ps
-        keys = _Slots(region_page[entry], c % ps, req, region_offset[entry] < 0, what)
-        max_kv = part.max_kv_len
-        visible = kernel_visibility(
-            qo_lens, part.kv_lens, max_q, max_kv, causal=part.causal,
-            window_left=part.window_left, items=part.items,
-        )  # fmt: skip
-        if part.mask is not None:
-            for i in np.flatnonzero((qo_lens > 0) & (part.kv_lens > 0)).tolist():
-                q, kv = int(qo_lens[i]), int(part.kv_lens[i])
-                visible[i, :q, :kv] &= part.mask.dense(i)
-        page_t, slot_t = keys.device(dev)
-        return _PagedCall(
-            keys=keys,
-            padded_index=torch.from_numpy(req * max_kv + c).to(dev),
-            page=page_t,
-            slot=slot_t,
-            visible=torch.from_numpy(visible).to(dev),
-            max_kv=max_kv,
-        )
 
     def apply_steps(
         self, specs: tuple[PlanSpec, ...] | list[PlanSpec], table: PageTable
@@ -311,6 +207,7 @@ class ReferenceExecutor:
         kv_cache: torch.Tensor | None,
         *,
         return_lse: Literal[False] = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     @overload
@@ -323,6 +220,7 @@ class ReferenceExecutor:
         kv_cache: torch.Tensor | None,
         *,
         return_lse: Literal[True],
+        sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def run(
@@ -334,6 +232,7 @@ class ReferenceExecutor:
         kv_cache: torch.Tensor | None,
         *,
         return_lse: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer of ``group``.
 
@@ -348,7 +247,10 @@ class ReferenceExecutor:
                 ``None`` for a group on the ragged path (attention over ``k_new`` /
                 ``v_new`` alone; nothing is written).
             return_lse: also return the log-sum-exp, float32 ``[total_q, num_qo_heads]``,
-                **base 2**; ``-inf`` for a query that sees no key (its output is 0).
+                **base 2**; ``-inf`` for a query that sees no key (its output is 0). For
+                a sink group it includes the sink term (``docs/semantics.md``).
+            sinks: a sink group's sink logits, float32 ``[num_qo_heads]`` (natural-log
+                units, not scaled or capped); ``None`` for other groups.
 
         Returns:
             ``out [total_q, num_qo_heads, head_dim]`` (``out_dtype``), or ``(out, lse)``.
@@ -362,7 +264,7 @@ class ReferenceExecutor:
         args = check_run_args(
             None if applied is None else applied.spec,
             None if applied is None else applied.device,
-            group, q, k_new, v_new, kv_cache, return_lse,
+            group, q, k_new, v_new, kv_cache, return_lse, sinks=sinks,
         )  # fmt: skip
         assert applied is not None
         spec, gp = applied.spec, args.plan
@@ -391,14 +293,23 @@ class ReferenceExecutor:
         states = []
         if call is not None:
             assert kv_cache is not None
-            k, v = self._padded_keys(kv_cache, call, spec.batch_size)
-            states.append(self._attend(q, k, v, call.visible, applied, scale, cap))
+            k, v = self._padded_keys(kv_cache, call)
+            state = self._attend(q, k, v, call.visible, call.rows, scale, cap)
+            if gp.paged is not None and gp.paged.sinks:
+                assert sinks is not None  # checked: a sink group's run takes them
+                state = fold_sinks_torch(*state, sinks)
+            states.append(state)
         if gp.ragged is not None:
             assert k_new is not None and v_new is not None
-            valid = applied.q_valid[..., None, None]
-            k = torch.where(valid, k_new[applied.q_index], 0)  # [bs, max_q, Hkv, D]
-            v = torch.where(valid, v_new[applied.q_index], 0)
-            states.append(self._attend(q, k, v, applied.ragged[args.index], applied, scale, cap))
+            rows, seen = applied.ragged[args.index]
+            valid = rows.valid[..., None, None]
+            k = torch.where(valid, k_new[rows.index], 0)  # [n, max_q, Hkv, D]
+            v = torch.where(valid, v_new[rows.index], 0)
+            state = self._attend(q, k, v, seen, rows, scale, cap)
+            if gp.ragged.sinks:
+                assert sinks is not None
+                state = fold_sinks_torch(*state, sinks)
+            states.append(state)
         out, lse = states[0]
         for other_out, other_lse in states[1:]:
             out, lse = merge_state_torch(out, lse, other_out, other_lse)
@@ -406,11 +317,10 @@ class ReferenceExecutor:
         return (out, lse) if return_lse else out
 
     @staticmethod
-    def _padded_keys(
-        kv_cache: torch.Tensor, call: _PagedCall, bs: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[bs, max_kv, Hkv, D]``: each request's own keys, zeros after them."""
+    def _padded_keys(kv_cache: torch.Tensor, call: PagedCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[n, max_kv, Hkv, D]``: each entry's own keys, zeros after them."""
         hkv, d = kv_cache.shape[3], kv_cache.shape[4]
+        bs = call.rows.shape[0]
         k = kv_cache.new_zeros(bs * call.max_kv, hkv, d)
         v = kv_cache.new_zeros(bs * call.max_kv, hkv, d)
         k[call.padded_index] = kv_cache[call.page, 0, call.slot]
@@ -423,16 +333,17 @@ class ReferenceExecutor:
         k: torch.Tensor,
         v: torch.Tensor,
         visible: torch.Tensor,
-        applied: _Applied,
+        rows: CallRows,
         scale: float,
         soft_cap: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One kernel call: ``(out [total_q, Hq, D] in compute dtype, lse float32 base 2)``."""
+        """One kernel call over its entries' rows: ``(out [total_q, Hq, D] in compute
+        dtype, lse float32 base 2)``; rows no entry holds stay (0, -inf)."""
         cd = self.compute_dtype
-        bs, max_q = applied.q_index.shape
+        bs, max_q = rows.shape
         hq, d = q.shape[1], q.shape[2]
         hkv = k.shape[2]
-        qp = torch.where(applied.q_valid[..., None, None], q[applied.q_index], 0)
+        qp = torch.where(rows.valid[..., None, None], q[rows.index], 0)
         qp = qp.to(cd).view(bs, max_q, hkv, hq // hkv, d)
         logits = torch.einsum("bqhgd,bkhd->bhgqk", qp, k.to(cd)) * scale
         if soft_cap:
@@ -443,33 +354,11 @@ class ReferenceExecutor:
         probs = torch.exp(logits - lse_e.unsqueeze(-1).clamp_min(torch.finfo(cd).min))
         out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.to(cd)).reshape(bs, max_q, hq, d)
         lse = (lse_e / _LN2).permute(0, 3, 1, 2).reshape(bs, max_q, hq)
-        valid = applied.q_valid
+        valid = rows.valid
         total_q = q.shape[0]
         flat_out = torch.zeros(total_q, hq, d, dtype=cd, device=q.device)
         flat_lse = torch.full((total_q, hq), float("-inf"), dtype=torch.float32, device=q.device)
-        rows = applied.q_index[valid]
-        flat_out[rows] = out[valid]
-        flat_lse[rows] = lse[valid].float()
+        at = rows.index[valid]
+        flat_out[at] = out[valid]
+        flat_lse[at] = lse[valid].float()
         return flat_out, flat_lse
-
-
-def _check_collisions(slots: _Slots, page_size: int, table: PageTable) -> None:
-    """Raise PageTableError when two entries would write the same cache slot."""
-    ok = ~slots.bad
-    if not ok.any():
-        return
-    flat = slots.page[ok] * page_size + slots.slot[ok]
-    order = np.argsort(flat, kind="stable")
-    same = flat[order[1:]] == flat[order[:-1]]
-    if same.any():
-        k = int(np.flatnonzero(same)[0])
-        reqs = slots.request[ok][order[k : k + 2]]
-        first, second = sorted(int(r) for r in reqs)
-        raise PageTableError(
-            "pages",
-            f"two tokens the plan {slots.what} share one cache slot (their rows hold the "
-            "same page id), so one would overwrite the other",
-            request=second,
-            other_request=first,
-            page=int(slots.page[ok][order[k]]),
-        )
