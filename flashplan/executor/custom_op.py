@@ -12,7 +12,8 @@ engines wrap attention themselves; :class:`AttentionOp` does it once, for every 
         # = executor.run(group, q, k, v, kv_cache) on the plan applied at the call
 
 The op is ``flashplan::run(AttentionOp op, Tensor q, Tensor? k_new, Tensor? v_new,
-Tensor(a!)? kv_cache, ScalarType out_dtype) -> Tensor``. It writes ``k_new`` / ``v_new``
+Tensor(a!)? kv_cache, ScalarType out_dtype, Tensor? sinks) -> Tensor`` (``sinks``: a sink
+group's float32 ``[num_qo_heads]`` sink logits). It writes ``k_new`` / ``v_new``
 into ``kv_cache``, which the schema declares mutated, so the compiler keeps the writes
 before every later read of the cache. The :class:`AttentionOp` is an opaque reference
 object: the compiled graph holds that very object (guarded by identity) and never looks
@@ -84,8 +85,9 @@ def attention(
     kv_cache: torch.Tensor | None,
     *,
     out_dtype: torch.dtype | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``op.executor.run(op.group, q, k_new, v_new, kv_cache)`` through the custom op
+    """``op.executor.run(op.group, q, k_new, v_new, kv_cache, sinks=sinks)`` through the custom op
     ``torch.ops.flashplan.run``: traceable by ``torch.compile(fullgraph=True)``.
 
     ``out_dtype`` is the plan's ``HeadConfig.out_dtype`` (default: ``q``'s dtype, as
@@ -99,7 +101,8 @@ def attention(
         PlanMismatchError: as ``run`` (no plan applied, the group not planned, arguments
             that contradict the plan), or an ``out_dtype`` that is not the plan's.
     """
-    return run(op, q, k_new, v_new, kv_cache, q.dtype if out_dtype is None else out_dtype)
+    dtype = q.dtype if out_dtype is None else out_dtype
+    return run(op, q, k_new, v_new, kv_cache, dtype, sinks)
 
 
 register_opaque_type(AttentionOp, typ="reference")
@@ -113,12 +116,13 @@ def run(
     v_new: torch.Tensor | None,
     kv_cache: torch.Tensor | None,
     out_dtype: torch.dtype,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The op: ``op.executor.run(op.group, ...)`` on the plan applied now."""
     planned = op.spec().heads.out_dtype
     if planned != out_dtype:
         raise PlanMismatchError("out_dtype", "must be the plan's", planned=planned, got=out_dtype)
-    return op.executor.run(op.group, q, k_new, v_new, kv_cache)
+    return op.executor.run(op.group, q, k_new, v_new, kv_cache, sinks=sinks)
 
 
 @run.register_fake
@@ -129,6 +133,7 @@ def _run_fake(
     v_new: torch.Tensor | None,
     kv_cache: torch.Tensor | None,
     out_dtype: torch.dtype,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # (the executor is opaque here: the shape is q's, the dtype an argument)
     return q.new_empty(q.shape, dtype=out_dtype)

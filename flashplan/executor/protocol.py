@@ -68,6 +68,7 @@ class Executor(Protocol):
         kv_cache: torch.Tensor | None,
         *,
         return_lse: Literal[False] = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     @overload
@@ -80,6 +81,7 @@ class Executor(Protocol):
         kv_cache: torch.Tensor | None,
         *,
         return_lse: Literal[True],
+        sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def run(
@@ -91,6 +93,7 @@ class Executor(Protocol):
         kv_cache: torch.Tensor | None,
         *,
         return_lse: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer of ``group`` (see the class docstring)."""
         ...

@@ -68,6 +68,7 @@ __all__ = [
     "bytes_as_int32",
     "call_inputs",
     "call_skeleton",
+    "check_runnable",
     "decode_scheduler_kv_lens",
     "flashinfer_mask_offsets",
     "int32_words",
@@ -280,6 +281,31 @@ def skeleton_key(
     masked = tuple(gp.uses_custom_mask for gp in spec.group_plans)
     items = tuple(gp.items is not None for gp in spec.group_plans)
     return spec.key, tensor_cores, masked, items
+
+
+def check_runnable(spec: PlanSpec) -> None:
+    """Refuse a plan whose kernel calls this executor cannot run as planned.
+
+    Chunked local attention split into virtual requests and position masks
+    (bidirectional windows, chunks that start inside a page) are planned and run by the
+    reference executor; the FlashInfer executor does not run them yet, and refuses
+    rather than run a different mask.
+
+    Raises:
+        UnsupportedError: naming the group.
+    """
+    for gp in spec.group_plans:
+        if gp.virtual is not None or (gp.paged is not None and gp.paged.position_mask is not None):
+            raise UnsupportedError(
+                "groups",
+                f"group {gp.group.describe()!r}: this batch plans it as "
+                + ("virtual requests (a chunk boundary inside its new tokens)"
+                   if gp.virtual is not None else "a position mask (a bidirectional window, "
+                   "or a chunk that does not start on a page boundary)")
+                + ", which the FlashInfer executor does not run yet; use the "
+                "ReferenceExecutor for it",
+                group=gp.group.describe(),
+            )  # fmt: skip
 
 
 def call_skeleton(

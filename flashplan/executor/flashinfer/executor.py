@@ -92,6 +92,7 @@ from flashplan.executor.flashinfer.calls import (
     WrapperKind,
     call_inputs,
     call_skeleton,
+    check_runnable,
     skeleton_key,
 )
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
@@ -113,6 +114,7 @@ from flashplan.layout.convert import as_bool, as_int
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.page_table import PageTable
 from flashplan.planning.spec import KernelPath, PlanSpec
+from flashplan.torch_kernels import fold_sinks_torch
 
 __all__ = ["DEFAULT_WORKSPACE_BYTES", "FlashInferExecutor"]
 
@@ -412,9 +414,11 @@ class FlashInferExecutor:
                 (in ``check_pages`` mode also: a bad page id, two requests writing one
                 slot).
             UnsupportedError: a plan this policy cannot run (deterministic mode and a
-                ragged path), or one that needs more workspace than the executor has.
+                ragged path), one that needs more workspace than the executor has, or
+                one the executor does not run yet (``calls.check_runnable``).
         """
         spec, table = check_apply_args(spec, table)
+        check_runnable(spec)
         self._check_table_device(table)
         if self.policy.deterministic and any(
             p in (KernelPath.RAGGED, KernelPath.RAGGED_PAGED) for p in spec.key.paths
@@ -546,6 +550,7 @@ class FlashInferExecutor:
         steps = []
         for spec in specs:
             spec, table = check_apply_args(spec, table)
+            check_runnable(spec)
             calls = self._skeleton(spec)
             if any(gc.masked for gc in calls):
                 raise UnsupportedError("specs", "apply_steps() plans steps without custom masks")
@@ -857,8 +862,11 @@ class FlashInferExecutor:
         v_new: object,
         kv_cache: object,
         return_lse: object,
+        sinks: object = None,
     ) -> RunArgs:
-        return check_run_args(self._spec, self.device, group, q, k_new, v_new, kv_cache, return_lse)
+        return check_run_args(
+            self._spec, self.device, group, q, k_new, v_new, kv_cache, return_lse, sinks=sinks
+        )
 
     def _write_region(self, group: AttentionGroup) -> Region:
         assert self._plan is not None
@@ -879,6 +887,7 @@ class FlashInferExecutor:
         kv_cache: torch.Tensor | None,
         *,
         return_lse: Literal[False] = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     @overload
@@ -891,6 +900,7 @@ class FlashInferExecutor:
         kv_cache: torch.Tensor | None,
         *,
         return_lse: Literal[True],
+        sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def run(
@@ -902,6 +912,7 @@ class FlashInferExecutor:
         kv_cache: torch.Tensor | None,
         *,
         return_lse: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer of ``group`` on FlashInfer kernels.
 
@@ -910,14 +921,18 @@ class FlashInferExecutor:
         ``[total_q, num_kv_heads, head_dim]`` (encoder rows for a cross group, or
         ``None``), ``kv_cache`` ``[num_pages, 2, page_size, num_kv_heads, head_dim]``
         (contiguous; ``None`` for a ragged-path group); returns ``out`` and, with
-        ``return_lse``, float32 base-2 LSE ``[total_q, num_qo_heads]``.
+        ``return_lse``, float32 base-2 LSE ``[total_q, num_qo_heads]``. A sink
+        group takes its sink logits as ``sinks`` (float32 ``[num_qo_heads]``): they are
+        folded into the state of the one kernel call the plan marks (a merge with a
+        value-0 key of logit ``sinks[h]``, :func:`~flashplan.torch_kernels.fold_sinks_torch`),
+        so they count once and the LSE includes them — never passed to a kernel.
 
         Raises:
             PlanMismatchError: the group was not planned, or a tensor's type, shape,
                 dtype or device contradicts the plan.
             PageTableError: ``check_pages`` mode, an id outside the cache.
         """
-        args = self._check_run(group, q, k_new, v_new, kv_cache, return_lse)
+        args = self._check_run(group, q, k_new, v_new, kv_cache, return_lse, sinks)
         spec, dplan = self._spec, self._plan
         assert spec is not None and dplan is not None and self._gathered is not None
         if kv_cache is not None and not kv_cache.is_contiguous():
@@ -938,15 +953,29 @@ class FlashInferExecutor:
             out = q.new_zeros(q.shape, dtype=spec.heads.out_dtype)
             lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
             return (out, lse) if return_lse else out
+        gp = args.plan
+        want_lse = return_lse or gc.merges or gp.sinks
         states = []
         if gc.ragged is not None:
             wrapper = self._planned[(args.index, "ragged")]
-            states.append(wrapper.run(q, k_new, v_new, return_lse=return_lse or gc.merges))
+            state = wrapper.run(q, k_new, v_new, return_lse=want_lse)
+            if gp.ragged is not None and gp.ragged.sinks:
+                assert sinks is not None  # checked: a sink group's run takes them
+                o, lse_o = state
+                state = fold_sinks_torch(o, lse_o, sinks)
+            states.append(state)
         if gc.paged is not None:
             wrapper = self._planned[(args.index, "paged")]
-            states.append(wrapper.run(q, kv_cache, return_lse=return_lse or gc.merges))
+            state = wrapper.run(q, kv_cache, return_lse=want_lse)
+            if gp.paged is not None and gp.paged.sinks:
+                assert sinks is not None
+                o, lse_o = state
+                state = fold_sinks_torch(o, lse_o, sinks)
+            states.append(state)
         if gc.merges:
             (o_a, s_a), (o_b, s_b) = states
             out, lse = merge_state_triton(o_a, s_a, o_b, s_b)
             return (out, lse) if return_lse else out
+        if want_lse and not return_lse:
+            return states[0][0]
         return states[0]

@@ -356,10 +356,11 @@ class GraphExecutor(FlashInferExecutor):
         v_new: object,
         kv_cache: object,
         return_lse: object,
+        sinks: object = None,
     ) -> RunArgs:
         args = check_run_args(
             self._spec, self.device, group, q, k_new, v_new, kv_cache, return_lse,
-            total_q=self.bucket.total_q,
+            total_q=self.bucket.total_q, sinks=sinks,
         )  # fmt: skip
         if args.writes and args.plan.group.cross_attention:
             raise PlanMismatchError(
