@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import attrs
 import numpy as np
 
 from flashplan.cli.render import (
@@ -136,6 +137,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "sees keys p-W..p; HF sliding_window = W + 1); repeatable",
     )
     parser.add_argument(
+        "--chunk",
+        type=int,
+        action="append",
+        default=[],
+        metavar="C",
+        help="add a chunked local attention group (Llama 4 attention_chunk_size C: a query "
+        "at p sees keys C*(p//C)..p); repeatable",
+    )
+    parser.add_argument(
+        "--local",
+        type=int_list,
+        action="append",
+        default=[],
+        metavar="L,R",
+        help="add a bidirectional-window group (a query at p sees keys p-L..p+R; "
+        "ModernBERT / EmbeddingGemma local layers); repeatable",
+    )
+    parser.add_argument(
+        "--sinks",
+        action="store_true",
+        help="give every group attention sinks (gpt-oss; the pictures are the same, the "
+        "plan names the kernel call that folds the sink in)",
+    )
+    parser.add_argument(
         "--cross", action="store_true", help="add a cross-attention group (needs --encoder-lens)"
     )
     parser.add_argument(
@@ -190,8 +215,20 @@ def build_layout(args: argparse.Namespace) -> BatchLayout:
         g = AttentionGroup() if w == -1 else AttentionGroup.sliding(w)
         if g not in groups:
             groups.append(g)
+    for c in args.chunk:
+        g = AttentionGroup.chunked(c)
+        if g not in groups:
+            groups.append(g)
+    for bounds in args.local:
+        if len(bounds) != 2:
+            raise LayoutError("local", "takes two bounds L,R", value=bounds)
+        g = AttentionGroup.bidirectional(window_left=bounds[0], window_right=bounds[1])
+        if g not in groups:
+            groups.append(g)
     if args.cross:
         groups.append(AttentionGroup.cross())
+    if args.sinks:
+        groups = [attrs.evolve(g, sinks=True) for g in groups]
     if args.parents is not None:
         if args.decode or args.prefix_lens is None:
             raise LayoutError("parents", "a verify step takes --prefix-lens (and not --decode)")

@@ -91,8 +91,19 @@ def _window_text(gp: GroupPlan) -> str:
     g = gp.group
     if g.cross_attention:
         return "cross-attention: every query sees all encoder keys of its request (non-causal)"
+    if not g.causal and g.window_right >= 0:
+        return (
+            f"bidirectional window {g.window_left}..{g.window_right}: a query at position p "
+            f"sees keys p-{g.window_left}..p+{g.window_right} of its request"
+        )
     if not g.causal:
         return "non-causal: every new token sees every key of its request"
+    if g.attention_chunk_size:
+        c = g.attention_chunk_size
+        return (
+            f"chunk {c}: a query at position p sees keys {c}*(p//{c})..p "
+            f"(Hugging Face attention_chunk_size = {c})"
+        )
     w = g.window_left
     if w < 0:
         return "window_left -1 (full attention): a query at position p sees keys 0..p"
@@ -117,6 +128,8 @@ def describe_group(spec: PlanSpec, gp: GroupPlan, *, index: int | None = None) -
     if gp.paged is not None:
         p = gp.paged
         mask = "custom mask" if p.mask is not None else "no custom mask"
+        if p.position_mask is not None:
+            mask = "position mask"
         if p.items is not None:
             mask = "multi-item mask"
         parts.append(
@@ -129,6 +142,15 @@ def describe_group(spec: PlanSpec, gp: GroupPlan, *, index: int | None = None) -
             f"ragged call: {'causal' if r.causal else 'non-causal'}, max_kv_len {r.max_kv_len}"
         )
     lines.append("  " + "; ".join(parts))
+    if g.sinks:
+        folded = "ragged" if gp.ragged is not None and gp.ragged.sinks else "paged"
+        lines.append(f"  sinks: folded into the {folded} call's state once (run takes sinks=)")
+    if gp.virtual is not None:
+        v = gp.virtual
+        runs = ", ".join(
+            f"{int(r)}:{int(n)}" for r, n in zip(v.request, v.queries.lens, strict=True)
+        )
+        lines.append(f"  virtual requests (request:queries, one per chunk touched): {runs}")
 
     ps = spec.page_size
     qo_ptr = spec.qo_indptr.astype(np.int64)
@@ -157,7 +179,7 @@ def describe_group(spec: PlanSpec, gp: GroupPlan, *, index: int | None = None) -
                 str(kv),
                 _range(first, first + kv) if kv else "-",
             ]
-            if p.mask is not None:
+            if p.mask is not None or p.position_mask is not None:
                 has_mask = kv > 0 and q1 > q0
         if gp.ragged is not None:
             r0, r1 = int(gp.ragged.kv_indptr[i]), int(gp.ragged.kv_indptr[i + 1])

@@ -35,6 +35,7 @@ from typing import Any
 
 _HOMES = {
     "GROUP_KINDS": "valid",
+    "LOCAL_GROUP_KINDS": "valid",
     "PAGE_SIZES": "valid",
     "attention_groups": "valid",
     "decode_layouts": "valid",

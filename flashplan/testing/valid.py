@@ -30,6 +30,7 @@ from flashplan.layout.drafts import DraftTree
 
 __all__ = [
     "GROUP_KINDS",
+    "LOCAL_GROUP_KINDS",
     "PAGE_SIZES",
     "attention_groups",
     "decode_layouts",
@@ -46,6 +47,11 @@ __all__ = [
 PAGE_SIZES: tuple[int, ...] = (1, 2, 3, 16)
 #: Kinds of :class:`~flashplan.AttentionGroup` drawn by :func:`attention_groups`.
 GROUP_KINDS: tuple[str, ...] = ("full", "sliding", "bidirectional", "cross")
+#: The local kinds, drawn only when asked for: ``"chunked"`` (chunked local attention,
+#: chunk sizes that divide page sizes, are multiples of them, or neither) and
+#: ``"local"`` (a bidirectional window: non-causal with both bounds).
+LOCAL_GROUP_KINDS: tuple[str, ...] = ("chunked", "local")
+_CHUNKS = (1, 2, 3, 4, 5, 7, 8, 16, 32, 48)
 
 _SOFT_CAPS = (1.0, 20.0, 30.0, 50.0)
 _LONG_WINDOWS = (127, 1023, 4095, 1 << 20)
@@ -71,6 +77,7 @@ def attention_groups(
     max_window: int | None = None,
     soft_cap: bool = True,
     sm_scale: bool = True,
+    sinks: bool = False,
 ) -> AttentionGroup:
     """Draw an :class:`~flashplan.AttentionGroup`.
 
@@ -80,25 +87,37 @@ def attention_groups(
             windows, windows around typical lengths, and windows far longer than any
             drawn sequence), ``"bidirectional"`` (non-causal self-attention),
             ``"cross"`` (attention to the encoder; a layout holding it needs
-            ``encoder_lens``).
+            ``encoder_lens``), and the :data:`LOCAL_GROUP_KINDS` (``"chunked"``,
+            ``"local"``) when listed.
         windows: strategy for ``window_left`` of sliding groups (default: the mix above).
         max_window: clamp drawn windows to this value.
         soft_cap: whether a logits soft cap may be drawn (otherwise always 0 = off).
         sm_scale: whether an explicit softmax scale may be drawn (otherwise ``None``).
+        sinks: whether attention sinks may be drawn (on any kind; otherwise off).
     """
     kind = draw(st.sampled_from(tuple(kinds)))
+    with_sinks = draw(st.booleans()) if sinks else False
     cap = draw(st.sampled_from((0.0, 0.0, *_SOFT_CAPS))) if soft_cap else 0.0
     scale = draw(st.sampled_from((None, None, None, 0.125, 0.5))) if sm_scale else None
+    kw: dict[str, Any] = dict(logits_soft_cap=cap, sm_scale=scale, sinks=with_sinks)
     if kind == "full":
-        return AttentionGroup.full(logits_soft_cap=cap, sm_scale=scale)
+        return AttentionGroup.full(**kw)
     if kind == "sliding":
         window = draw(windows if windows is not None else _windows(max_window))
-        return AttentionGroup.sliding(window, logits_soft_cap=cap, sm_scale=scale)
+        return AttentionGroup.sliding(window, **kw)
     if kind == "bidirectional":
-        return AttentionGroup.bidirectional(logits_soft_cap=cap, sm_scale=scale)
+        return AttentionGroup.bidirectional(**kw)
     if kind == "cross":
-        return AttentionGroup.cross(logits_soft_cap=cap, sm_scale=scale)
-    raise ValueError(f"unknown group kind {kind!r}; expected one of {GROUP_KINDS}")
+        return AttentionGroup.cross(**kw)
+    if kind == "chunked":
+        return AttentionGroup.chunked(draw(st.sampled_from(_CHUNKS)), **kw)
+    if kind == "local":
+        left = draw(windows if windows is not None else _windows(max_window))
+        right = draw(windows if windows is not None else _windows(max_window))
+        return AttentionGroup.bidirectional(window_left=left, window_right=right, **kw)
+    raise ValueError(
+        f"unknown group kind {kind!r}; expected one of {GROUP_KINDS + LOCAL_GROUP_KINDS}"
+    )
 
 
 # --------------------------------------------------------------------------- layouts
