@@ -52,9 +52,7 @@ def local_layouts(draw: st.DrawFn, *, max_batch: int = 6, max_len: int = 48) -> 
         st.lists(attention_groups(kinds=SELF_KINDS, max_window=12, sinks=True), max_size=2)
     )
     groups = list(dict.fromkeys([local, *others]))
-    return draw(
-        layouts(max_batch=max_batch, max_len=max_len, long_len=120, groups=groups, encoder=False)
-    )
+    return draw(layouts(max_batch=max_batch, max_len=max_len, long_len=120, groups=groups))
 
 
 @st.composite
@@ -334,7 +332,8 @@ def test_sinks_change_the_output_by_the_oracles_amount() -> None:
 
 
 def test_flashinfer_executor_refuses_what_it_does_not_run() -> None:
-    """Virtual requests and position masks: refused by name, on any machine."""
+    """Position masks (any executor mode) and virtual requests in a CUDA-graph bucket:
+    refused by name, on any machine (the check is pure)."""
     from flashplan.executor.flashinfer.calls import check_runnable
 
     heads = HEADS
@@ -342,11 +341,24 @@ def test_flashinfer_executor_refuses_what_it_does_not_run() -> None:
     split = fp.plan(fp.BatchLayout.extend([20], [3], page_size=4, groups=[chunked]), heads)
     band = fp.AttentionGroup.bidirectional(window_left=3, window_right=2)
     masked = fp.plan(fp.BatchLayout.extend([9], [0], page_size=4, groups=[band]), heads)
-    for spec, group in ((split, chunked), (masked, band)):
+    inside = fp.AttentionGroup.chunked(6)  # chunks that start inside 4-token pages
+    inside_decode = fp.plan(fp.BatchLayout.decode([20], page_size=4, groups=[inside]), heads)
+    for spec, group, graph in (
+        (split, chunked, True),
+        (masked, band, False),
+        (masked, band, True),
+        (inside_decode, inside, False),
+    ):
         with pytest.raises(UnsupportedError) as err:
-            check_runnable(spec)
+            check_runnable(spec, graph=graph)
         assert err.value.field == "groups" and group.describe() in str(err.value)
-    # the same groups where they plan as plain kernel calls: accepted
-    check_runnable(fp.plan(fp.BatchLayout.decode([20, 3], page_size=4, groups=[chunked]), heads))
+    with pytest.raises(UnsupportedError):  # eager virtual requests: opt-in for now
+        check_runnable(split)
+    check_runnable(split, virtual=True)
+    with pytest.raises(UnsupportedError):  # never in a graph bucket
+        check_runnable(split, graph=True, virtual=True)
+    # the same groups where they plan as plain kernel calls: accepted, graphs included
+    decode = fp.plan(fp.BatchLayout.decode([20, 3], page_size=4, groups=[chunked]), heads)
+    check_runnable(decode, graph=True)
     sink = fp.AttentionGroup.sliding(7, sinks=True)
     check_runnable(fp.plan(fp.BatchLayout.extend([20], [3], page_size=4, groups=[sink]), heads))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashplan.arrays import IntArray, seal_inplace
+from flashplan.arrays import IntArray, constant_operand, seal_inplace
 from flashplan.layout.batch import BatchLayout
 from flashplan.layout.group import AttentionGroup
 from flashplan.lengths import Lengths, PageSpans
@@ -48,32 +48,33 @@ def needs_position_mask(group: AttentionGroup, page_size: int) -> bool:
 
 def chunk_split(
     prefix: IntArray, seq: IntArray, chunk: int
-) -> tuple[IntArray, np.ndarray, np.ndarray, np.ndarray]:
-    """The virtual requests of a chunked extend: ``(request int32 [n], chunk_first,
-    q_first, q_end)`` (the last three int64 ``[n]``, positions).
+) -> tuple[IntArray, IntArray, IntArray, IntArray]:
+    """The virtual requests of a chunked extend: ``(request, chunk_first, q_first,
+    q_end)``, read-only int32 ``[n]`` (a request index, then positions).
 
     Request ``i`` with new tokens at positions ``[P, L)`` has one virtual request per
     chunk those touch (``P // C`` to ``(L - 1) // C``), and one without queries when it
     has no new token; virtual request ``(i, c)`` holds the new tokens at
     ``[max(c * C, P), min((c + 1) * C, L))`` and its chunk starts at ``c * C``.
+    Positions fit int32 (the layout checks its lengths), so the arithmetic stays int32.
     """
-    p = prefix.astype(np.int64)
-    L = seq.astype(np.int64)
-    first_chunk = p // chunk
-    counts = np.maximum((L - 1) // chunk - first_chunk + 1, 1)
-    bs = p.shape[0]
-    request = np.repeat(np.arange(bs, dtype=np.int32), counts)
-    starts = np.cumsum(counts) - counts
-    k = np.arange(request.shape[0], dtype=np.int64) - np.repeat(starts, counts)
-    c = first_chunk[request] + k
-    chunk_first = c * chunk
-    q_first = np.maximum(chunk_first, p[request])
-    q_end = np.maximum(np.minimum(chunk_first + chunk, L[request]), q_first)
-    return seal_inplace(request), chunk_first, q_first, q_end
+    c = constant_operand(chunk)
+    first_chunk = prefix // c
+    counts = np.maximum((seq - 1) // c - first_chunk + 1, 1)
+    request = np.repeat(np.arange(prefix.shape[0], dtype=np.int32), counts)
+    starts = np.cumsum(counts, dtype=np.int32) - counts
+    k = np.arange(request.shape[0], dtype=np.int32) - np.repeat(starts, counts)
+    chunk_first = (first_chunk[request] + k) * c
+    q_first = np.maximum(chunk_first, prefix[request])
+    q_end = np.maximum(np.minimum(chunk_first + c, seq[request]), q_first)
+    return (
+        seal_inplace(request), seal_inplace(chunk_first), seal_inplace(q_first),
+        seal_inplace(q_end),
+    )  # fmt: skip
 
 
 def plan_chunked(
-    layout: BatchLayout, group: AttentionGroup, ragged_path: bool
+    layout: BatchLayout, group: AttentionGroup, ragged_path: bool, queries: Lengths
 ) -> tuple[KernelPath, PagedPart | None, RaggedPart | None, VirtualRequests | None]:
     """A chunked group of an extend batch whose chunk is a multiple of the page size:
     ``(path, paged, ragged, virtual)``.
@@ -84,44 +85,73 @@ def plan_chunked(
     prefix its first virtual request also reads the prefix's part of its chunk,
     ``[c * C, P)``, from the cache (non-causal: every query of the chunk sees all of
     it), merged through the LSE.
+
+    A batch whose every request's new tokens lie in one chunk (the common case: a
+    chunk of 8192 and prefill chunks that do not cross it) needs no split: the group is
+    a page-aligned trim of the unchunked plan, computed without :func:`chunk_split`.
+    ``queries`` are the plan's.
     """
     ps = layout.page_size
     chunk = group.attention_chunk_size
-    base = layout.decoder_start.astype(np.int64)
-    prefix = layout.prefix_lens.astype(np.int64)
-    seq = layout.seq_lens.astype(np.int64)
-    request, chunk_first, q_first, q_end = chunk_split(layout.prefix_lens, layout.seq_lens, chunk)
+    prefix32, seq32 = layout.prefix_lens, layout.seq_lens
+    c = constant_operand(chunk)
+    chunk_start32 = prefix32 // c * c  # the chunk of each request's first new token
+    # the last new token (position L - 1) lies in a later chunk iff L - start > C (a
+    # request without new tokens has L = P < start + C)
+    crosses = (seq32 - chunk_start32) > c
+    if not crosses.size or not np.logical_or.reduce(crosses):
+        return _plan_unsplit(layout, chunk_start32, ragged_path, queries)
+    # some request crosses a chunk boundary: one virtual request per request and chunk
+    # (int32 throughout: row tokens fit int32, checked when the layout was built)
+    encoder = layout.encoder_lens is not None
+    base = layout.decoder_start
+    request, chunk_first, q_first, q_end = chunk_split(prefix32, seq32, chunk)
     q_lens = seal_inplace(q_end - q_first)
-    split = request.shape[0] != layout.batch_size  # some request crosses a chunk boundary
-    queries = Lengths.from_lens(q_lens, "extend_lens") if split else None
+    virtual = VirtualRequests(request, Lengths.from_lens(q_lens, "extend_lens"))
     new = layout.extend_lens > 0
-    req_first = base + prefix // chunk * chunk  # each request's first chunk's start
-    b = base[request]
+    req_first = base + chunk_start32 if encoder else chunk_start32
+    b = base[request] if encoder else None
+    first = b + chunk_first if b is not None else chunk_first
+    seq = base + seq32 if encoder else seq32
+    prefix = base + prefix32 if encoder else prefix32
     if not ragged_path:
-        spans = PageSpans.between(req_first, np.where(new, base + seq, req_first), ps)
-        virtual_spans = None
-        if split:
-            first = b + chunk_first
-            virtual_spans = PageSpans.between(first, np.where(q_lens > 0, b + q_end, first), ps)
+        spans = PageSpans.between(req_first, np.where(new, seq, req_first), ps)
+        v_end = b + q_end if b is not None else q_end
+        virtual_spans = PageSpans.between(first, np.where(q_lens > 0, v_end, first), ps)
         paged = PagedPart.over(spans, causal=True, window_left=-1, virtual=virtual_spans)
-        return KernelPath.PAGED, paged, None, _virtual(request, queries)
-    keys = queries if queries is not None else Lengths.from_lens(layout.extend_lens, "extend_lens")
-    ragged = RaggedPart.over(keys, causal=True, window_left=-1)
-    if not np.any(prefix):
-        return KernelPath.RAGGED, None, ragged, _virtual(request, queries)
+        return KernelPath.PAGED, paged, None, virtual
+    ragged = RaggedPart.over(virtual.queries, causal=True, window_left=-1)
+    if not np.logical_or.reduce(prefix32 > chunk_start32):
+        return KernelPath.RAGGED, None, ragged, virtual  # no cached key inside any chunk
     # the cached part of each request's first chunk: [c * C, P), for its first virtual one
-    spans = PageSpans.between(req_first, np.where(new, base + prefix, req_first), ps)
-    virtual_spans = None
-    if split:
-        lead = np.r_[True, request[1:] != request[:-1]] & (q_lens > 0)
-        first = b + chunk_first
-        virtual_spans = PageSpans.between(first, np.where(lead, b + prefix[request], first), ps)
+    spans = PageSpans.between(req_first, np.where(new, prefix, req_first), ps)
+    lead = np.r_[True, request[1:] != request[:-1]] & (q_lens > 0)
+    virtual_spans = PageSpans.between(first, np.where(lead, prefix[request], first), ps)
     paged = PagedPart.over(spans, causal=False, window_left=-1, virtual=virtual_spans)
-    return KernelPath.RAGGED_PAGED, paged, ragged, _virtual(request, queries)
+    return KernelPath.RAGGED_PAGED, paged, ragged, virtual
 
 
-def _virtual(request: IntArray, queries: Lengths | None) -> VirtualRequests | None:
-    return None if queries is None else VirtualRequests(request, queries)
+def _plan_unsplit(
+    layout: BatchLayout, chunk_start: IntArray, ragged_path: bool, queries: Lengths
+) -> tuple[KernelPath, PagedPart | None, RaggedPart | None, VirtualRequests | None]:
+    """:func:`plan_chunked` of a batch that crosses no chunk boundary: each request
+    reads its row from ``chunk_start`` (int32 ``[bs]``, decoder positions: the start of
+    the chunk its new tokens are in), causal, no window."""
+    ps = layout.page_size
+    encoder = layout.encoder_lens is not None
+    base = layout.decoder_start
+    first = base + chunk_start if encoder else chunk_start  # row tokens (fit int32)
+    new = layout.extend_lens > 0
+    if not ragged_path:
+        end = np.where(new, base + layout.seq_lens if encoder else layout.seq_lens, first)
+        paged = PagedPart.over(PageSpans.between(first, end, ps), causal=True, window_left=-1)
+        return KernelPath.PAGED, paged, None, None
+    ragged = RaggedPart.over(queries, causal=True, window_left=-1)
+    if not new.size or not np.logical_or.reduce(layout.prefix_lens > chunk_start):
+        return KernelPath.RAGGED, None, ragged, None  # no cached key inside any chunk
+    end = np.where(new, base + layout.prefix_lens if encoder else layout.prefix_lens, first)
+    paged = PagedPart.over(PageSpans.between(first, end, ps), causal=False, window_left=-1)
+    return KernelPath.RAGGED_PAGED, paged, ragged, None
 
 
 def chunk_decode_first(layout: BatchLayout, chunk: int) -> np.ndarray:

@@ -329,7 +329,7 @@ def _plan_group(
         )  # fmt: skip
     if group.has_chunks:
         path, paged_c, ragged_c, virtual = plan_chunked(
-            layout, group, ragged_path=choice is not ExtendPath.PAGED
+            layout, group, ragged_path=choice is not ExtendPath.PAGED, queries=queries
         )
         return _group_plan(
             group, path, paged_c, ragged_c, layout.decoder_start, layout.seq_lens, virtual

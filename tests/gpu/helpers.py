@@ -77,8 +77,11 @@ def run_both(
         rows = spec.total_encoder if group.cross_attention else spec.total_q
         k = torch.randn(rows, hkv, d, generator=gen, device=device).to(heads.kv_dtype)
         v = torch.randn(rows, hkv, d, generator=gen, device=device).to(heads.kv_dtype)
-        out, lse = executor.run(group, q, k, v, cache, return_lse=True)
-        out_ref, lse_ref = ref.run(group, q, k, v, cache_ref, return_lse=True)
+        sinks = None
+        if group.sinks:  # sink logits around the scores' scale, so that they matter
+            sinks = torch.randn(hq, generator=gen, device=device) * 3
+        out, lse = executor.run(group, q, k, v, cache, return_lse=True, sinks=sinks)
+        out_ref, lse_ref = ref.run(group, q, k, v, cache_ref, return_lse=True, sinks=sinks)
         finite = torch.isfinite(lse_ref)
         assert torch.equal(torch.isfinite(lse), finite), (
             f"group {group.describe()}: queries that see no key differ "

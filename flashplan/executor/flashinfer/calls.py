@@ -271,39 +271,60 @@ class Translation:
 
 def skeleton_key(
     spec: PlanSpec, policy: ExecutorPolicy, batch_size: int | None = None
-) -> tuple[PlanKey, bool, tuple[bool, ...], tuple[bool, ...]]:
+) -> tuple[PlanKey, bool, tuple[bool, ...], tuple[bool, ...], tuple[bool, ...]]:
     """What a skeleton depends on besides the policy: the plan's key, the decode kernel
     kind (a function of the batch size, or of ``batch_size`` when given: a CUDA-graph
-    bucket's), which groups carry a custom mask and which carry multi-item tensors (in a
-    multi-item batch — ``key.multi_item`` — every self group's paged call)."""
+    bucket's), which groups carry a custom mask, which carry multi-item tensors (in a
+    multi-item batch — ``key.multi_item`` — every self group's paged call) and which run
+    over virtual requests (chunked local attention across a chunk boundary)."""
     bs = spec.batch_size if batch_size is None else batch_size
     tensor_cores = decode_uses_tensor_cores(spec.heads, policy, bs)
     masked = tuple(gp.uses_custom_mask for gp in spec.group_plans)
     items = tuple(gp.items is not None for gp in spec.group_plans)
-    return spec.key, tensor_cores, masked, items
+    virtual = tuple(gp.virtual is not None for gp in spec.group_plans)
+    return spec.key, tensor_cores, masked, items, virtual
 
 
-def check_runnable(spec: PlanSpec) -> None:
-    """Refuse a plan whose kernel calls this executor cannot run as planned.
+def check_runnable(spec: PlanSpec, *, graph: bool = False, virtual: bool = False) -> None:
+    """Refuse a plan whose kernel calls this executor does not run (yet) as planned.
 
-    Chunked local attention split into virtual requests and position masks
-    (bidirectional windows, chunks that start inside a page) are planned and run by the
-    reference executor; the FlashInfer executor does not run them yet, and refuses
-    rather than run a different mask.
+    * Position masks (bidirectional windows, chunks that start inside a page) are
+      planned and run by the reference executor; the FlashInfer executor has no device
+      builder for them yet.
+    * Virtual requests (a chunked extend whose new tokens cross a chunk boundary): the
+      translation plans each group's kernels over its own query index pointers
+      (``g<i>.qo_indptr`` and the virtual spans, :func:`call_inputs`), but that path
+      has not yet run against the reference on a GPU
+      (``tests/gpu/test_local_attention_gpu.py``), so it runs only when asked for
+      (``virtual``: ``ExecutorPolicy.virtual_requests``). A CUDA-graph bucket never
+      runs them: decode and verify steps never split.
+
+    The executor refuses rather than run a different mask. ``graph``: the caller is a
+    CUDA-graph bucket.
 
     Raises:
         UnsupportedError: naming the group.
     """
     for gp in spec.group_plans:
-        if gp.virtual is not None or (gp.paged is not None and gp.paged.position_mask is not None):
+        if gp.paged is not None and gp.paged.position_mask is not None:
             raise UnsupportedError(
                 "groups",
-                f"group {gp.group.describe()!r}: this batch plans it as "
-                + ("virtual requests (a chunk boundary inside its new tokens)"
-                   if gp.virtual is not None else "a position mask (a bidirectional window, "
-                   "or a chunk that does not start on a page boundary)")
-                + ", which the FlashInfer executor does not run yet; use the "
+                f"group {gp.group.describe()!r}: this batch plans it with a position mask "
+                "(a bidirectional window, or a chunk that does not start on a page "
+                "boundary), which the FlashInfer executor does not run yet; use the "
                 "ReferenceExecutor for it",
+                group=gp.group.describe(),
+            )  # fmt: skip
+        if gp.virtual is not None and (graph or not virtual):
+            raise UnsupportedError(
+                "groups",
+                f"group {gp.group.describe()!r}: this batch splits it into virtual requests "
+                "(new tokens across a chunk boundary), which "
+                + ("a CUDA-graph bucket does not run (decode and verify steps never split): "
+                   "run this extend eagerly" if graph else "the FlashInfer executor does not "
+                   "run by default yet (ExecutorPolicy(virtual_requests=True) opts in): use "
+                   "the ReferenceExecutor, or prefill chunks that end on a chunk boundary")
+                ,
                 group=gp.group.describe(),
             )  # fmt: skip
 
@@ -326,7 +347,7 @@ def call_skeleton(
     Raises:
         UnsupportedError: the policy forces a kernel the heads cannot run.
     """
-    key, tensor_cores, masked, items = skeleton_key(spec, policy, batch_size)
+    key, tensor_cores, masked, items, virtual = skeleton_key(spec, policy, batch_size)
     heads = key.heads
     out = []
     for index, (group, gp) in enumerate(zip(key.groups, spec.group_plans, strict=True)):
@@ -341,6 +362,8 @@ def call_skeleton(
             ("non_blocking", True),
         ]
         paged = ragged = None
+        # a group over virtual requests has its own query index pointers (the same rows)
+        qo_indptr = HostArray(f"g{index}.qo_indptr" if virtual[index] else "qo_indptr")
         if gp.paged is not None:
             part = gp.paged
             pages = DeviceIndices(pages_region(index))
@@ -363,7 +386,7 @@ def call_skeleton(
                 )
                 wrapper = WrapperKey(WrapperKind.PAGED_PREFILL, group, backend, False)
                 args = [
-                    ("qo_indptr", HostArray("qo_indptr")),
+                    ("qo_indptr", qo_indptr),
                     ("paged_kv_indptr", page_indptr),
                     ("paged_kv_indices", pages),
                     ("paged_kv_last_page_len", last_page_len),
@@ -387,8 +410,8 @@ def call_skeleton(
             backend = prefill_backend(heads, policy, custom_mask=False, sm90=sm90)
             wrapper = WrapperKey(WrapperKind.RAGGED_PREFILL, group, backend, False)
             args = [
-                ("qo_indptr", HostArray("qo_indptr")),
-                ("kv_indptr", HostArray("qo_indptr")),
+                ("qo_indptr", qo_indptr),
+                ("kv_indptr", qo_indptr),
                 ("head_dim_qk", heads.head_dim),
                 ("causal", gp.ragged.causal),
                 ("window_left", gp.ragged.window_left),
@@ -444,12 +467,20 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
     elements: dict[str, int] = {}
     for gc in calls:
         gp = spec.group_plans[gc.group_index]
+        index = gc.group_index
+        if gp.virtual is not None:  # the kernels run over the virtual requests' rows
+            vq = gp.virtual.queries
+            host[f"g{index}.qo_indptr"] = vq.indptr
+            ints[f"g{index}.qo.total"] = vq.total
+            ints[f"g{index}.qo.max_len"] = vq.max_len
         part = gp.paged
         if part is None:
             continue
-        index = gc.group_index
+        # the gather reads each request's span; the kernel is planned over the call's
+        # spans (the virtual requests', whose pages lie end to end in the same region)
         start, num = part.start_page, part.num_pages
-        page_indptr = part.page_indptr
+        call = part.call_spans
+        page_indptr = call.pages.indptr
         if gc.masked and part.kv_lens.size and not np.logical_and.reduce(part.kv_lens):
             empty = part.kv_lens == 0
             start = seal_inplace(np.where(empty, 0, start))
@@ -457,14 +488,14 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
             page_indptr = indptr(num, "pages")
         spans[index] = (start, num)
         host[f"g{index}.page_indptr"] = page_indptr
-        host[f"g{index}.last_page_len"] = part.last_page_len
+        host[f"g{index}.last_page_len"] = call.last_page_len
         if gc.path is not KernelPath.DECODE:
             # What FlashInfer's prefill plan() derives on the host (a re-plan without it:
             # adapter.replan_prefill): the KV lengths its get_seq_lens computes,
             # max(pages - 1, 0) * page_size + last_page_len, are the part's own (an empty
             # span has last_page_len 0 and at most one page), and the longest.
-            host[f"g{index}.kv_lens"] = part.kv_lens
-            ints[f"g{index}.max_kv_len"] = part.max_kv_len
+            host[f"g{index}.kv_lens"] = call.kv_lens
+            ints[f"g{index}.max_kv_len"] = call.max_kv_len
         elif gc.paged is not None and gc.paged.wrapper.use_tensor_cores:
             host[f"g{index}.kv_lens"] = decode_scheduler_kv_lens(part)
         if gc.masked:

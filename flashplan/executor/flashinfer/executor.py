@@ -175,6 +175,7 @@ def _bound_call(
     decode: DecodeViews | None = None
     prefill: PrefillViews | None = None
     mask_indptr = None
+    ints = (prefix + "qo.total", prefix + "qo.max_len", g + ".max_kv_len")
     if call.wrapper.kind is WrapperKind.DECODE:
         ind, last = g + ".page_indptr", g + ".last_page_len"
         if call.wrapper.use_tensor_cores:  # the scheduler's qo_indptr and KV lengths
@@ -184,12 +185,16 @@ def _bound_call(
         else:
             decode = (host[ind], staged[ind], host[last], staged[last], None, None, None)
     elif call.wrapper.kind is WrapperKind.PAGED_PREFILL:
-        qo, ind, kv = prefix + "qo_indptr", g + ".page_indptr", g + ".kv_lens"
+        qo_name = next(
+            v.name for n, v in call.placeholders if n == "qo_indptr" and isinstance(v, HostArray)
+        )
+        qo, ind, kv = prefix + qo_name, g + ".page_indptr", g + ".kv_lens"
+        qo_ints = prefix + qo_name.replace("qo_indptr", "qo")  # "qo" or "g<i>.qo"
         prefill = (host[qo], staged[qo], host[ind], staged[ind], staged[g + ".last_page_len"],
                    host[kv], staged[kv])  # fmt: skip
         if any(isinstance(v, BuiltMask) for _, v in call.placeholders):
             mask_indptr = staged[g + ".mask.indptr"]
-    ints = (prefix + "qo.total", prefix + "qo.max_len", g + ".max_kv_len")
+        ints = (qo_ints + ".total", qo_ints + ".max_len", g + ".max_kv_len")
     bound = BoundCall(host, kwargs, tuple(dynamic), decode, prefill, mask_indptr, ints)
     staged.memo.calls[memo_key] = bound
     return bound
@@ -418,7 +423,7 @@ class FlashInferExecutor:
                 one the executor does not run yet (``calls.check_runnable``).
         """
         spec, table = check_apply_args(spec, table)
-        check_runnable(spec)
+        check_runnable(spec, graph=self._graph_wrappers, virtual=self.policy.virtual_requests)
         self._check_table_device(table)
         if self.policy.deterministic and any(
             p in (KernelPath.RAGGED, KernelPath.RAGGED_PAGED) for p in spec.key.paths
@@ -550,7 +555,7 @@ class FlashInferExecutor:
         steps = []
         for spec in specs:
             spec, table = check_apply_args(spec, table)
-            check_runnable(spec)
+            check_runnable(spec, graph=self._graph_wrappers, virtual=self.policy.virtual_requests)
             calls = self._skeleton(spec)
             if any(gc.masked for gc in calls):
                 raise UnsupportedError("specs", "apply_steps() plans steps without custom masks")

@@ -1,0 +1,157 @@
+"""Attention sinks and chunked local attention on real FlashInfer kernels vs the reference.
+
+A silently ignored sink fails here: each sink case also checks that the output moved
+from the sink-free output by the oracle's amount. Chunk boundaries are placed inside a
+prefill (virtual requests, paged and ragged paths), inside a verify tree, and at the
+decode step that starts a new chunk; page sizes 1 and 16, chunks that are multiples of
+the page size. Bidirectional windows (a position mask) are refused by name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import flashplan as fp
+from flashplan.errors import UnsupportedError
+
+from .helpers import flashinfer_executor, rel_err, run_both
+
+DEV = "cuda"
+HEADS = fp.HeadConfig(num_qo_heads=16, num_kv_heads=4, head_dim=128)
+SINK_FULL = fp.AttentionGroup.full(sinks=True)
+SINK_W127 = fp.AttentionGroup.sliding(127, sinks=True)  # gpt-oss: window 128 + sinks
+CHUNK_64 = fp.AttentionGroup.chunked(64)
+CHUNK_SINKS = fp.AttentionGroup.chunked(32, sinks=True)
+TOL_OUT, TOL_LSE = 1e-2, 5e-2
+
+
+def _executor() -> fp.Executor:
+    """A FlashInfer executor that runs virtual requests (this test verifies that path;
+    once it passes on the H200, ``ExecutorPolicy.virtual_requests`` defaults to on)."""
+    return flashinfer_executor(virtual_requests=True)
+
+
+def _check(results: list[tuple[fp.AttentionGroup, float, float, float]]) -> None:
+    for group, out_err, lse_err, cache_err in results:
+        assert out_err <= TOL_OUT, (group.describe(), out_err)
+        assert lse_err <= TOL_LSE, (group.describe(), lse_err)
+        assert cache_err == 0.0, group.describe()
+
+
+def _lengths(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Sequence and prefix lengths with chunk boundaries (32, 64) inside new tokens, new
+    tokens that start exactly on a boundary, and requests inside one chunk."""
+    seq = np.array([1, 31, 32, 33, 64, 65, 200, 129, 700, *rng.integers(1, 600, 5)])
+    prefix = (seq * rng.random(seq.shape[0])).astype(np.int64)
+    prefix[1], prefix[4], prefix[5] = 0, 32, 63  # a prefill from 0; new from a boundary
+    return seq, prefix
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("mode", ["decode", "paged", "ragged", "noprefix"])
+def test_sinks_and_chunks_match_reference(page_size: int, mode: str) -> None:
+    rng = np.random.default_rng(page_size + len(mode))
+    seq, prefix = _lengths(rng)
+    groups = [SINK_FULL, SINK_W127, CHUNK_64, CHUNK_SINKS, fp.AttentionGroup.full()]
+    if mode == "decode":
+        seq = np.concatenate([seq, [65, 129, 33]])  # each decode query starts a new chunk
+        layout = fp.BatchLayout.decode(seq, page_size=page_size, groups=groups)
+    else:
+        if mode == "noprefix":
+            prefix = np.zeros_like(seq)
+        layout = fp.BatchLayout.extend(seq, prefix, page_size=page_size, groups=groups)
+    path = "ragged" if mode in ("ragged", "noprefix") else "paged"
+    spec = fp.plan(layout, HEADS, extend_path=path)
+    if mode != "decode":
+        assert spec.group_plan(CHUNK_64).virtual is not None  # boundaries inside the batch
+    _check(run_both(layout, HEADS, _executor(), extend_path=path, seed=page_size))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_chunked_and_sink_verify_match_reference(page_size: int) -> None:
+    rng = np.random.default_rng(page_size)
+    prefix = np.array([60, 62, 63, 64, 127, 5, *rng.integers(0, 500, 4)])
+    parents = [-1, 0, 1, 2, 0, 4, 1, 6]  # a tree of depth 3: boundaries cut through it
+    tree = fp.DraftTree.from_parents([parents] * prefix.shape[0])
+    groups = [fp.AttentionGroup.chunked(64, sinks=True), SINK_W127, CHUNK_SINKS]
+    layout = fp.BatchLayout.verify(prefix, tree, page_size=page_size, groups=groups)
+    _check(run_both(layout, HEADS, _executor(), seed=page_size))
+
+
+def test_a_dropped_sink_fails() -> None:
+    """The FlashInfer output with sinks equals the reference's and differs from the
+    sink-free output by the sink's share of the softmax mass (out * 2**(lse0 - lse))."""
+    layout = fp.BatchLayout.decode([5, 300, 1000], page_size=16, groups=[SINK_FULL])
+    spec = fp.plan(layout, HEADS)
+    table = fp.PageTable.shuffled(spec.pages_needed, seed=0, device=DEV)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    cache = torch.randn(table.num_pages, 2, 16, 4, 128, generator=gen, device=DEV)
+    cache = cache.to(torch.bfloat16)
+    q = torch.randn(3, 16, 128, generator=gen, device=DEV).to(torch.bfloat16)
+    sinks = torch.full((16,), 4.0, device=DEV)  # a sink worth several keys
+    ex = flashinfer_executor()
+    ex.apply(spec, table)
+    out, lse = ex.run(SINK_FULL, q, None, None, cache, return_lse=True, sinks=sinks)
+    plain_spec = fp.plan(
+        fp.BatchLayout.decode([5, 300, 1000], page_size=16, groups=[fp.AttentionGroup()]), HEADS
+    )
+    ex.apply(plain_spec, table)
+    out0, lse0 = ex.run(fp.AttentionGroup(), q, None, None, cache, return_lse=True)
+    share = torch.exp2(lse0 - lse)[..., None]
+    assert rel_err(out, (out0.float() * share).to(out.dtype)) <= TOL_OUT
+    assert rel_err(out, out0) > 0.05  # the sink moved the output
+    with pytest.raises(fp.PlanMismatchError):
+        ex.run(fp.AttentionGroup(), q, None, None, cache, sinks=sinks)
+
+
+def test_graph_replay_of_sink_and_chunked_decode() -> None:
+    """A CUDA-graph bucket over sink and chunked groups: replays equal eager runs, over
+    batches whose decode steps start new chunks."""
+    from flashplan.executor.flashinfer import (
+        FlashInferExecutor,
+        GraphBucket,
+        GraphExecutor,
+        capture,
+    )
+
+    groups = (SINK_W127, CHUNK_64)
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    kv = torch.randn(4000, 2, 16, 4, 128, generator=gen, device=DEV).to(torch.bfloat16)
+    sinks = torch.randn(16, generator=gen, device=DEV) * 3
+    gx = GraphExecutor(FlashInferExecutor(), GraphBucket.decode(8, 64))
+    q_static = torch.zeros(8, 16, 128, device=DEV, dtype=torch.bfloat16)
+    first = fp.plan(fp.BatchLayout.decode([10, 20], page_size=16, groups=groups), HEADS)
+    table0 = fp.PageTable.sequential(first.pages_needed, device=DEV)
+    gx.apply(first, table0)
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        a = gx.run(SINK_W127, q_static, None, None, kv, sinks=sinks)
+        b = gx.run(CHUNK_64, q_static, None, None, kv)
+        return a, b
+
+    step = capture(gx, forward)
+    eager = fp.ReferenceExecutor()
+    for seq in ([65, 129, 64, 1000], [1, 2, 3, 4, 5, 6, 7, 8], [700, 129, 193]):
+        spec = fp.plan(fp.BatchLayout.decode(seq, page_size=16, groups=groups), HEADS)
+        table = fp.PageTable.shuffled(spec.pages_needed, seed=len(seq), device=DEV)
+        q = torch.randn(len(seq), 16, 128, generator=gen, device=DEV).to(torch.bfloat16)
+        q_static.zero_()
+        q_static[: len(seq)] = q
+        a, b = step.replay(spec, table)
+        eager.apply(spec, table)
+        want_a = eager.run(SINK_W127, q, None, None, kv, sinks=sinks)
+        want_b = eager.run(CHUNK_64, q, None, None, kv)
+        torch.cuda.synchronize()
+        assert rel_err(a[: len(seq)], want_a) <= TOL_OUT
+        assert rel_err(b[: len(seq)], want_b) <= TOL_OUT
+
+
+def test_position_masks_are_refused_by_name() -> None:
+    band = fp.AttentionGroup.bidirectional(window_left=8, window_right=8)
+    spec = fp.plan(fp.BatchLayout.extend([40], [0], page_size=16, groups=[band]), HEADS)
+    table = fp.PageTable.sequential(spec.pages_needed, device=DEV)
+    with pytest.raises(UnsupportedError) as err:
+        flashinfer_executor().apply(spec, table)
+    assert err.value.field == "groups"
