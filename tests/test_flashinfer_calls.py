@@ -58,12 +58,14 @@ from flashplan.executor.gathers import gather_jobs, pages_region
 from flashplan.kernels.custom_mask import build_custom_mask_torch
 from flashplan.kernels.runs import fill_runs_torch
 from flashplan.planning import GroupPlan, KernelPath
-from flashplan.planning.masks import TreeMask, unpack_request
+from flashplan.planning.masks import PositionMask, TreeMask, unpack_request
 from flashplan.testing import (
+    LOCAL_GROUP_KINDS,
     attention_groups,
     decode_layouts,
     extend_layouts,
     head_configs,
+    layouts,
     multi_item_layouts,
     verify_layouts,
 )
@@ -228,7 +230,7 @@ def _check_paged_arrays(
     part = gp.paged
     assert part is not None
     start, num = inputs.spans[gc.group_index]
-    masked = part.mask is not None
+    masked = part.mask is not None or part.position_mask is not None
     empty = part.kv_lens == 0
     if masked:
         # Empty spans get one unread page and last_page_len 0 (see call_inputs).
@@ -239,7 +241,21 @@ def _check_paged_arrays(
         np.testing.assert_array_equal(start, part.start_page)
     page_indptr = inputs.host[f"g{gc.group_index}.page_indptr"]
     assert page_indptr[0] == 0
-    np.testing.assert_array_equal(np.diff(page_indptr), num)
+    # the gather reads each request's span; a group over virtual requests plans its
+    # kernel over their spans, which run end to end over those pages
+    call = part.call_spans
+    rows = call.kv_lens.shape[0]
+    if gp.virtual is None:
+        np.testing.assert_array_equal(np.diff(page_indptr), num)
+    else:
+        assert not masked and rows == gp.virtual.request.shape[0]
+        np.testing.assert_array_equal(page_indptr, call.pages.indptr)
+        assert int(page_indptr[-1]) <= int(num.sum())
+        # each virtual request's pages lie inside its request's gathered pages
+        gathered = np.concatenate([[0], np.cumsum(num)])
+        request = gp.virtual.request
+        assert (page_indptr[:-1] >= gathered[request]).all()
+        assert (page_indptr[1:] <= gathered[request + 1]).all()
 
     indptr_name, last_name = (
         ("indptr", "last_page_len")
@@ -247,12 +263,12 @@ def _check_paged_arrays(
         else ("paged_kv_indptr", "paged_kv_last_page_len")
     )
     np.testing.assert_array_equal(kw[indptr_name], page_indptr)
-    np.testing.assert_array_equal(kw[last_name], part.last_page_len)
-    assert kw[indptr_name].shape == (pspec.batch_size + 1,)
-    assert kw[last_name].shape == (pspec.batch_size,)
+    np.testing.assert_array_equal(kw[last_name], call.last_page_len)
+    assert kw[indptr_name].shape == (rows + 1,)
+    assert kw[last_name].shape == (rows,)
     assert kw["page_size"] == pspec.page_size
     # flashinfer's own kv lengths: no phantom keys for empty segments, nothing dropped.
-    np.testing.assert_array_equal(_flashinfer_kv_lens(kw, indptr_name, last_name), part.kv_lens)
+    np.testing.assert_array_equal(_flashinfer_kv_lens(kw, indptr_name, last_name), call.kv_lens)
 
 
 def _flashinfer_mask_offsets(kw: dict[str, Any]) -> np.ndarray:
@@ -274,9 +290,13 @@ def _mask_buffer(index: int, gp: GroupPlan, kw: dict[str, Any], inputs: CallInpu
     torch twin), into a buffer pre-filled with garbage as ``torch.empty`` would be.
     """
     part = gp.paged
-    assert part is not None and part.mask is not None
+    assert part is not None
+    if part.position_mask is not None:
+        return _position_mask_buffer(index, part.position_mask, kw, inputs)
+    assert part.mask is not None
     assert kw["packed_custom_mask"] == BuiltMask(index)
     recipe = inputs.masks[index]
+    assert not recipe.position
     bs = gp.num_keys.shape[0]
     arrays = {
         name: inputs.host[f"g{index}.mask.{name}"]
@@ -325,12 +345,45 @@ def _mask_buffer(index: int, gp: GroupPlan, kw: dict[str, Any], inputs: CallInpu
     return buf.numpy()
 
 
+def _position_mask_buffer(
+    index: int, mask: PositionMask, kw: dict[str, Any], inputs: CallInputs
+) -> np.ndarray:
+    """:func:`_mask_buffer` of a position mask: its staged arrays (row and column
+    positions, the rule) are the mask's own, and the torch twin builds from them."""
+    assert kw["packed_custom_mask"] == BuiltMask(index)
+    recipe = inputs.masks[index]
+    assert recipe.position and recipe.num_tokens == 0
+    g = f"g{index}.mask."
+    host = inputs.host
+    for name in ("row_position", "col_position", "qo_lens", "kv_lens", "rule", "indptr"):
+        assert host[g + name].dtype == np.int32, name  # the int32 staging buffer
+    assert g + "first_visible" not in host and g + "tail_words" not in host
+    np.testing.assert_array_equal(host[g + "row_position"], mask.row_position)
+    np.testing.assert_array_equal(host[g + "col_position"], mask.col_position)
+    np.testing.assert_array_equal(host[g + "qo_lens"], mask.qo_lens)
+    np.testing.assert_array_equal(host[g + "kv_lens"], mask.kv_lens)
+    rule = [int(mask.causal), mask.window_left, mask.window_right, mask.chunk]
+    assert host[g + "rule"].tolist() == [min(v, 2**31 - 1) for v in rule]
+    offsets = host[g + "indptr"]
+    np.testing.assert_array_equal(offsets, _flashinfer_mask_offsets(kw))
+    n_bytes = (mask.qo_lens.astype(np.int64) * mask.kv_lens + 7) // 8
+    assert recipe.max_bytes == (int(n_bytes.max()) if n_bytes.size else 0)
+    buf = torch.full((recipe.total_bytes,), 0xA5, dtype=torch.uint8)
+    build_custom_mask_torch(
+        _t(host[g + "row_position"]), _t(host[g + "qo_lens"]), _t(host[g + "kv_lens"]),
+        _t(offsets[:-1]), buf, position=(_t(host[g + "col_position"]), _t(host[g + "rule"])),
+    )  # fmt: skip
+    return buf.numpy()
+
+
 def _check_mask_layout(
     pspec: PlanSpec, index: int, gp: GroupPlan, kw: dict[str, Any], inputs: CallInputs
 ) -> None:
     """Read every request's mask bits where flashinfer 0.7.4's kernel reads them."""
     part = gp.paged
-    assert part is not None and part.mask is not None
+    assert part is not None
+    mask = part.mask if part.mask is not None else part.position_mask
+    assert mask is not None
     buf = _mask_buffer(index, gp, kw, inputs)
     offsets = _flashinfer_mask_offsets(kw)
     assert offsets.shape == (pspec.batch_size + 1,)
@@ -358,7 +411,7 @@ def _check_mask_layout(
             f"request {i}: kernel reads byte {int(byte[-1])} of a {buf.shape[0]}-byte mask"
         )
         bits = ((buf[byte] >> (e % 8).astype(np.uint8)) & 1).astype(bool).reshape(q, kv)
-        want = unpack_request(part.mask.packed, part.mask.indptr, i, q, kv)
+        want = unpack_request(mask.packed, mask.indptr, i, q, kv)
         np.testing.assert_array_equal(
             bits, want, err_msg=f"request {i} (qo_len={q}, kv_len={kv}): mask bits misplaced"
         )
@@ -375,6 +428,11 @@ def check_translation(
     for index, (gc, gp) in enumerate(zip(calls, spec.group_plans, strict=True)):
         group = gp.group
         assert gc.group_index == index
+        # a group split into virtual requests plans its kernels over their rows
+        qo_indptr = spec.qo_indptr if gp.virtual is None else gp.virtual.queries.indptr
+        if gp.virtual is not None:
+            assert qo_indptr[-1] == spec.qo_indptr[-1]  # the same rows of q, split finer
+            assert set(spec.qo_indptr.tolist()) <= set(qo_indptr.tolist())
         assert gc.path is gp.path
         has_paged = gp.path is not KernelPath.RAGGED
         has_ragged = gp.path in (KernelPath.RAGGED, KernelPath.RAGGED_PAGED)
@@ -421,11 +479,12 @@ def check_translation(
                     heads, policy, masked=masked or gp.items is not None, sm90=sm90
                 )
                 assert kw["head_dim_qk"] == heads.head_dim
-                np.testing.assert_array_equal(kw["qo_indptr"], spec.qo_indptr)
+                np.testing.assert_array_equal(kw["qo_indptr"], qo_indptr)
                 # The prefix part of ragged+paged is non-causal; a paged-only call is
                 # causal exactly when the group is (cross groups: never).
                 # A verify tree's mask carries causality itself.
-                tree = isinstance(gp.paged.mask, TreeMask)
+                # So does a position mask (a bidirectional window or a chunk inside pages).
+                tree = isinstance(gp.paged.mask, TreeMask) or gp.paged.position_mask is not None
                 want_causal = False if gp.path is KernelPath.RAGGED_PAGED or tree else group.causal
                 assert kw["causal"] is want_causal
                 assert gp.paged.causal is want_causal
@@ -437,7 +496,8 @@ def check_translation(
             _check_items(spec, gp, call, kw)
             assert kw.get("disable_split_kv", False) is policy.deterministic
             if gp.path is not KernelPath.DECODE:
-                _check_replan_inputs(spec, index, kw, inputs, masked)
+                qo = "qo" if gp.virtual is None else f"g{index}.qo"
+                _check_replan_inputs(spec, index, kw, inputs, masked, qo)
 
         if gc.ragged is not None:
             call = gc.ragged
@@ -453,9 +513,9 @@ def check_translation(
             assert kw["causal"] is group.causal
             assert gp.ragged.causal is group.causal
             assert "packed_custom_mask" not in kw and "page_size" not in kw
-            np.testing.assert_array_equal(kw["qo_indptr"], spec.qo_indptr)
+            np.testing.assert_array_equal(kw["qo_indptr"], qo_indptr)
             np.testing.assert_array_equal(kw["kv_indptr"], gp.ragged.kv_indptr)
-            np.testing.assert_array_equal(kw["kv_indptr"], spec.qo_indptr)
+            np.testing.assert_array_equal(kw["kv_indptr"], qo_indptr)
             assert kw.get("disable_split_kv", False) is policy.deterministic
 
     # Every host array the calls name is in the inputs, and the inputs hold nothing else
@@ -504,17 +564,18 @@ def check_translation(
 
 
 def _check_replan_inputs(
-    spec: PlanSpec, index: int, kw: dict[str, Any], inputs: CallInputs, masked: bool
+    spec: PlanSpec, index: int, kw: dict[str, Any], inputs: CallInputs, masked: bool, qo: str
 ) -> None:
     """What FlashInfer's prefill plan() derives on the host from the call's own arrays —
     its KV lengths, the longest query and KV, a mask's indptr — equals what flashplan
-    stages for re-planning without it (fast_prefill)."""
+    stages for re-planning without it (fast_prefill). ``qo``: the prefix of the call's
+    query integers (``"qo"``, or a virtual group's ``"g<i>.qo"``)."""
     fi_kv = _flashinfer_kv_lens(kw, "paged_kv_indptr", "paged_kv_last_page_len")
     np.testing.assert_array_equal(inputs.host[f"g{index}.kv_lens"], fi_kv)
     assert inputs.ints[f"g{index}.max_kv_len"] == (int(fi_kv.max()) if fi_kv.size else 0)
-    assert inputs.ints["qo.total"] == int(kw["qo_indptr"][-1])
+    assert inputs.ints[qo + ".total"] == int(kw["qo_indptr"][-1])
     qo_lens = np.diff(kw["qo_indptr"])
-    assert inputs.ints["qo.max_len"] == (int(qo_lens.max()) if qo_lens.size else 0)
+    assert inputs.ints[qo + ".max_len"] == (int(qo_lens.max()) if qo_lens.size else 0)
     if masked:
         want = _compute_page_mask_indptr(
             _t(kw["qo_indptr"]), _t(kw["paged_kv_indptr"]), _t(kw["paged_kv_last_page_len"]),
@@ -697,6 +758,43 @@ def test_ragged_paged_masks_land_where_flashinfer_reads(
 ) -> None:
     assume(policy.prefill_backend != "fa3" or _fa3_capable(heads))
     spec = fp.plan(layout, heads, extend_path="ragged")
+    check_translation(spec, policy, sm90=sm90)
+
+
+@st.composite
+def local_group_layouts(draw: st.DrawFn) -> BatchLayout:
+    """Decode, extend and verify layouts with a chunked or bidirectional-window group
+    (position masks where a chunk starts inside a page or a window has a right bound;
+    virtual requests where a chunked extend crosses a chunk boundary), sinks anywhere."""
+    local = draw(attention_groups(kinds=LOCAL_GROUP_KINDS, max_window=12, sinks=True))
+    other = draw(attention_groups(kinds=("full", "sliding"), max_window=12, sinks=True))
+    groups = list(dict.fromkeys([local, other]))
+    if draw(st.booleans()) and local.causal:  # a verify (chunk boundaries inside trees)
+        return draw(verify_layouts(max_batch=4, max_len=40, long_len=80, groups=groups))
+    return draw(
+        layouts(max_batch=6, max_len=40, long_len=120, groups=groups, page_sizes=PAGE_SIZES)
+    )
+
+
+@settings(max_examples=60)
+@given(
+    layout=local_group_layouts(),
+    heads=head_configs(head_dims=(64, 128)),
+    extend_path=st.sampled_from(PATHS),
+    policy=policies,
+    sm90=st.booleans(),
+)
+def test_local_groups_translate_and_masks_land_where_flashinfer_reads(
+    layout: BatchLayout, heads: HeadConfig, extend_path: str, policy: ExecutorPolicy, sm90: bool
+) -> None:
+    """Position masks are built on the device from their staged rows, columns and rule,
+    and land where FlashInfer reads them; virtual requests plan over their own rows."""
+    assume(policy.prefill_backend != "fa3" or _fa3_capable(heads))
+    try:
+        spec = fp.plan(layout, heads, extend_path=extend_path)
+    except fp.LayoutError as err:  # a verify or a position-masked group on the ragged path
+        assert extend_path == "ragged" and err.field == "extend_path"
+        return
     check_translation(spec, policy, sm90=sm90)
 
 

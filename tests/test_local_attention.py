@@ -331,33 +331,30 @@ def test_sinks_change_the_output_by_the_oracles_amount() -> None:
     assert err.value.field == "sinks"
 
 
-def test_flashinfer_executor_refuses_what_it_does_not_run() -> None:
-    """Position masks (any executor mode) and virtual requests in a CUDA-graph bucket:
-    refused by name, on any machine (the check is pure)."""
+def test_flashinfer_executor_refuses_virtual_requests_in_graphs_only() -> None:
+    """A chunked extend across a chunk boundary (virtual requests) in a CUDA-graph
+    bucket is refused by name, on any machine (the check is pure); eagerly, and every
+    position mask (bidirectional windows, chunks inside pages) in either mode, runs."""
     from flashplan.executor.flashinfer.calls import check_runnable
 
     heads = HEADS
     chunked = fp.AttentionGroup.chunked(8)
     split = fp.plan(fp.BatchLayout.extend([20], [3], page_size=4, groups=[chunked]), heads)
+    assert split.group_plan(chunked).virtual is not None
+    with pytest.raises(UnsupportedError) as err:
+        check_runnable(split, graph=True)
+    assert err.value.field == "groups" and chunked.describe() in str(err.value)
+    check_runnable(split)
     band = fp.AttentionGroup.bidirectional(window_left=3, window_right=2)
     masked = fp.plan(fp.BatchLayout.extend([9], [0], page_size=4, groups=[band]), heads)
     inside = fp.AttentionGroup.chunked(6)  # chunks that start inside 4-token pages
     inside_decode = fp.plan(fp.BatchLayout.decode([20], page_size=4, groups=[inside]), heads)
-    for spec, group, graph in (
-        (split, chunked, True),
-        (masked, band, False),
-        (masked, band, True),
-        (inside_decode, inside, False),
-    ):
-        with pytest.raises(UnsupportedError) as err:
-            check_runnable(spec, graph=graph)
-        assert err.value.field == "groups" and group.describe() in str(err.value)
-    with pytest.raises(UnsupportedError):  # eager virtual requests: opt-in for now
-        check_runnable(split)
-    check_runnable(split, virtual=True)
-    with pytest.raises(UnsupportedError):  # never in a graph bucket
-        check_runnable(split, graph=True, virtual=True)
-    # the same groups where they plan as plain kernel calls: accepted, graphs included
+    for spec in (masked, inside_decode):
+        assert any(
+            gp.paged is not None and gp.paged.position_mask is not None for gp in spec.group_plans
+        )
+        check_runnable(spec)
+        check_runnable(spec, graph=True)
     decode = fp.plan(fp.BatchLayout.decode([20, 3], page_size=4, groups=[chunked]), heads)
     check_runnable(decode, graph=True)
     sink = fp.AttentionGroup.sliding(7, sinks=True)

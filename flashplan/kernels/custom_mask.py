@@ -1,6 +1,6 @@
 """Packed custom masks built on the device, in FlashInfer's layout.
 
-Two shapes (:mod:`flashplan.planning.masks`), one kernel:
+Three shapes (:mod:`flashplan.planning.masks`), one kernel:
 
 * a *threshold* mask — row ``j`` of request ``i`` sees columns
   ``c >= clamp(first_visible[i] + j, 0, kv_len)`` (a sliding window seen through a
@@ -9,7 +9,15 @@ Two shapes (:mod:`flashplan.planning.masks`), one kernel:
   ``c >= clamp(first_visible[i] + row_offsets[i, t], 0, kv_len)`` and draft column
   ``tail_start[i] + a`` when bit ``a`` of row ``t``'s ``tail_words`` is set (a
   speculative verify tree; each row's ``N`` bits packed little-endian into
-  ``ceil(N / 8)`` bytes, as :attr:`~flashplan.planning.masks.TreeMask.tail_words`).
+  ``ceil(N / 8)`` bytes, as :attr:`~flashplan.planning.masks.TreeMask.tail_words`);
+* a *position* mask — row ``j`` is the query at position ``p = row_position[i] + j``,
+  column ``c`` the key at ``k = col_position[i] + c``, and the query sees the key when
+  the group's rule holds: ``k <= p`` (causal), ``p - k <= window_left``, ``k - p <=
+  window_right`` and ``k // chunk == p // chunk`` (each bound only when set; a
+  bidirectional window, or chunked attention whose chunks start inside pages:
+  :class:`~flashplan.planning.masks.PositionMask`). The rule is four int32 —
+  ``(causal, window_left, window_right, chunk)``, -1 / 0 for "none" — read from the
+  device, so one compiled kernel serves every group.
 
 Bits are packed little-endian (element ``e`` is bit ``e % 8`` of byte ``e // 8``),
 request ``i``'s bytes starting at byte ``byte_offsets[i]`` of ``out``. The host only
@@ -26,9 +34,13 @@ from flashplan.errors import FlashplanError
 from flashplan.kernels._triton import HAS_TRITON, device_guard, runs_on_triton, tl, triton
 from flashplan.torch_kernels import tensor_values
 
-__all__ = ["build_custom_mask", "build_custom_mask_torch"]
+__all__ = ["MASK_POSITION", "MASK_THRESHOLD", "MASK_TREE", "build_custom_mask",
+           "build_custom_mask_torch"]  # fmt: skip
 
 _BLOCK = 2048
+
+#: The kernel's ``KIND`` (a compile-time constant): which of the three masks it builds.
+MASK_THRESHOLD, MASK_TREE, MASK_POSITION = 0, 1, 2
 
 if HAS_TRITON:
 
@@ -78,14 +90,21 @@ if HAS_TRITON:
         tail,
         row_offsets_ptr,
         tail_words_ptr,
-        TREE: tl.constexpr,
+        causal,
+        window_left,
+        window_right,
+        chunk,
+        KIND: tl.constexpr,
         WIDE: tl.constexpr,
     ):
         """The 8 mask bits of the bytes starting at elements ``e0`` (row ``row0``,
         column ``col0``), packed little-endian, one bit at a time. ``WIDE``: rows of at
         least 8 columns, so a byte crosses at most one row end (a compare, not a
         division, per bit). Threshold: int32 (``first``, ``kv`` int32); tree: rows and
-        columns in int64 (``first``, ``kv``, ``tail`` int64) for the table indices."""
+        columns in int64 (``first``, ``kv``, ``tail`` int64) for the table indices;
+        position: int32 (``first`` the row position, ``tail`` the column position, and
+        the rule ``causal`` .. ``chunk``; a query and a key position differ by less than
+        2**31, so their difference is int32 and no bound is added to a position)."""
         byte = (e0 * 0).to(tl.int32)
         for bit in tl.static_range(8):  # no tl.sum: it is a jit helper, not a builtin
             inside = e0 + bit < n_elem
@@ -94,7 +113,7 @@ if HAS_TRITON:
                 wrap = (c >= kv32).to(tl.int32)
             else:
                 wrap = c // kv32
-            if TREE:
+            if KIND == 1:  # tree
                 row = (row0 + wrap).to(tl.int64)
                 col = (c - wrap * kv32).to(tl.int64)
                 shift = tl.load(row_offsets_ptr + i * N + row, mask=inside, other=0).to(tl.int64)
@@ -108,6 +127,15 @@ if HAS_TRITON:
                 ).to(tl.int32)
                 draft = (word >> (a & 7).to(tl.int32)) & 1
                 seen = inside & (in_prefix | (draft != 0))
+            elif KIND == 2:  # position
+                p = first + row0 + wrap  # the query's position
+                k = tail + c - wrap * kv32  # the key's position
+                d = p - k
+                seen = inside & ((causal == 0) | (d >= 0))
+                seen = seen & ((window_left < 0) | (d <= window_left))
+                seen = seen & ((window_right < 0) | (d >= -window_right))
+                step = tl.maximum(chunk, 1)
+                seen = seen & ((chunk <= 0) | (p // step == k // step))
             else:
                 row = row0 + wrap
                 col = c - wrap * kv32
@@ -129,7 +157,7 @@ if HAS_TRITON:
         tail_start_ptr,
         tail_words_ptr,
         N,
-        TREE: tl.constexpr,
+        KIND: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         """Bytes ``[blk * BLOCK, (blk + 1) * BLOCK)`` of request ``i``'s mask (one
@@ -138,7 +166,9 @@ if HAS_TRITON:
         A request has fewer than 2**31 - 8 elements (checked on the host), so element
         indices fit int32: one int32 division per byte. Threshold masks are int32
         throughout; rows of 8+ columns take the closed form (_threshold_byte_wide),
-        narrower rows and tree masks the per-bit loop (_mask_byte)."""
+        narrower rows, tree and position masks the per-bit loop (_mask_byte). A position
+        mask reads ``first_visible_ptr`` as row positions, ``tail_start_ptr`` as column
+        positions and its rule (four int32) at ``row_offsets_ptr``."""
         q32 = tl.load(qo_lens_ptr + i).to(tl.int32)
         kv32 = tl.load(kv_lens_ptr + i).to(tl.int32)
         n_elem = q32 * kv32
@@ -150,10 +180,22 @@ if HAS_TRITON:
             e0 = tl.where(valid, b, 0) * 8
             dst = out_ptr + tl.load(byte_offsets_ptr + i).to(tl.int64)
             first_raw = tl.load(first_visible_ptr + i)
-            if TREE:
+            causal = 0
+            window_left = -1
+            window_right = -1
+            chunk = 0
+            if KIND == 1:  # tree
                 first = first_raw.to(tl.int64)
                 kv = kv32.to(tl.int64)
                 tail = tl.load(tail_start_ptr + i).to(tl.int64)
+            elif KIND == 2:  # position: row and column positions, the rule
+                first = first_raw.to(tl.int32)
+                kv = kv32
+                tail = tl.load(tail_start_ptr + i).to(tl.int32)
+                causal = tl.load(row_offsets_ptr).to(tl.int32)
+                window_left = tl.load(row_offsets_ptr + 1).to(tl.int32)
+                window_right = tl.load(row_offsets_ptr + 2).to(tl.int32)
+                chunk = tl.load(row_offsets_ptr + 3).to(tl.int32)
             else:
                 # Clamped to [-q, kv]: the thresholds of rows 0..q are unchanged and
                 # first + row stays int32 whatever the input dtype (q + kv <= q*kv + 1).
@@ -161,19 +203,21 @@ if HAS_TRITON:
                 kv = kv32
                 tail = 0
             if kv32 >= 8:
-                if TREE:
+                if KIND == 0:
+                    byte = _threshold_byte_wide(e0, kv32, n_elem, first)
+                else:
                     row0 = e0 // kv_safe
                     byte = _mask_byte(
                         e0, row0, e0 - row0 * kv_safe, kv_safe, n_elem, first, kv, i, N,
-                        tail, row_offsets_ptr, tail_words_ptr, TREE=True, WIDE=True,
+                        tail, row_offsets_ptr, tail_words_ptr, causal, window_left,
+                        window_right, chunk, KIND=KIND, WIDE=True,
                     )  # fmt: skip
-                else:
-                    byte = _threshold_byte_wide(e0, kv32, n_elem, first)
             else:
                 row0 = e0 // kv_safe
                 byte = _mask_byte(
                     e0, row0, e0 - row0 * kv_safe, kv_safe, n_elem, first, kv, i, N, tail,
-                    row_offsets_ptr, tail_words_ptr, TREE=TREE, WIDE=False,
+                    row_offsets_ptr, tail_words_ptr, causal, window_left, window_right, chunk,
+                    KIND=KIND, WIDE=False,
                 )  # fmt: skip
             tl.store(dst + b, byte.to(tl.uint8), mask=valid)
 
@@ -188,14 +232,14 @@ if HAS_TRITON:
         tail_start_ptr,
         tail_words_ptr,
         N,
-        TREE: tl.constexpr,
+        KIND: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         # Grid (bs, byte blocks): one program writes BLOCK bytes of one request.
         mask_block(
             tl.program_id(0), tl.program_id(1), first_visible_ptr, qo_lens_ptr, kv_lens_ptr,
             byte_offsets_ptr, out_ptr, row_offsets_ptr, tail_start_ptr, tail_words_ptr, N,
-            TREE=TREE, BLOCK=BLOCK,
+            KIND=KIND, BLOCK=BLOCK,
         )  # fmt: skip
 
 
@@ -203,6 +247,7 @@ def _check(
     arrays: dict[str, torch.Tensor],
     out: torch.Tensor,
     tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    position: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> int:
     bs = arrays["qo_lens"].shape[0]
     for name, t in arrays.items():
@@ -247,6 +292,22 @@ def _check(
                 batch=bs,
                 shape=tuple(tail_start.shape),
             )
+    if position is not None:
+        if tree is not None:
+            raise FlashplanError("position", "a mask is a tree or a position mask, not both")
+        col_position, rule = position
+        for name, t, size in (("col_position", col_position, bs), ("rule", rule, 4)):
+            if (
+                t.dtype not in (torch.int32, torch.int64)
+                or t.shape != (size,)
+                or t.device != out.device
+            ):
+                raise FlashplanError(
+                    name,
+                    f"expected an int32/int64 [{size}] tensor on the device of out",
+                    **tensor_values(t),
+                    out_device=str(out.device),
+                )
     return bs
 
 
@@ -260,11 +321,13 @@ def build_custom_mask(
     *,
     tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     num_tokens: int = 0,
+    position: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Write the packed custom mask of every request into ``out`` (Triton); no sync.
 
     Args:
-        first_visible: int32/int64 ``[bs]`` (columns) the threshold base.
+        first_visible: int32/int64 ``[bs]`` (columns) the threshold base; for a
+            position mask, (positions) the query position of each request's row 0.
         qo_lens, kv_lens: int32 ``[bs]`` (tokens) rows and columns per request.
         byte_offsets: int32/int64 ``[bs]`` (bytes) where request i's bytes start in ``out``.
         out: uint8 ``[>= max(byte_offsets + ceil(qo*kv/8))]`` on the same device.
@@ -275,6 +338,11 @@ def build_custom_mask(
             [bs * N * ceil(N / 8)])`` (int32, int32, uint8: each row's ``N`` draft bits
             packed little-endian), row-major per request.
         num_tokens: ``N`` of a tree mask.
+        position: for a position mask, ``(col_position, rule)``: int32/int64 ``[bs]``
+            (positions) the key position of each request's column 0, and int32/int64
+            ``[4]`` the rule ``(causal, window_left, window_right, chunk)`` (0/1, then
+            -1 or a bound in tokens, then 0 or a chunk size in tokens). Positions and
+            bounds must fit int32.
 
     Bytes outside the requests' ranges are left untouched. On CPU tensors the kernel
     runs under Triton's interpreter when enabled, else the torch twin runs.
@@ -285,17 +353,25 @@ def build_custom_mask(
         "kv_lens": kv_lens,
         "byte_offsets": byte_offsets,
     }
-    bs = _check(arrays, out, tree)
+    bs = _check(arrays, out, tree, position)
     if bs == 0 or max_bytes <= 0:
         return
     if not runs_on_triton(out.device, "build_custom_mask_torch"):
         build_custom_mask_torch(
-            first_visible, qo_lens, kv_lens, byte_offsets, out, tree=tree, num_tokens=num_tokens
-        )
+            first_visible, qo_lens, kv_lens, byte_offsets, out, tree=tree,
+            num_tokens=num_tokens, position=position,
+        )  # fmt: skip
         return
     grid = (bs, triton.cdiv(max_bytes, _BLOCK))
-    dummy = out if tree is None else None
-    row_offsets, tail_start, tail_words = tree if tree is not None else (dummy, dummy, dummy)
+    if tree is not None:
+        kind = MASK_TREE
+        row_offsets, tail_start, tail_words = tree
+    elif position is not None:  # the rule where a tree's row offsets go
+        kind = MASK_POSITION
+        row_offsets, tail_start, tail_words = position[1], position[0], out
+    else:
+        kind = MASK_THRESHOLD
+        row_offsets, tail_start, tail_words = out, out, out
     with device_guard(out.device):
         _custom_mask_kernel[grid](
             first_visible,
@@ -307,7 +383,7 @@ def build_custom_mask(
             tail_start,
             tail_words,
             num_tokens,
-            TREE=tree is not None,
+            KIND=kind,
             BLOCK=_BLOCK,
         )
 
@@ -321,6 +397,7 @@ def build_custom_mask_torch(
     *,
     tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     num_tokens: int = 0,
+    position: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Same contract as :func:`build_custom_mask`, in plain vectorized torch.
 
@@ -333,7 +410,7 @@ def build_custom_mask_torch(
         "kv_lens": kv_lens,
         "byte_offsets": byte_offsets,
     }
-    _check(arrays, out, tree)
+    _check(arrays, out, tree, position)
     q = qo_lens.long()
     kv = kv_lens.long()
     n_bytes = (q * kv + 7) // 8
@@ -350,7 +427,20 @@ def build_custom_mask_torch(
     col = e - row * kv_r
     inside = e < (q * kv)[req][:, None]
     first = first_visible.long()[req][:, None]
-    if tree is None:
+    if position is not None:
+        causal, window_left, window_right, chunk = (int(v) for v in position[1].tolist())
+        p = first + row  # the query's position
+        k = position[0].long()[req][:, None] + col  # the key's position
+        seen = inside
+        if causal:
+            seen = seen & (k <= p)
+        if window_left >= 0:
+            seen = seen & (p - k <= window_left)
+        if window_right >= 0:
+            seen = seen & (k - p <= window_right)
+        if chunk > 0:
+            seen = seen & (p // chunk == k // chunk)
+    elif tree is None:
         thr = torch.minimum((first + row).clamp(min=0), kv_r)
         seen = (col >= thr) & inside
     else:

@@ -22,7 +22,13 @@ import torch
 
 from flashplan.arrays import INT32_MAX
 from flashplan.kernels._triton import HAS_TRITON, device_guard, runs_on_triton, tl, triton
-from flashplan.kernels.custom_mask import build_custom_mask, build_custom_mask_torch
+from flashplan.kernels.custom_mask import (
+    MASK_POSITION,
+    MASK_THRESHOLD,
+    MASK_TREE,
+    build_custom_mask,
+    build_custom_mask_torch,
+)
 from flashplan.kernels.gather import gather_slots_torch
 
 if TYPE_CHECKING:
@@ -51,13 +57,16 @@ class StagedMask(NamedTuple):
     Attributes:
         staged: int32 1-D tensor holding the arrays.
         first_visible, qo_lens, kv_lens, byte_offsets: offsets of the int32 ``[bs]``
-            threshold base (columns), rows, columns (tokens) and output byte offsets.
+            threshold base (columns; a position mask's row positions), rows, columns
+            (tokens) and output byte offsets.
         row_offsets, tail_start, tail_words: offsets of a tree mask's arrays (ignored
-            when ``num_tokens`` is 0).
+            for a threshold mask); a position mask's rule (four int32) is at
+            ``row_offsets`` and its column positions (int32 ``[bs]``) at ``tail_start``.
         batch_size: requests.
-        num_tokens: ``N`` of a tree mask, 0 for a threshold mask.
+        num_tokens: ``N`` of a tree mask, 0 otherwise.
         max_bytes: the largest ``ceil(qo_len * kv_len / 8)`` (sizes the grid).
         out: uint8 1-D output tensor (bytes outside the requests' ranges untouched).
+        position: a position mask (:data:`~flashplan.kernels.custom_mask.MASK_POSITION`).
     """
 
     staged: torch.Tensor
@@ -72,6 +81,14 @@ class StagedMask(NamedTuple):
     num_tokens: int
     max_bytes: int
     out: torch.Tensor
+    position: bool = False
+
+    @property
+    def kind(self) -> int:
+        """The mask kernel's ``KIND``: threshold, tree or position."""
+        if self.position:
+            return MASK_POSITION
+        return MASK_TREE if self.num_tokens else MASK_THRESHOLD
 
     def view(self, offset: int, size: int) -> torch.Tensor:
         """``size`` int32 entries of ``staged`` from ``offset``."""
@@ -81,8 +98,10 @@ class StagedMask(NamedTuple):
         """Build the mask alone: :func:`~flashplan.kernels.build_custom_mask` (its own
         launch) on views of ``staged``, or its torch twin with ``twin``."""
         bs, n = self.batch_size, self.num_tokens
-        tree = None
-        if n:
+        tree = position = None
+        if self.position:
+            position = (self.view(self.tail_start, bs), self.view(self.row_offsets, 4))
+        elif n:
             start = 4 * self.tail_words  # bytes: four to an int32 entry
             tree = (
                 self.view(self.row_offsets, bs * n),
@@ -97,9 +116,9 @@ class StagedMask(NamedTuple):
             self.out,
         )
         if twin:
-            build_custom_mask_torch(*arrays, tree=tree, num_tokens=n)
+            build_custom_mask_torch(*arrays, tree=tree, num_tokens=n, position=position)
         else:
-            build_custom_mask(*arrays, self.max_bytes, tree=tree, num_tokens=n)
+            build_custom_mask(*arrays, self.max_bytes, tree=tree, num_tokens=n, position=position)
 
 
 if HAS_TRITON:
@@ -146,7 +165,7 @@ if HAS_TRITON:
         HAS_MAP: tl.constexpr,
         HAS_STATUS: tl.constexpr,
         HAS_MASK: tl.constexpr,
-        TREE: tl.constexpr,
+        KIND: tl.constexpr,
         GATHER_BLOCK: tl.constexpr,
         MASK_BLOCK: tl.constexpr,
     ):
@@ -165,7 +184,7 @@ if HAS_TRITON:
             mask_block(
                 i, m - i * mask_blocks, staged_ptr + fv_off, staged_ptr + qo_off,
                 staged_ptr + kv_off, staged_ptr + bo_off, mask_out_ptr, staged_ptr + ro_off,
-                staged_ptr + ts_off, staged_bytes + 4 * tb_off.to(tl.int64), N, TREE=TREE,
+                staged_ptr + ts_off, staged_bytes + 4 * tb_off.to(tl.int64), N, KIND=KIND,
                 BLOCK=MASK_BLOCK,
             )  # fmt: skip
 
@@ -374,14 +393,18 @@ def _kernel_arguments(
     int32). Absent optional tensors are stood in for by ``out_page`` (never read)."""
     num_jobs = jobs.shape[1]
     if mask is not None:
-        tree = mask.num_tokens > 0
-        tree_offsets = (mask.row_offsets, mask.tail_start, mask.tail_words) if tree else (0, 0, 0)
+        kind = mask.kind
+        more = (0, 0, 0)
+        if kind == MASK_TREE:
+            more = (mask.row_offsets, mask.tail_start, mask.tail_words)
+        elif kind == MASK_POSITION:  # the rule and the column positions
+            more = (mask.row_offsets, mask.tail_start, 0)
         offsets: tuple[int, ...] = (
-            mask.first_visible, mask.qo_lens, mask.kv_lens, mask.byte_offsets, *tree_offsets
+            mask.first_visible, mask.qo_lens, mask.kv_lens, mask.byte_offsets, *more
         )  # fmt: skip
         staged, mask_out, n = mask.staged, mask.out, mask.num_tokens
     else:
-        tree, offsets = False, (0,) * 7
+        kind, offsets = MASK_THRESHOLD, (0,) * 7
         staged, mask_out, n = jobs, out_page, 0
     map_len = page_map.shape[0] if page_map is not None else 0
     has_map, has_status, has_mask = page_map is not None, status is not None, mask is not None
@@ -390,10 +413,10 @@ def _kernel_arguments(
         pages, *strides, jobs, num_jobs, out_page, out_offset,
         page_map if page_map is not None else out_page, map_len, num_pages,
         status if status is not None else out_page, staged, *offsets,
-        mask_out, mask_blocks, n, has_map, has_status, has_mask, tree, _GATHER_BLOCK,
+        mask_out, mask_blocks, n, has_map, has_status, has_mask, kind, _GATHER_BLOCK,
         _MASK_BLOCK,
     )  # fmt: skip
-    key = (has_map, has_status, has_mask, tree, out_page.dtype, out_offset.dtype)
+    key = (has_map, has_status, has_mask, kind, out_page.dtype, out_offset.dtype)
     ints = (*strides, num_jobs, map_len, num_pages, *offsets, mask_blocks, n)
     return args, key, ints
 

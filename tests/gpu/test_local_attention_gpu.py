@@ -1,10 +1,12 @@
-"""Attention sinks and chunked local attention on real FlashInfer kernels vs the reference.
+"""Attention sinks, chunked local attention and bidirectional windows on real FlashInfer
+kernels vs the reference.
 
 A silently ignored sink fails here: each sink case also checks that the output moved
 from the sink-free output by the oracle's amount. Chunk boundaries are placed inside a
 prefill (virtual requests, paged and ragged paths), inside a verify tree, and at the
-decode step that starts a new chunk; page sizes 1 and 16, chunks that are multiples of
-the page size. Bidirectional windows (a position mask) are refused by name.
+decode step that starts a new chunk; page sizes 1 and 16. Chunks that are not a
+multiple of the page size and bidirectional windows run on one paged prefill with a
+position mask built on the device, eagerly and replayed from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -28,9 +30,7 @@ TOL_OUT, TOL_LSE = 1e-2, 5e-2
 
 
 def _executor() -> fp.Executor:
-    """A FlashInfer executor that runs virtual requests (this test verifies that path;
-    once it passes on the H200, ``ExecutorPolicy.virtual_requests`` defaults to on)."""
-    return flashinfer_executor(virtual_requests=True)
+    return flashinfer_executor()
 
 
 def _check(results: list[tuple[fp.AttentionGroup, float, float, float]]) -> None:
@@ -148,10 +148,84 @@ def test_graph_replay_of_sink_and_chunked_decode() -> None:
         assert rel_err(b[: len(seq)], want_b) <= TOL_OUT
 
 
-def test_position_masks_are_refused_by_name() -> None:
-    band = fp.AttentionGroup.bidirectional(window_left=8, window_right=8)
-    spec = fp.plan(fp.BatchLayout.extend([40], [0], page_size=16, groups=[band]), HEADS)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_bidirectional_windows_and_chunks_inside_pages_match_reference(page_size: int) -> None:
+    """Position masks: bidirectional windows (EmbeddingGemma-like, and one-sided
+    bounds of 0), and chunks that start inside pages (chunk 24 on 16-token pages), in
+    extends with and without prefixes and in decode steps."""
+    rng = np.random.default_rng(7 + page_size)
+    seq, prefix = _lengths(rng)
+    groups = [
+        fp.AttentionGroup.bidirectional(window_left=15, window_right=15),
+        fp.AttentionGroup.bidirectional(window_left=0, window_right=40, sinks=True),
+        fp.AttentionGroup.chunked(24),
+        fp.AttentionGroup.chunked(40, sinks=True),
+    ]
+    for mode in ("prefill", "prefix", "decode"):
+        if mode == "decode":
+            layout = fp.BatchLayout.decode(seq, page_size=page_size, groups=groups)
+        else:
+            p = np.zeros_like(seq) if mode == "prefill" else prefix
+            layout = fp.BatchLayout.extend(seq, p, page_size=page_size, groups=groups)
+        spec = fp.plan(layout, HEADS)
+        if page_size == 16:  # the masked groups really take the position-mask path
+            masked = [gp.paged.position_mask is not None for gp in spec.group_plans if gp.paged]
+            assert any(masked), mode
+        _check(run_both(layout, HEADS, _executor(), seed=page_size))
+
+
+def test_graph_replay_of_position_masked_decode() -> None:
+    """A decode bucket over a chunked group whose chunks start inside pages (chunk 24
+    on 16-token pages: a paged prefill with a position mask in the captured graph),
+    replayed over batches whose queries start new chunks mid-page: equals the
+    reference."""
+    from flashplan.executor.flashinfer import (
+        FlashInferExecutor,
+        GraphBucket,
+        GraphExecutor,
+        capture,
+    )
+
+    odd = fp.AttentionGroup.chunked(24, sinks=True)
+    groups = (odd, fp.AttentionGroup.full())
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    kv = torch.randn(4000, 2, 16, 4, 128, generator=gen, device=DEV).to(torch.bfloat16)
+    sinks = torch.randn(16, generator=gen, device=DEV) * 3
+    gx = GraphExecutor(FlashInferExecutor(), GraphBucket.decode(8, 64))
+    q_static = torch.zeros(8, 16, 128, device=DEV, dtype=torch.bfloat16)
+    first = fp.plan(fp.BatchLayout.decode([10, 20], page_size=16, groups=groups), HEADS)
+    assert first.group_plan(odd).paged.position_mask is not None  # type: ignore[union-attr]
+    gx.apply(first, fp.PageTable.sequential(first.pages_needed, device=DEV))
+
+    def forward() -> torch.Tensor:
+        return gx.run(odd, q_static, None, None, kv, sinks=sinks)
+
+    step = capture(gx, forward)
+    ref = fp.ReferenceExecutor()
+    for seq in ([25, 49, 24, 1000], [1, 2, 3, 4, 5, 6, 7, 8], [700, 73, 193]):
+        spec = fp.plan(fp.BatchLayout.decode(seq, page_size=16, groups=groups), HEADS)
+        table = fp.PageTable.shuffled(spec.pages_needed, seed=len(seq), device=DEV)
+        q = torch.randn(len(seq), 16, 128, generator=gen, device=DEV).to(torch.bfloat16)
+        q_static.zero_()
+        q_static[: len(seq)] = q
+        out = step.replay(spec, table)
+        ref.apply(spec, table)
+        want = ref.run(odd, q, None, None, kv, sinks=sinks)
+        torch.cuda.synchronize()
+        assert rel_err(out[: len(seq)], want) <= TOL_OUT
+
+
+def test_virtual_requests_are_refused_in_graph_buckets() -> None:
+    from flashplan.executor.flashinfer import FlashInferExecutor, GraphBucket, GraphExecutor
+
+    chunked = fp.AttentionGroup.chunked(16)
+    gx = GraphExecutor(FlashInferExecutor(), GraphBucket.extend(4, 16, 4))
+    spec = fp.plan(
+        fp.BatchLayout.extend([18, 40], [14, 36], page_size=16, groups=[chunked]),
+        HEADS, extend_path="paged",
+    )  # fmt: skip
+    assert spec.group_plan(chunked).virtual is not None  # request 0 crosses position 16
     table = fp.PageTable.sequential(spec.pages_needed, device=DEV)
     with pytest.raises(UnsupportedError) as err:
-        flashinfer_executor().apply(spec, table)
+        gx.apply(spec, table)
     assert err.value.field == "groups"

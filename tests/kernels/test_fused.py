@@ -35,7 +35,8 @@ def _device() -> torch.device:
 
 
 def _case(seed: int, num_jobs: int, bs: int, n: int, with_map: bool) -> dict[str, object]:
-    """Jobs over a small table and a mask (a tree when ``n``), staged end to end."""
+    """Jobs over a small table and a mask (a tree of ``n`` tokens when ``n > 0``, a
+    position mask when ``n < 0``, else a threshold mask), staged end to end."""
     rng = np.random.default_rng(seed)
     rows_t, max_pages, pool = 3, 7, 30
     pages = rng.integers(-1, pool + 2, (rows_t, max_pages)).astype(np.int32)
@@ -55,12 +56,15 @@ def _case(seed: int, num_jobs: int, bs: int, n: int, with_map: bool) -> dict[str
     page_map = np.where(rng.random(pool) < 0.2, -1, rng.permutation(pool)).astype(np.int32)
 
     kv = rng.integers(max(n, 1), max(n, 1) + 40, bs)
-    qo = np.full(bs, n) if n else rng.integers(0, 12, bs)
-    first_visible = rng.integers(-6, 30, bs)
+    qo = np.full(bs, n) if n > 0 else rng.integers(0, 12, bs)
+    first_visible = rng.integers(-6, 30, bs) if n >= 0 else rng.integers(0, 60, bs)
     n_bytes = (qo * kv + 7) // 8
     byte_offsets = np.cumsum(n_bytes + 2) - n_bytes  # gaps the launch must not touch
     arrays = [table.reshape(-1), first_visible, qo, kv, byte_offsets]
-    if n:
+    if n < 0:  # a position mask: its rule, then its column positions
+        rule = [rng.integers(0, 2), *rng.choice([-1, 0, 2, 9], 2), rng.choice([0, 4, 16])]
+        arrays += [np.array(rule), np.maximum(first_visible + rng.integers(-20, 5, bs), 0)]
+    elif n:
         row_offsets = rng.integers(0, 4, (bs, n)).reshape(-1)
         tail_start = kv - n
         bits = rng.random((bs, n, n)) < 0.5
@@ -105,8 +109,11 @@ def _run(
     max_bytes = case["max_bytes"]
     assert isinstance(max_bytes, int)
     if fused:
-        tree = (off[5], off[6], off[7]) if n else (0, 0, 0)
-        mask = StagedMask(staged, off[1], off[2], off[3], off[4], *tree, bs, n, max_bytes, mask_out)
+        more = (off[5], off[6], off[7]) if n > 0 else (off[5], off[6], 0) if n < 0 else (0, 0, 0)
+        mask = StagedMask(
+            staged, off[1], off[2], off[3], off[4], *more, bs, max(n, 0), max_bytes, mask_out,
+            n < 0,
+        )  # fmt: skip
         if twins:
             num_pages = case["num_pages"]
             assert isinstance(num_pages, int)
@@ -142,8 +149,12 @@ def _run(
         )  # fmt: skip
         v = [staged[off[k] : off[k + 1]] for k in range(len(off) - 1)]
         row_bytes = n * ((n + 7) // 8)
-        tree_args = (v[5], v[6], v[7].view(torch.uint8)[: bs * row_bytes]) if n and bs else None
-        build_custom_mask(v[1], v[2], v[3], v[4], mask_out, max_bytes, tree=tree_args, num_tokens=n)
+        tree_args = (v[5], v[6], v[7].view(torch.uint8)[: bs * row_bytes]) if n > 0 and bs else None
+        position = (v[6], v[5]) if n < 0 else None
+        build_custom_mask(
+            v[1], v[2], v[3], v[4], mask_out, max_bytes, tree=tree_args, num_tokens=max(n, 0),
+            position=position,
+        )  # fmt: skip
     return out_page.cpu(), out_offset.cpu(), mask_out.cpu(), status.cpu()
 
 
@@ -152,7 +163,7 @@ def _run(
     seed=st.integers(0, 2**31 - 1),
     num_jobs=st.integers(0, 6),
     bs=st.integers(0, 4),
-    n=st.sampled_from([0, 0, 1, 3, 9]),
+    n=st.sampled_from([0, 0, 1, 3, 9, -1, -1]),
     with_map=st.booleans(),
 )
 def test_fused_launch_equals_the_two_launches(
@@ -193,7 +204,7 @@ def test_torch_twins_path_matches() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("n", [0, 4])
+@pytest.mark.parametrize("n", [0, 4, -1])
 def test_direct_launches_equal_the_jit_launches(n: int) -> None:
     """After a variant's first launch, DirectLaunch calls the compiled launcher itself:
     batches of other sizes, offsets and grids give the same bytes."""
@@ -240,7 +251,7 @@ def test_direct_launches_call_the_launch_hooks() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("n", [0, 4, 9])
+@pytest.mark.parametrize("n", [0, 4, 9, -1])
 def test_bound_launches_equal_the_unbound_launches(n: int) -> None:
     """A launch bound once (BoundGatherAndMask: tensors, offsets and ints fixed, the
     batch's mask size given per call) writes what launch_gather_and_mask writes,

@@ -338,3 +338,117 @@ def test_tree_mask_kernel_matches_torch_twin(bs: int, n: int, prefix: int, seed:
     build_custom_mask_torch(*args, want, tree=tree, num_tokens=n)
     build_custom_mask(*args, got, int(n_bytes.max()) if bs else 0, tree=tree, num_tokens=n)
     assert torch.equal(got, want)
+
+
+# --------------------------------------------------------------------------- position masks
+@st.composite
+def position_cases(draw: st.DrawFn) -> dict[str, object]:
+    """Requests of 0..20 rows x 0..40 columns at any row and column positions (columns
+    before, around and after the rows), any rule: causal or not, left and right bounds
+    (0, small, none), chunks (none, 1, small, larger than the rows); shuffled byte
+    offsets with gaps the kernel must leave alone."""
+    bs = draw(st.integers(0, 5))
+    qo = draw(st.lists(st.integers(0, 20), min_size=bs, max_size=bs))
+    kv = draw(st.lists(st.one_of(st.integers(0, 8), st.integers(9, 40)), min_size=bs, max_size=bs))
+    row = draw(st.lists(st.integers(0, 200), min_size=bs, max_size=bs))
+    col = [max(r + draw(st.integers(-45, 10)), 0) for r in row]
+    bounds = st.sampled_from([-1, -1, 0, 1, 3, 7, 2**31 - 1])
+    rule = (
+        draw(st.booleans()),
+        draw(bounds),
+        draw(bounds),
+        draw(st.sampled_from([0, 0, 1, 3, 6, 16, 64])),
+    )
+    n_bytes = [(q * k + 7) // 8 for q, k in zip(qo, kv, strict=True)]
+    order = draw(st.permutations(range(bs)))
+    offsets, at = [0] * bs, draw(st.integers(0, 3))
+    for index in order:
+        offsets[index] = at
+        at += n_bytes[index] + draw(st.integers(0, 3))
+    dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    return {
+        "lists": (qo, kv, row, col, rule),
+        "arrays": tuple(torch.tensor(x, dtype=dtype) for x in (row, qo, kv, offsets)),
+        "position": (torch.tensor(col, dtype=dtype), torch.tensor(rule, dtype=torch.int32)),
+        "offsets": offsets,
+        "size": at + 2,
+        "max_bytes": max(n_bytes, default=0) + draw(st.sampled_from([0, 0, 1, 9])),
+    }
+
+
+def _position_dense(case: dict[str, object], request: int) -> np.ndarray:
+    """Request ``request``'s mask straight from its rule (brute force over positions)."""
+    qo, kv, row, col, (causal, left, right, chunk) = case["lists"]  # type: ignore[misc]
+    p = row[request] + np.arange(qo[request])[:, None]
+    k = col[request] + np.arange(kv[request])[None, :]
+    seen = np.ones((qo[request], kv[request]), dtype=bool)
+    if causal:
+        seen &= k <= p
+    if left >= 0:
+        seen &= p - k <= left
+    if right >= 0:
+        seen &= k - p <= right
+    if chunk:
+        seen &= p // chunk == k // chunk
+    return seen
+
+
+@settings(max_examples=60, deadline=None)
+@given(position_cases())
+def test_position_mask_twin_matches_brute_force(case: dict[str, object]) -> None:
+    """The torch twin writes each request's rule at its byte offset, bits little-endian,
+    and leaves every other byte alone; the planner's PositionMask states the same bits."""
+    from flashplan.kernels import build_custom_mask_torch
+    from flashplan.planning.masks import PositionMask
+
+    out = torch.full((case["size"],), 0xA5, dtype=torch.uint8)  # type: ignore[call-overload]
+    build_custom_mask_torch(*case["arrays"], out, position=case["position"])  # type: ignore[misc]
+    got = out.numpy()
+    qo, kv, row, col, (causal, left, right, chunk) = case["lists"]  # type: ignore[misc]
+    ints = (np.array(x, dtype=np.int64) for x in (qo, kv, row, col))
+    mask = PositionMask.from_arrays(
+        *ints, causal=causal, window_left=left, window_right=right, chunk=chunk
+    )
+    touched = np.zeros(got.shape[0], dtype=bool)
+    for i, off in enumerate(case["offsets"]):  # type: ignore[arg-type]
+        n = qo[i] * kv[i]
+        want = _position_dense(case, i)
+        np.testing.assert_array_equal(mask.dense(i), want)
+        bits = np.unpackbits(got[off : off + (n + 7) // 8], bitorder="little")[:n]
+        np.testing.assert_array_equal(bits.reshape(want.shape).astype(bool), want)
+        touched[off : off + (n + 7) // 8] = True
+    assert (got[~touched] == 0xA5).all()
+
+
+@INTERPRET
+@settings(max_examples=40, deadline=None)
+@given(position_cases())
+def test_position_mask_kernel_matches_torch_twin(case: dict[str, object]) -> None:
+    """Byte for byte vs the torch twin (Triton's interpreter), one launch per case."""
+    from flashplan.kernels import build_custom_mask, build_custom_mask_torch
+
+    want = torch.full((case["size"],), 0xA5, dtype=torch.uint8)  # type: ignore[call-overload]
+    got = want.clone()
+    build_custom_mask_torch(*case["arrays"], want, position=case["position"])  # type: ignore[misc]
+    build_custom_mask(*case["arrays"], got, case["max_bytes"], position=case["position"])  # type: ignore[misc]
+    assert torch.equal(got, want)
+
+
+def test_position_mask_refuses_a_tree_and_bad_rules() -> None:
+    from flashplan.errors import FlashplanError
+    from flashplan.kernels import build_custom_mask_torch
+
+    one = torch.ones(1, dtype=torch.int32)
+    out = torch.zeros(4, dtype=torch.uint8)
+    with pytest.raises(FlashplanError) as err:  # a rule of 3 entries
+        build_custom_mask_torch(one, one, one, one * 0, out, position=(one, one.repeat(3)))
+    assert err.value.field == "rule"
+    with pytest.raises(FlashplanError) as err:  # a float column position
+        build_custom_mask_torch(one, one, one, one * 0, out, position=(one.float(), one.repeat(4)))
+    assert err.value.field == "col_position"
+    with pytest.raises(FlashplanError) as err:
+        tree = (one, one, torch.zeros(1, dtype=torch.uint8))
+        build_custom_mask_torch(
+            one, one, one, one * 0, out, tree=tree, num_tokens=1, position=(one, one.repeat(4))
+        )
+    assert err.value.field == "position"

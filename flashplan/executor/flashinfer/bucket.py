@@ -293,13 +293,17 @@ def padded_inputs(
     return out
 
 
-#: Per padding request (one key: the dummy page's slot 0), the entries of a tree
-#: mask's per-request arrays: every row of a padding request sees its one key.
+#: Per padding request (one key: the dummy page's slot 0), the entries of a tree or
+#: position mask's per-request arrays: a padding request's first row sees its one key
+#: (a position mask's rows sit at positions 0, 1, ... over the key at 0: every rule
+#: shows it to row 0; later rows of a multi-token bucket may see nothing).
 _MASK_PAD = {
     "kv_lens": 1,
     "first_visible": 0,
     "tail_start": 1,  # the key is a prefix key (below the draft columns)
     "row_offsets": 0,
+    "row_position": 0,
+    "col_position": 0,
 }
 
 
@@ -323,6 +327,8 @@ def _padded_mask_array(
         words = np.zeros(used + pads * row_bytes, dtype=np.uint8)
         words[:used] = values.view(np.uint8)[:used]
         return bytes_as_int32(words)
+    if field == "rule":  # one rule for the whole mask
+        return values
     if field == "qo_lens":
         value = n
     elif field in _MASK_PAD:

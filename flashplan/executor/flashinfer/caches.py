@@ -41,9 +41,9 @@ bound ``plan()`` arguments   :class:`BoundCallKey`: step prefix,  ``bound.host i
 a gather region's view       the region's name                    the page buffer and the
 (:attr:`LayoutMemo.regions`)                                      region's bounds
 the job table view           (the views' manifest: one per memo)  —
-a staged mask's layout       :class:`MaskKey`: group, tree size   the output buffer
-(:attr:`LayoutMemo.masks`)                                        (``is``)
-the bound fused launch       the staged mask's offsets            every bound tensor
+a staged mask's layout       :class:`MaskKey`: group, tree size,  the output buffer
+(:attr:`LayoutMemo.masks`)   position mask or not                 (``is``)
+the bound fused launch       the staged mask's offsets and kind   every bound tensor
 (:attr:`LayoutMemo.launch`)  (:func:`mask_layout`)                (``binds()``: identity
                                                                   and address)
 the staging copy's views     ``id`` of the pinned slot's tensor   the slot's tensor
@@ -120,21 +120,24 @@ class MaskKey(NamedTuple):
 
     Attributes:
         group_index: the masked group.
-        num_tokens: ``N`` of a tree mask, 0 for a threshold mask (which arrays it reads).
+        num_tokens: ``N`` of a tree mask, 0 otherwise (which arrays it reads).
+        position: a position mask (which arrays it reads, and the kernel's kind).
     """
 
     group_index: int
     num_tokens: int
+    position: bool = False
 
 
 def mask_layout(mask: StagedMask | None) -> tuple[int, ...] | None:
     """The integers a bound launch fixes from ``mask``: every offset, the batch size and
-    the tree size (not ``max_bytes``, which each launch passes); ``None`` without one."""
+    the tree size and the kind (not ``max_bytes``, which each launch passes); ``None``
+    without one."""
     if mask is None:
         return None
     return (mask.first_visible, mask.qo_lens, mask.kv_lens, mask.byte_offsets,
             mask.row_offsets, mask.tail_start, mask.tail_words, mask.batch_size,
-            mask.num_tokens)  # fmt: skip
+            mask.num_tokens, mask.kind)  # fmt: skip
 
 
 @attrs.frozen(eq=False)

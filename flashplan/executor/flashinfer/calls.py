@@ -46,7 +46,7 @@ from flashplan.executor.flashinfer.policy import (
 )
 from flashplan.executor.gathers import pages_region
 from flashplan.layout.group import AttentionGroup
-from flashplan.planning.masks import CustomMask, TreeMask
+from flashplan.planning.masks import CustomMask, PositionMask, TreeMask
 from flashplan.planning.spec import KernelPath, PagedPart, PlanKey, PlanSpec
 
 __all__ = [
@@ -231,12 +231,17 @@ class MaskRecipe:
         max_bytes: largest per-request packed size (bytes; sizes the kernel's grid).
         total_bytes: size of the buffer flashinfer reads (bytes).
         num_tokens: ``N`` of a tree mask (its ``row_offsets``, ``tail_start`` and
-            ``tail_words`` arrays are staged too), 0 for a threshold mask.
+            ``tail_words`` arrays are staged too), 0 otherwise.
+        position: a position mask (a bidirectional window, or a chunk inside pages),
+            staged as ``row_position``, ``col_position`` (int32 ``[bs]``) and ``rule``
+            (int32 ``[4]``: ``causal, window_left, window_right, chunk``) instead of a
+            threshold base.
     """
 
     max_bytes: int
     total_bytes: int
     num_tokens: int = 0
+    position: bool = False
 
 
 @attrs.frozen(eq=False)
@@ -285,46 +290,28 @@ def skeleton_key(
     return spec.key, tensor_cores, masked, items, virtual
 
 
-def check_runnable(spec: PlanSpec, *, graph: bool = False, virtual: bool = False) -> None:
-    """Refuse a plan whose kernel calls this executor does not run (yet) as planned.
+def check_runnable(spec: PlanSpec, *, graph: bool = False) -> None:
+    """Refuse a plan whose kernel calls this executor does not run as planned.
 
-    * Position masks (bidirectional windows, chunks that start inside a page) are
-      planned and run by the reference executor; the FlashInfer executor has no device
-      builder for them yet.
-    * Virtual requests (a chunked extend whose new tokens cross a chunk boundary): the
-      translation plans each group's kernels over its own query index pointers
-      (``g<i>.qo_indptr`` and the virtual spans, :func:`call_inputs`), but that path
-      has not yet run against the reference on a GPU
-      (``tests/gpu/test_local_attention_gpu.py``), so it runs only when asked for
-      (``virtual``: ``ExecutorPolicy.virtual_requests``). A CUDA-graph bucket never
-      runs them: decode and verify steps never split.
-
-    The executor refuses rather than run a different mask. ``graph``: the caller is a
-    CUDA-graph bucket.
+    A chunked extend whose new tokens cross a chunk boundary runs over virtual requests
+    (:attr:`~flashplan.planning.GroupPlan.virtual`): more kernel rows than requests,
+    which a CUDA-graph bucket (``graph``: the caller is one) has no fixed buffers for.
+    Its steps never split that way (a decode or verify query sees one chunk; a draft
+    extend's tokens stay inside one chunk unless they reach a boundary), so such a
+    batch runs eagerly. The executor refuses rather than run a different mask.
 
     Raises:
         UnsupportedError: naming the group.
     """
+    if not graph:
+        return
     for gp in spec.group_plans:
-        if gp.paged is not None and gp.paged.position_mask is not None:
-            raise UnsupportedError(
-                "groups",
-                f"group {gp.group.describe()!r}: this batch plans it with a position mask "
-                "(a bidirectional window, or a chunk that does not start on a page "
-                "boundary), which the FlashInfer executor does not run yet; use the "
-                "ReferenceExecutor for it",
-                group=gp.group.describe(),
-            )  # fmt: skip
-        if gp.virtual is not None and (graph or not virtual):
+        if gp.virtual is not None:
             raise UnsupportedError(
                 "groups",
                 f"group {gp.group.describe()!r}: this batch splits it into virtual requests "
-                "(new tokens across a chunk boundary), which "
-                + ("a CUDA-graph bucket does not run (decode and verify steps never split): "
-                   "run this extend eagerly" if graph else "the FlashInfer executor does not "
-                   "run by default yet (ExecutorPolicy(virtual_requests=True) opts in): use "
-                   "the ReferenceExecutor, or prefill chunks that end on a chunk boundary")
-                ,
+                "(new tokens across a chunk boundary), which a CUDA-graph bucket does not "
+                "run: run this step eagerly",
                 group=gp.group.describe(),
             )  # fmt: skip
 
@@ -499,8 +486,9 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
         elif gc.paged is not None and gc.paged.wrapper.use_tensor_cores:
             host[f"g{index}.kv_lens"] = decode_scheduler_kv_lens(part)
         if gc.masked:
-            assert part.mask is not None
-            masks[index] = _mask_recipe(index, part.mask, host)
+            mask = part.mask if part.mask is not None else part.position_mask
+            assert mask is not None
+            masks[index] = _mask_recipe(index, mask, host)
         staged = gc.paged.item_args if gc.paged is not None else ()
         if staged:
             items = part.items
@@ -572,7 +560,9 @@ def bytes_as_int32(values: npt.NDArray[np.uint8]) -> IntArray:
     return seal_inplace(padded.view(np.int32))
 
 
-def _mask_recipe(index: int, mask: CustomMask, host: dict[str, IntArray]) -> MaskRecipe:
+def _mask_recipe(
+    index: int, mask: CustomMask | PositionMask, host: dict[str, IntArray]
+) -> MaskRecipe:
     """Group ``index``'s mask as int32 arrays in ``host`` (``g<index>.mask.*``) and its
     sizes. ``mask.indptr`` is :func:`flashinfer_mask_offsets`: FlashInfer's
     ``mask_indptr``, whose first ``bs`` entries are also where the mask kernel writes
@@ -585,16 +575,26 @@ def _mask_recipe(index: int, mask: CustomMask, host: dict[str, IntArray]) -> Mas
             "extend_path", "a custom mask of this many elements exceeds int32 offsets: plan "
             "this batch with extend_path='paged'", mask_elements=total,
         )  # fmt: skip
+    g = f"g{index}.mask."
+    host[g + "qo_lens"] = mask.qo_lens
+    host[g + "kv_lens"] = mask.kv_lens
+    host[g + "indptr"] = seal_inplace(offsets)  # int32: total fits (checked above)
+    max_bytes = (int(np.maximum.reduce(sizes)) + 7) // 8 if total else 0
+    if isinstance(mask, PositionMask):
+        # positions fit int32 (the layout checks its lengths); a bound beyond any
+        # position is no bound, so the rule is capped at int32 too
+        host[g + "row_position"] = seal_inplace(mask.row_position)
+        host[g + "col_position"] = seal_inplace(mask.col_position)
+        rule = np.array(
+            [mask.causal, mask.window_left, mask.window_right, mask.chunk], dtype=np.int64
+        )
+        host[g + "rule"] = seal_inplace(np.minimum(rule, INT32_MAX))
+        return MaskRecipe(max_bytes, max(total, 1), position=True)
     # the int32 staging copy must not wrap a far-off threshold: clamped, then cast
     # (the ufuncs themselves: np.clip's Python wrapper costs more than both)
     low, high = constant_operand(-INT32_MAX, np.int64), constant_operand(INT32_MAX, np.int64)
     first = np.maximum(mask.first_visible, low)
-    first = seal_inplace(np.minimum(first, high, out=first))
-    g = f"g{index}.mask."
-    host[g + "first_visible"] = first
-    host[g + "qo_lens"] = mask.qo_lens
-    host[g + "kv_lens"] = mask.kv_lens
-    host[g + "indptr"] = seal_inplace(offsets)  # int32: total fits (checked above)
+    host[g + "first_visible"] = seal_inplace(np.minimum(first, high, out=first))
     num_tokens = 0
     if isinstance(mask, TreeMask):
         num_tokens = int(mask.row_offsets.shape[1])
@@ -602,11 +602,7 @@ def _mask_recipe(index: int, mask: CustomMask, host: dict[str, IntArray]) -> Mas
         host[g + "tail_start"] = seal_inplace(mask.tail_start)  # in [0, kv_len]
         # the rows' packed bits (a view of the mask's own: a tree's, preset by the planner)
         host[g + "tail_words"] = bytes_as_int32(mask.tail_words.reshape(-1))
-    return MaskRecipe(
-        max_bytes=(int(np.maximum.reduce(sizes)) + 7) // 8 if total else 0,
-        total_bytes=max(total, 1),
-        num_tokens=num_tokens,
-    )
+    return MaskRecipe(max_bytes=max_bytes, total_bytes=max(total, 1), num_tokens=num_tokens)
 
 
 def translate(spec: PlanSpec, policy: ExecutorPolicy, *, sm90: bool) -> Translation:

@@ -423,7 +423,7 @@ class FlashInferExecutor:
                 one the executor does not run yet (``calls.check_runnable``).
         """
         spec, table = check_apply_args(spec, table)
-        check_runnable(spec, graph=self._graph_wrappers, virtual=self.policy.virtual_requests)
+        check_runnable(spec, graph=self._graph_wrappers)
         self._check_table_device(table)
         if self.policy.deterministic and any(
             p in (KernelPath.RAGGED, KernelPath.RAGGED_PAGED) for p in spec.key.paths
@@ -555,7 +555,7 @@ class FlashInferExecutor:
         steps = []
         for spec in specs:
             spec, table = check_apply_args(spec, table)
-            check_runnable(spec, graph=self._graph_wrappers, virtual=self.policy.virtual_requests)
+            check_runnable(spec, graph=self._graph_wrappers)
             calls = self._skeleton(spec)
             if any(gc.masked for gc in calls):
                 raise UnsupportedError("specs", "apply_steps() plans steps without custom masks")
@@ -747,7 +747,7 @@ class FlashInferExecutor:
         (``views.tensor``), built into ``out`` (made once per layout, :class:`MaskKey`
         and output buffer; a batch with another largest mask only replaces
         ``max_bytes``)."""
-        key = MaskKey(index, recipe.num_tokens)
+        key = MaskKey(index, recipe.num_tokens, recipe.position)
         held = views.memo.masks.get(key)
         if held is not None and held.out is out:
             if held.max_bytes != recipe.max_bytes:  # the batch's own size, same arrays
@@ -755,14 +755,19 @@ class FlashInferExecutor:
             return held
         m, g, num_tokens = dplan.manifest, f"g{index}.mask.", recipe.num_tokens
         qo = m[g + "qo_lens"]
-        tree = (0, 0, 0)
+        more = (0, 0, 0)
         if num_tokens:
-            tree = (m[g + "row_offsets"].offset, m[g + "tail_start"].offset,
+            more = (m[g + "row_offsets"].offset, m[g + "tail_start"].offset,
                     m[g + "tail_words"].offset)  # fmt: skip
+        if recipe.position:  # the kernel's slots: rule, column positions, row positions
+            more = (m[g + "rule"].offset, m[g + "col_position"].offset, 0)
+            first = m[g + "row_position"].offset
+        else:
+            first = m[g + "first_visible"].offset
         # each request's first byte: the first bs entries of FlashInfer's mask_indptr
         mask = StagedMask(
-            views.tensor, m[g + "first_visible"].offset, qo.offset, m[g + "kv_lens"].offset,
-            m[g + "indptr"].offset, *tree, qo.size, num_tokens, recipe.max_bytes, out,
+            views.tensor, first, qo.offset, m[g + "kv_lens"].offset, m[g + "indptr"].offset,
+            *more, qo.size, num_tokens, recipe.max_bytes, out, recipe.position,
         )  # fmt: skip
         views.memo.masks[key] = mask
         return mask

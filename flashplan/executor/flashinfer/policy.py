@@ -59,12 +59,6 @@ class ExecutorPolicy:
             ``extend_path="paged"``: otherwise a request's kernels would depend on
             the rest of the batch). See ``docs/guide-cuda-graphs.md`` for why this
             differs from the reference file's fixed split tiles.
-        virtual_requests: run chunked extends whose new tokens cross a chunk boundary
-            (virtual requests, ``GroupPlan.virtual``). Off by default: the path is
-            written but has not yet passed its GPU test against the reference
-            (``tests/gpu/test_local_attention_gpu.py``, which turns it on); off, such a
-            plan is refused by name (prefill chunks that end on chunk boundaries, or
-            use the reference executor).
     """
 
     decode_tensor_cores: bool | None = attrs.field(
@@ -75,9 +69,6 @@ class ExecutorPolicy:
     )
     deterministic: bool = attrs.field(
         default=False, converter=lambda v: as_option(as_bool, "deterministic", v)
-    )
-    virtual_requests: bool = attrs.field(
-        default=False, converter=lambda v: as_option(as_bool, "virtual_requests", v)
     )
 
     def __attrs_post_init__(self) -> None:
