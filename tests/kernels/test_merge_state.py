@@ -277,3 +277,81 @@ def test_gpu_many_heads_no_sync() -> None:
     want = merge_state_torch(*case.make("cpu"))  # float32 math on CPU as the oracle here
     assert_close_state(got, (want[0].double(), want[1].double()), torch.bfloat16)
     assert_close_state(twin, (want[0].double(), want[1].double()), torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- attention sinks
+def brute_fold(
+    v: torch.Tensor, s: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64, from the definition: the state's keys plus one key of logit ``sinks[h]``
+    (natural log) and value 0 per head; an empty state keeps only the sink."""
+    s64 = s.double().cpu() * math.log(2.0)  # natural log
+    sink = sinks.double().cpu()[None, :].expand_as(s64)
+    total = torch.logaddexp(s64, sink)
+    keep = torch.where(torch.isneginf(s64), 0.0, torch.exp(s64 - total))
+    out = torch.where(keep[..., None] > 0, v.double().cpu() * keep[..., None], 0.0)
+    return out, total / math.log(2.0)
+
+
+def _sinks(case: Case, device: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    sinks = (torch.rand(case.heads, generator=gen) * 2 - 1) * case.lse_scale
+    return sinks.float().to(device)
+
+
+def check_sinks_case(case: Case, device: str) -> None:
+    """merge(a, b) with sinks and fold(a) equal the float64 definition (and the torch
+    twins), and fold(a) with sinks of -inf leaves the state as it was."""
+    from flashplan.kernels.merge_state import fold_sinks_torch, fold_sinks_triton
+
+    v_a, s_a, v_b, s_b = case.make(device)
+    sinks = _sinks(case, device)
+    v_m, s_m = brute_merge(v_a, s_a, v_b, s_b)
+    want_v, want_s = brute_fold(v_m, s_m.float(), sinks)
+    got_v, got_s = merge_state_triton(v_a, s_a, v_b, s_b, sinks=sinks)
+    atol, rtol = V_TOL[case.dtype_a]
+    torch.testing.assert_close(got_v.double().cpu(), want_v, atol=atol, rtol=rtol)
+    torch.testing.assert_close(got_s.double().cpu(), want_s, atol=1e-4, rtol=1e-5)
+    want_v, want_s = brute_fold(v_a, s_a, sinks)
+    got_v, got_s = fold_sinks_triton(v_a, s_a, sinks)
+    twin_v, twin_s = fold_sinks_torch(v_a, s_a, sinks)
+    for v in (got_v, twin_v):
+        torch.testing.assert_close(v.double().cpu(), want_v, atol=atol, rtol=rtol)
+    for s in (got_s, twin_s):
+        torch.testing.assert_close(s.double().cpu(), want_s, atol=1e-4, rtol=1e-5)
+    if case.tokens:  # a sink of -inf is no sink: the state comes back unchanged
+        none = torch.full_like(sinks, NEG_INF)
+        got_v, got_s = fold_sinks_triton(v_a, s_a, none)
+        seen = ~torch.isneginf(s_a)
+        torch.testing.assert_close(got_s[seen], s_a[seen])
+        torch.testing.assert_close(got_v[seen].float(), v_a[seen].float(), atol=atol, rtol=rtol)
+        assert (got_v[~seen] == 0).all() and torch.isneginf(got_s[~seen]).all()
+
+
+@requires_interpreter
+@HYP
+@given(cases())
+def test_sinks_interpreted_match_brute_force(case: Case) -> None:
+    check_sinks_case(case, "cpu")
+
+
+def test_sink_argument_errors() -> None:
+    from flashplan.kernels.merge_state import fold_sinks_triton
+
+    v = torch.zeros((2, 3, 4))
+    s = torch.zeros((2, 3))
+    for bad in (torch.zeros(4), torch.zeros(3, dtype=torch.float64), torch.zeros(1, 3)):
+        with pytest.raises(FlashplanError) as err:
+            fold_sinks_triton(v, s, bad)
+        assert err.value.field == "sinks"
+        with pytest.raises(FlashplanError) as err:
+            merge_state_triton(v, s, v, s, sinks=bad)
+        assert err.value.field == "sinks"
+
+
+@pytest.mark.gpu
+@requires_cuda
+@HYP
+@given(cases(max_tokens=40, max_heads=9))
+def test_gpu_sinks_match_brute_force(case: Case) -> None:
+    check_sinks_case(case, "cuda")

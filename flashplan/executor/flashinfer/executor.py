@@ -108,13 +108,12 @@ from flashplan.kernels.fused import (
 )
 from flashplan.kernels.gather import NO_BAD_JOB, new_status
 from flashplan.kernels.kv_write import write_kv
-from flashplan.kernels.merge_state import merge_state_triton
+from flashplan.kernels.merge_state import fold_sinks_triton, merge_state_triton
 from flashplan.kernels.runs import fill_runs
 from flashplan.layout.convert import as_bool, as_int
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.page_table import PageTable
 from flashplan.planning.spec import KernelPath, PlanSpec
-from flashplan.torch_kernels import fold_sinks_torch
 
 __all__ = ["DEFAULT_WORKSPACE_BYTES", "FlashInferExecutor"]
 
@@ -963,29 +962,24 @@ class FlashInferExecutor:
             out = q.new_zeros(q.shape, dtype=spec.heads.out_dtype)
             lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
             return (out, lse) if return_lse else out
-        gp = args.plan
-        want_lse = return_lse or gc.merges or gp.sinks
+        want_lse = return_lse or gc.merges or args.plan.sinks
         states = []
         if gc.ragged is not None:
             wrapper = self._planned[(args.index, "ragged")]
-            state = wrapper.run(q, k_new, v_new, return_lse=want_lse)
-            if gp.ragged is not None and gp.ragged.sinks:
-                assert sinks is not None  # checked: a sink group's run takes them
-                o, lse_o = state
-                state = fold_sinks_torch(o, lse_o, sinks)
-            states.append(state)
+            states.append(wrapper.run(q, k_new, v_new, return_lse=want_lse))
         if gc.paged is not None:
             wrapper = self._planned[(args.index, "paged")]
-            state = wrapper.run(q, kv_cache, return_lse=want_lse)
-            if gp.paged is not None and gp.paged.sinks:
-                assert sinks is not None
-                o, lse_o = state
-                state = fold_sinks_torch(o, lse_o, sinks)
-            states.append(state)
+            states.append(wrapper.run(q, kv_cache, return_lse=want_lse))
+        # A sink group's sink joins its state once (the plan folds it into one call):
+        # in the merge of its two calls' states, else in one pass over its one state.
         if gc.merges:
             (o_a, s_a), (o_b, s_b) = states
-            out, lse = merge_state_triton(o_a, s_a, o_b, s_b)
-            return (out, lse) if return_lse else out
-        if want_lse and not return_lse:
-            return states[0][0]
-        return states[0]
+            out, lse = merge_state_triton(o_a, s_a, o_b, s_b, sinks=sinks)
+        elif sinks is not None:
+            o, lse_o = states[0]
+            out, lse = fold_sinks_triton(o, lse_o, sinks)
+        elif return_lse:
+            return states[0]
+        else:
+            return states[0][0] if want_lse else states[0]
+        return (out, lse) if return_lse else out
