@@ -125,8 +125,8 @@ class _DriftsAfter(fp.ReferenceExecutor):
         super().apply(spec, table)
         self.applied += 1
 
-    def run(self, group, q, k_new, v_new, kv_cache, *, return_lse=False):  # type: ignore[no-untyped-def]
-        out, lse = super().run(group, q, k_new, v_new, kv_cache, return_lse=True)
+    def run(self, group, q, k_new, v_new, kv_cache, *, return_lse=False, sinks=None):  # type: ignore[no-untyped-def]
+        out, lse = super().run(group, q, k_new, v_new, kv_cache, return_lse=True, sinks=sinks)
         if self.applied > self.n:
             if self.cache and kv_cache is not None:
                 kv_cache[-1].add_(1.0)  # a write to a page nobody's plan names

@@ -1,12 +1,15 @@
 """A small continuous-batching engine: HF model, flashplan attention, paged KV, greedy decoding.
 
 Per step (:meth:`Engine.step`): admit -> layout -> plan -> apply -> model forward (attention
-through flashplan) -> sample -> free the pages of finished requests. See docs/guide-engine.md.
+through flashplan) -> sample -> free the pages of finished requests. Encoder-only models
+(EmbeddingGemma) have no step loop: :func:`embed` runs several prompts in one packed
+bidirectional pass. See docs/guide-engine.md.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,7 +18,7 @@ import torch
 import flashplan as fp
 
 from .hf_attention import HFConventions, Kind, StepContext, expected_call
-from .hf_models import DecoderOnly, EncoderDecoder
+from .hf_models import DecoderOnly, EncoderDecoder, EncoderOnly
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -129,8 +132,16 @@ class Engine:
         keep_all_logits: bool = False,
         eos_token_id: int | None = None,
     ) -> None:
+        if getattr(adapter, "is_encoder_only", False):
+            raise ValueError("an encoder-only model generates nothing: use embed()")
+        limit = adapter.max_tokens
+        if limit is not None and max(token_budget, max_request_tokens) > limit:
+            raise ValueError(  # Llama 4's temperature tuning (see DecoderOnly.max_tokens)
+                f"token_budget and max_request_tokens must be <= {limit} for this model"
+            )
         self.adapter, self.executor = adapter, executor
         self.page_size, self.token_budget, self.extend_path = page_size, token_budget, extend_path
+        self.max_request_tokens = max_request_tokens
         self.keep_all_logits, self.eos = keep_all_logits, eos_token_id
         model = adapter.model
         self.device = model.device
@@ -161,7 +172,9 @@ class Engine:
             raise ValueError("a request needs a prompt and at least one token to generate")
         if (request.encoder_prompt is not None) != self.adapter.is_encoder_decoder:
             raise ValueError("encoder_prompt is needed by, and only by, encoder-decoder models")
-        if request.worst_case_pages(self.page_size) > self.table.shape[1]:
+        tokens = len(request.encoder_prompt or ()) + len(request.prompt) + request.max_new_tokens
+        too_long = tokens > self.max_request_tokens
+        if too_long or request.worst_case_pages(self.page_size) > self.table.shape[1]:
             raise ValueError("request longer than max_request_tokens")
         request.rid, self._next_id = self._next_id, self._next_id + 1
         request.tokens = list(request.prompt)
@@ -275,3 +288,58 @@ class Engine:
         self.executor.apply(spec, fp.PageTable(pages, rows=[r.row for r in joining]))
         ids = torch.tensor([t for r in joining for t in r.encoder_prompt or ()], device=self.device)
         return self.adapter.encode(ids, self.executor.positions().long(), self.ctx)
+
+
+def embed(
+    adapter: EncoderOnly,
+    executor: fp.Executor,
+    prompts: Sequence[Sequence[int]],
+    *,
+    page_size: int = 16,
+    extend_path: str = "auto",
+    conventions: HFConventions = HFConventions(),  # noqa: B008 (frozen)
+) -> list[torch.Tensor]:
+    """Encoder-only pass: every prompt in one packed bidirectional forward.
+
+    One ``BatchLayout.extend(lens, [0] * bs)`` planned for the model's groups (bidirectional,
+    windowed on sliding layers), applied once; every layer runs its group on it. A
+    bidirectional window runs on one paged prefill with a position mask, which reads the
+    keys from a KV cache, so the pass writes each layer's K/V into a scratch cache: one
+    cache, ``[sum(pages_needed), 2, page_size, num_kv_heads, head_dim]``, shared by every
+    layer (a layer's K/V is read only by its own call), and a page table whose rows hold
+    each request's pages, handed out last page first so that page ids are not row offsets.
+
+    Args:
+        adapter: an :class:`~hf_models.EncoderOnly` model.
+        executor: ``fp.ReferenceExecutor()`` or ``FlashInferExecutor``.
+        prompts: token ids of each request (at least one token each).
+        page_size: tokens per scratch KV page.
+        extend_path: ``"auto"`` or ``"paged"`` (``fp.plan`` refuses ``"ragged"`` for a
+            bidirectional window).
+        conventions: the HF -> flashplan mapping (tests perturb it).
+
+    Returns:
+        Per prompt, its last hidden states ``[len(prompt), hidden_size]`` (the model's dtype).
+    """
+    if not prompts or not all(prompts):
+        raise ValueError("embed needs at least one prompt, each of at least one token")
+    bindings = adapter.bindings.items()
+    groups = {conventions.group(b.kind, expected_call(m)): None for m, b in bindings}
+    lens = [len(p) for p in prompts]
+    layout = fp.BatchLayout.extend(lens, [0] * len(lens), page_size=page_size, groups=(*groups,))
+    spec = fp.plan(layout, adapter.heads, extend_path=extend_path)
+    need = layout.pages_needed.tolist()
+    free = list(range(sum(need)))  # popped from the end: the last page id first
+    table = np.full((len(lens), max(need)), -1, np.int32)
+    for row, n in enumerate(need):
+        table[row, :n] = [free.pop() for _ in range(n)]
+    device = adapter.model.device
+    h = adapter.heads
+    scratch = torch.zeros(
+        (sum(need), 2, page_size, h.num_kv_heads, h.head_dim), dtype=h.kv_dtype, device=device
+    )
+    executor.apply(spec, fp.PageTable(torch.from_numpy(table).to(device), rows=range(len(lens))))
+    ctx = StepContext(executor, adapter.bindings, [scratch] * adapter.num_layers, conventions)
+    ids = torch.tensor([t for p in prompts for t in p], device=device)
+    hidden = adapter.encode(ids, executor.positions().long(), ctx)
+    return list(hidden.split(lens))

@@ -5,11 +5,12 @@ transformers calls a registered attention function from every attention module a
 softcap=...,] **kwargs)`` with ``query`` ``[batch, heads, tokens, head_dim]``. The engine feeds
 one packed row (``batch = 1``) holding every new token of the step, and passes a
 :class:`StepContext` as the keyword argument ``flashplan``; the function below turns each call
-into one ``executor.run(group, q, k_new, v_new, kv_cache)``.
+into one ``executor.run(group, q, k_new, v_new, kv_cache[, sinks=...])``.
 
 HF's conventions map to flashplan's in exactly one place each: :func:`hf_window_left`,
-:func:`hf_sm_scale` and :func:`hf_soft_cap`, bundled in :class:`HFConventions` so that a test
-can swap one for a wrong one and watch parity fail.
+:func:`hf_sm_scale`, :func:`hf_soft_cap`, :func:`hf_sink_logits` (gpt-oss),
+:func:`hf_chunk_size` (Llama 4) and :func:`hf_bidirectional_window` (EmbeddingGemma), bundled
+in :class:`HFConventions` so that a test can swap one for a wrong one and watch parity fail.
 """
 
 from __future__ import annotations
@@ -51,11 +52,51 @@ def hf_soft_cap(softcap: float | None) -> float:
     return 0.0 if softcap is None else float(softcap)
 
 
+def hf_sink_logits(s_aux: torch.Tensor | None) -> torch.Tensor | None:
+    """HF ``s_aux`` (gpt-oss passes ``module.sinks``: one learned logit per query head,
+    ``[num_attention_heads]`` in the model's dtype, concatenated by HF's eager attention as an
+    extra logit column that is softmaxed with the scaled logits and then dropped) -> flashplan's
+    run-time sink logits, float32 ``[num_qo_heads]`` (natural-log units, not scaled or capped),
+    whose presence also marks the group ``sinks=True``; ``None`` -> ``None`` (no sinks)."""
+    return None if s_aux is None else s_aux.detach().float()
+
+
+def hf_chunk_size(attention_chunk_size: int | None) -> int:
+    """HF ``attention_chunk_size`` C of a ``"chunked_attention"`` layer (Llama 4: the query at
+    position p sees keys k <= p with k // C == p // C; see :func:`hf_layer_chunk`) -> flashplan
+    ``attention_chunk_size`` = C (keys ``C * (p // C) .. p``); ``None`` -> 0 (no chunks)."""
+    return 0 if attention_chunk_size is None else int(attention_chunk_size)
+
+
+def hf_bidirectional_window(sliding_window: int | None) -> tuple[int, int]:
+    """HF ``sliding_window`` S of a bidirectional layer (EmbeddingGemma: its mask keeps keys
+    with |q − k| < S; ``Gemma3TextConfig(use_bidirectional_attention=True)`` has already
+    turned the configured window W into S = W // 2 + 1) -> flashplan ``(window_left,
+    window_right)`` = (S − 1, S − 1); ``None`` -> (−1, −1) (every key of the request)."""
+    if sliding_window is None:
+        return -1, -1
+    return int(sliding_window) - 1, int(sliding_window) - 1
+
+
+def hf_layer_chunk(module: nn.Module) -> int | None:
+    """The chunk of ``module``'s layer: ``config.attention_chunk_size`` on a layer whose
+    ``config.layer_types[module.layer_idx]`` is ``"chunked_attention"`` (Llama 4), else
+    ``None``. HF builds the chunk into the mask and never passes it to the attention function,
+    so both the planner (:func:`expected_call`) and the attention function read it here."""
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    if layer_types is None or idx is None or layer_types[idx] != "chunked_attention":
+        return None
+    return int(config.attention_chunk_size)
+
+
 class Kind(enum.Enum):
     """What an attention module computes, hence its group and cache."""
 
-    SELF = "self"  # decoder self-attention: causal, maybe windowed, cached
-    ENCODER = "encoder"  # encoder self-attention: bidirectional, no cache
+    SELF = "self"  # decoder self-attention: causal, maybe windowed or chunked, cached
+    ENCODER = "encoder"  # encoder self-attention: bidirectional, maybe windowed (no cache for
+    # BART's ragged pass; a scratch cache for EmbeddingGemma's paged one)
     CROSS = "cross"  # decoder -> encoder attention, shares the decoder layer's cache
 
 
@@ -65,6 +106,8 @@ class HFCall(NamedTuple):
     scaling: float
     sliding_window: int | None = None
     softcap: float | None = None
+    s_aux: torch.Tensor | None = None  # gpt-oss's sink logits (``module.sinks``)
+    chunk: int | None = None  # not passed: the layer's chunk (:func:`hf_layer_chunk`)
 
 
 @dataclass(frozen=True)
@@ -74,25 +117,50 @@ class HFConventions:
     window_left: Callable[[int | None], int] = hf_window_left
     sm_scale: Callable[[float], float] = hf_sm_scale
     soft_cap: Callable[[float | None], float] = hf_soft_cap
+    sink_logits: Callable[[torch.Tensor | None], torch.Tensor | None] = hf_sink_logits
+    chunk_size: Callable[[int | None], int] = hf_chunk_size
+    bidirectional_window: Callable[[int | None], tuple[int, int]] = hf_bidirectional_window
+
+    def resolve(self, kind: Kind, call: HFCall) -> tuple[fp.AttentionGroup, torch.Tensor | None]:
+        """The group of a call of ``kind`` with HF arguments ``call``, and the sink logits its
+        ``run`` takes (float32 ``[num_qo_heads]``, or ``None`` for a group without sinks)."""
+        scale, cap = self.sm_scale(call.scaling), self.soft_cap(call.softcap)
+        sinks = self.sink_logits(call.s_aux)
+        has_sinks = sinks is not None
+        if kind is Kind.CROSS:
+            group = fp.AttentionGroup.cross(logits_soft_cap=cap, sm_scale=scale, sinks=has_sinks)
+        elif kind is Kind.ENCODER:
+            left, right = self.bidirectional_window(call.sliding_window)
+            group = fp.AttentionGroup.bidirectional(
+                window_left=left, window_right=right, logits_soft_cap=cap, sm_scale=scale,
+                sinks=has_sinks,
+            )  # fmt: skip
+        else:
+            group = fp.AttentionGroup(
+                window_left=self.window_left(call.sliding_window),
+                attention_chunk_size=self.chunk_size(call.chunk),
+                logits_soft_cap=cap,
+                sm_scale=scale,
+                sinks=has_sinks,
+            )
+        return group, sinks
 
     def group(self, kind: Kind, call: HFCall) -> fp.AttentionGroup:
         """The group of a call of ``kind`` with HF arguments ``call``."""
-        scale, cap = self.sm_scale(call.scaling), self.soft_cap(call.softcap)
-        if kind is Kind.CROSS:
-            return fp.AttentionGroup.cross(logits_soft_cap=cap, sm_scale=scale)
-        if kind is Kind.ENCODER:
-            return fp.AttentionGroup.bidirectional(logits_soft_cap=cap, sm_scale=scale)
-        window = self.window_left(call.sliding_window)
-        return fp.AttentionGroup(window_left=window, logits_soft_cap=cap, sm_scale=scale)
+        return self.resolve(kind, call)[0]
 
 
 def expected_call(module: nn.Module) -> HFCall:
     """What ``module`` will pass its attention function, read from the module the way the
     modeling code reads it, so that groups can be planned before the forward. (Mistral passes
-    ``config.sliding_window``; Gemma and Qwen2 set ``module.sliding_window`` per layer type.)
-    If this disagrees with the real call, ``run`` raises ``PlanMismatchError``: never silent."""
+    ``config.sliding_window``; Gemma, Qwen2 and gpt-oss set ``module.sliding_window`` per layer
+    type; gpt-oss passes ``s_aux=module.sinks``.) If this disagrees with the real call, ``run``
+    raises ``PlanMismatchError``: never silent."""
     window = getattr(module, "sliding_window", getattr(module.config, "sliding_window", None))
-    return HFCall(float(module.scaling), window, getattr(module, "attn_logit_softcapping", None))
+    cap = getattr(module, "attn_logit_softcapping", None)
+    s_aux = getattr(module, "sinks", None)
+    s_aux = s_aux if isinstance(s_aux, torch.Tensor) else None
+    return HFCall(float(module.scaling), window, cap, s_aux, hf_layer_chunk(module))
 
 
 @dataclass(frozen=True)
@@ -138,6 +206,7 @@ def flashplan_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """One HF attention call as one ``executor.run``.
@@ -150,7 +219,9 @@ def flashplan_attention(
             rows, after which the caller may add a placeholder row: see ``EncoderDecoder``).
         attention_mask: ``None`` (a registered function gets no mask from transformers; the
             plan holds the masking).
-        scaling, sliding_window, softcap: HF's attention arguments (:class:`HFCall`).
+        scaling, sliding_window, softcap, s_aux: HF's attention arguments (:class:`HFCall`;
+            ``s_aux``: gpt-oss's sink logits, ``[num_qo_heads]`` in the model's dtype). The
+            layer's chunk (Llama 4) is not an argument: it is read from ``module``.
 
     Returns:
         ``([1, total_q, num_qo_heads, head_dim], None)``, what HF's attention functions return.
@@ -161,13 +232,14 @@ def flashplan_attention(
     if scaling is None:
         raise ValueError(f"{type(module).__name__} passed no scaling")
     binding = ctx.bindings[module]
-    group = ctx.conventions.group(binding.kind, HFCall(scaling, sliding_window, softcap))
+    call = HFCall(scaling, sliding_window, softcap, s_aux, hf_layer_chunk(module))
+    group, sinks = ctx.conventions.resolve(binding.kind, call)
     q, k, v = _tokens_first(query), _tokens_first(key), _tokens_first(value)
     if binding.kind is Kind.CROSS:  # the plan's encoder rows to write (0: all cached)
         rows = ctx.executor.spec.total_encoder if ctx.executor.spec else 0
         k, v = (k[:rows], v[:rows]) if rows else (None, None)
     cache = None if binding.cache is None else ctx.kv_caches[binding.cache]
-    out = ctx.executor.run(group, q, k, v, cache)
+    out = ctx.executor.run(group, q, k, v, cache, sinks=sinks)
     return out.unsqueeze(0), None
 
 

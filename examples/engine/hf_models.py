@@ -1,26 +1,32 @@
 """The models the engine runs: tiny random-weight configs, loading, and per-family adapters.
 
 An adapter says which HF attention module is which (:class:`~hf_attention.Binding`) and runs
-one packed forward. Decoder-only models go through HF's own ``forward`` with
-``position_ids = spec.positions``. BART's ``forward`` derives its learned positions from a
-cache length, which a packed batch of several requests has not, so its adapter calls BART's
-own modules in the order ``BartEncoder`` / ``BartDecoder.forward`` do, with per-request
-positions.
+one packed forward. Decoder-only models (gpt-oss and Llama 4 included) go through HF's own
+``forward`` with ``position_ids = spec.positions``. BART's ``forward`` derives its learned
+positions from a cache length, which a packed batch of several requests has not, so its
+adapter calls BART's own modules in the order ``BartEncoder`` / ``BartDecoder.forward`` do,
+with per-request positions. Encoder-only models (EmbeddingGemma: Gemma 3 with
+``use_bidirectional_attention``, loaded with ``AutoModel``) have no LM head and no decoding:
+:class:`EncoderOnly` returns last hidden states (``engine.embed``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import (
     AutoConfig,
+    AutoModel,
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
     BartConfig,
     Gemma2Config,
     Gemma3TextConfig,
+    GptOssConfig,
+    Llama4TextConfig,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
@@ -75,7 +81,54 @@ TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         max_position_embeddings=256,
         init_std=0.1,
     ),
+    # Attention sinks on every layer; sliding (window 6) and full layers alternating (the
+    # default layer_types). YaRN as in gpt-oss, its factor matching the sizes (no HF warning).
+    "gpt-oss": lambda: GptOssConfig(
+        num_hidden_layers=2,
+        sliding_window=6,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 128,
+        },
+        **_DECODER,
+    ),
+    # Chunked attention (chunk 8, inside a 16-token page) on the three RoPE layers, full NoPE
+    # attention on the fourth (no_rope_layers' default interval 4); MoE on layers 1 and 3.
+    # attn_temperature_tuning (default on) is exact only below floor_scale tokens: see
+    # DecoderOnly.max_tokens.
+    "llama4": lambda: Llama4TextConfig(
+        num_hidden_layers=4,
+        attention_chunk_size=8,
+        intermediate_size_mlp=256,
+        num_local_experts=4,
+        interleave_moe_layer_step=2,
+        **_DECODER,
+    ),
+    # EmbeddingGemma-style encoder: bidirectional; the configured window 10 becomes HF's
+    # sliding_window 10 // 2 + 1 = 6 (keys with |q - k| <= 5) on two sliding layers per full
+    # (fully bidirectional) one. AutoModel: Gemma3TextModel, no LM head.
+    "embeddinggemma": lambda: Gemma3TextConfig(
+        num_hidden_layers=3,
+        sliding_window=10,
+        use_bidirectional_attention=True,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=48,
+        **_DECODER,
+    ),
 }
+
+
+def is_encoder_only(config: PretrainedConfig) -> bool:
+    """Whether a config is an encoder-only (embedding) model: Gemma 3 with
+    ``use_bidirectional_attention`` (EmbeddingGemma). Loaded with ``AutoModel``."""
+    return bool(getattr(config, "use_bidirectional_attention", False))
 
 
 def load_model(
@@ -87,10 +140,15 @@ def load_model(
     seed: int = 0,
 ) -> nn.Module:
     """A :data:`TINY_CONFIGS` model with random weights (seeded), or ``from_pretrained(name)``
-    for a local path or Hub id with weights. In eval mode, on ``device``."""
+    for a local path or Hub id with weights. In eval mode, on ``device``. Encoder-only models
+    (:func:`is_encoder_only`) load without an LM head (``AutoModel``)."""
     tiny = name in TINY_CONFIGS
     config = TINY_CONFIGS[name]() if tiny else AutoConfig.from_pretrained(name)
-    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    auto: Any = AutoModelForCausalLM
+    if config.is_encoder_decoder:
+        auto = AutoModelForSeq2SeqLM
+    elif is_encoder_only(config):
+        auto = AutoModel
     if tiny:
         torch.manual_seed(seed)
         model = auto.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
@@ -105,9 +163,22 @@ def _heads(config: PretrainedConfig, num_heads: int, num_kv: int, dtype: torch.d
 
 
 class DecoderOnly:
-    """Llama, Gemma 2/3, Mistral, Qwen2 and the like: ``model.model.layers[i].self_attn``."""
+    """Llama, Gemma 2/3, Mistral, Qwen2, gpt-oss, Llama 4 (text) and the like:
+    ``model.model.layers[i].self_attn``, causal.
+
+    Attributes:
+        max_tokens: the most tokens a packed forward, and a request, may hold for the forward
+            to be exact (``None``: no limit). Llama 4's ``attn_temperature_tuning`` scales the
+            NoPE layers' queries by ``log1p(floor((i + 1) / floor_scale)) * attn_scale + 1``
+            with ``i`` the token's index in the packed row (HF counts from the row's start
+            plus the cache length), which is not the token's position in a packed batch; the
+            factor is exactly 1 while ``i + 1 < floor_scale`` (8192), in HF's forward of a
+            request alone too, so the engine keeps its steps and requests below
+            ``floor_scale`` tokens rather than pass per-token scales HF has no argument for.
+    """
 
     is_encoder_decoder = False
+    is_encoder_only = False
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -118,6 +189,11 @@ class DecoderOnly:
         self.bindings: dict[nn.Module, Binding] = {
             layer.self_attn: Binding(Kind.SELF, i) for i, layer in enumerate(model.model.layers)
         }
+        if not all(getattr(m, "is_causal", True) for m in self.bindings):
+            raise ValueError("a decoder-only model with non-causal attention: use EncoderOnly")
+        self.max_tokens: int | None = None
+        if getattr(c, "attn_temperature_tuning", False) and not all(c.no_rope_layers):
+            self.max_tokens = int(c.floor_scale) - 1
 
     @torch.no_grad()
     def decode(
@@ -140,11 +216,45 @@ class DecoderOnly:
         return out.logits[0]
 
 
+class EncoderOnly:
+    """EmbeddingGemma (``Gemma3TextModel`` with ``use_bidirectional_attention``):
+    ``model.layers[i].self_attn``, bidirectional (windowed on sliding layers), each layer
+    writing its K/V into the context's cache ``i`` and reading it back (a bidirectional window
+    runs on one paged prefill with a position mask, which reads the keys from a cache;
+    ``engine.embed`` gives every layer one shared scratch cache). No LM head: the output is
+    the last hidden states (after the final norm)."""
+
+    is_encoder_decoder = False
+    is_encoder_only = True
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        c = model.config
+        self.num_layers: int = c.num_hidden_layers
+        self.heads = _heads(c, c.num_attention_heads, c.num_key_value_heads, model.dtype)
+        self.bindings: dict[nn.Module, Binding] = {
+            layer.self_attn: Binding(Kind.ENCODER, i) for i, layer in enumerate(model.layers)
+        }
+        if any(getattr(m, "is_causal", False) for m in self.bindings):
+            raise ValueError("an encoder-only model with causal attention: use DecoderOnly")
+
+    @torch.no_grad()
+    def encode(self, ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Last hidden states ``[n, hidden_size]`` (the model's dtype) of packed prompts ``ids``
+        (int64 ``[n]``) at per-request RoPE ``positions`` (int64 ``[n]``)."""
+        out = self.model(
+            input_ids=ids[None], position_ids=positions[None], use_cache=False, flashplan=ctx
+        )
+        return out.last_hidden_state[0]
+
+
 class EncoderDecoder:
     """BART: encoder layers (bidirectional, no cache), decoder self + cross attention sharing
     one cache per decoder layer."""
 
     is_encoder_decoder = True
+    is_encoder_only = False
+    max_tokens: int | None = None
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -195,6 +305,8 @@ class EncoderDecoder:
         return self.model.lm_head(h[0, rows]) + self.model.final_logits_bias[0]
 
 
-def adapter_for(model: nn.Module) -> DecoderOnly | EncoderDecoder:
+def adapter_for(model: nn.Module) -> DecoderOnly | EncoderDecoder | EncoderOnly:
     """The adapter of a loaded model."""
-    return EncoderDecoder(model) if model.config.is_encoder_decoder else DecoderOnly(model)
+    if model.config.is_encoder_decoder:
+        return EncoderDecoder(model)
+    return EncoderOnly(model) if is_encoder_only(model.config) else DecoderOnly(model)

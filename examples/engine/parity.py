@@ -1,8 +1,13 @@
-"""Parity with Hugging Face: each request alone, full forward, eager attention, no cache."""
+"""Parity with Hugging Face: each request alone, full forward, eager attention, no cache.
+
+:func:`check_parity` compares a generation run's logits (decoder models);
+:func:`check_embed_parity` an encoder-only pass's last hidden states (EmbeddingGemma).
+"""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -99,3 +104,51 @@ def check_parity(
                 mismatches.append((r.rid, k))
     top = max(float(w.abs().max()) for w in want.values())
     return Parity(diff, top, rows, tokens, mismatches, ties)
+
+
+@torch.no_grad()
+def reference_hidden(ref: nn.Module, prompt: Sequence[int]) -> torch.Tensor:
+    """float32 ``[len(prompt), hidden_size]``: HF's last hidden states of an encoder-only
+    model (``AutoModel``, no LM head) for the prompt alone (no padding, no cache)."""
+    ids = torch.tensor([list(prompt)], device=ref.device)
+    return ref(input_ids=ids, use_cache=False).last_hidden_state[0].float()
+
+
+@dataclass
+class EmbedParity:
+    """An encoder-only pass vs HF.
+
+    Attributes:
+        max_abs_diff: largest |engine − HF| over every hidden-state element of every prompt.
+        max_ref: largest |HF hidden state| seen (for relative tolerances).
+        rows: token rows compared (the prompts' lengths summed).
+    """
+
+    max_abs_diff: float
+    max_ref: float
+    rows: int
+
+    def ok(self, atol: float) -> bool:
+        return self.max_abs_diff <= atol
+
+    def line(self) -> str:
+        return (
+            f"parity vs HF eager fp32 (each prompt alone, no padding): max |hidden diff| "
+            f"{self.max_abs_diff:.2e} over {self.rows} token rows (max |hidden| "
+            f"{self.max_ref:.2f})"
+        )
+
+
+def check_embed_parity(
+    ref: nn.Module, prompts: Sequence[Sequence[int]], hidden: Sequence[torch.Tensor]
+) -> EmbedParity:
+    """Compare each prompt's hidden states ``hidden[i]`` (``[len(prompts[i]), hidden_size]``,
+    any dtype and device) with ``ref``'s forward of that prompt alone
+    (:func:`reference_model` of an encoder-only model)."""
+    diff, top, rows = 0.0, 0.0, 0
+    for prompt, got in zip(prompts, hidden, strict=True):
+        want = reference_hidden(ref, prompt).cpu()
+        diff = max(diff, float((got.float().cpu() - want).abs().max()))
+        top = max(top, float(want.abs().max()))
+        rows += len(prompt)
+    return EmbedParity(diff, top, rows)

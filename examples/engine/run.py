@@ -4,6 +4,9 @@ Examples (from the repository root)::
 
   python examples/engine/run.py --model llama                 # CPU, reference executor, fp32
   python examples/engine/run.py --model bart --page-size 1
+  python examples/engine/run.py --model gpt-oss               # attention sinks
+  python examples/engine/run.py --model llama4                # chunked attention
+  python examples/engine/run.py --model embeddinggemma        # encoder-only: one packed pass
   python examples/engine/run.py --model gemma2 --device cuda  # FlashInferExecutor, bf16
   python examples/engine/run.py --model path/to/checkpoint    # from_pretrained, real weights
 """
@@ -25,9 +28,9 @@ except ImportError:
     sys.exit("examples/engine needs transformers: pip install -e '.[test]' (it pins it)")
 
 import flashplan as fp
-from examples.engine.engine import Engine, Request, StepOutput
-from examples.engine.hf_models import TINY_CONFIGS, adapter_for, load_model
-from examples.engine.parity import check_parity, reference_model
+from examples.engine.engine import Engine, Request, StepOutput, embed
+from examples.engine.hf_models import TINY_CONFIGS, EncoderOnly, adapter_for, load_model
+from examples.engine.parity import check_embed_parity, check_parity, reference_model
 
 
 def make_executor(device: torch.device, prefill_backend: str = "fa2") -> fp.Executor:
@@ -56,6 +59,34 @@ def make_requests(
     return reqs
 
 
+def run_embed(
+    adapter: EncoderOnly,
+    executor: fp.Executor,
+    ref: torch.nn.Module,
+    prompts: list[list[int]],
+    *,
+    page_size: int,
+    extend_path: str,
+    fp32: bool,
+) -> int:
+    """An encoder-only model: every prompt in one packed pass (:func:`engine.embed`), each
+    prompt's last hidden states compared with HF's forward of that prompt alone."""
+    hidden = embed(adapter, executor, prompts, page_size=page_size, extend_path=extend_path)
+    spec = executor.spec
+    assert spec is not None
+    print(f"one packed pass (extend, no prefix), prompts of {[len(p) for p in prompts]} tokens")
+    for gp in spec.group_plans:
+        print(f"  {gp.group.describe()}: {gp.path.value}")
+    for i, h in enumerate(hidden):
+        print(f"request {i}: hidden states {tuple(h.shape)}")
+    parity = check_embed_parity(ref, prompts, hidden)
+    print(parity.line())
+    atol = 1e-4 if fp32 else 0.05 * parity.max_ref
+    ok = parity.ok(atol)
+    print(f"parity {'OK' if ok else 'FAILED'} (tolerance {atol:.1e})")
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="llama", help=f"{', '.join(TINY_CONFIGS)} or a checkpoint")
@@ -74,8 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_model(args.model, dtype=dtype, device=device, seed=args.seed)
     ref = reference_model(model)  # fp32, HF eager attention, same weights
+    adapter = adapter_for(model)
+    fp32 = dtype == torch.float32  # bf16: tolerance, and HF near-ties may pick either token
+    if isinstance(adapter, EncoderOnly):  # no decoding: one packed pass of every prompt
+        reqs = make_requests(model.config.vocab_size, False, args.requests, 1, args.seed)
+        return run_embed(
+            adapter, make_executor(device), ref, [r.prompt for r in reqs],
+            page_size=args.page_size, extend_path=args.extend_path, fp32=fp32,
+        )  # fmt: skip
     engine = Engine(
-        adapter_for(model),
+        adapter,
         make_executor(device),
         page_size=args.page_size,
         num_pages=args.kv_tokens // args.page_size,
@@ -103,7 +142,6 @@ def main(argv: list[str] | None = None) -> int:
         src = f" (encoder {len(r.encoder_prompt)} tokens)" if r.encoder_prompt else ""
         print(f"request {r.rid}: prompt {len(r.prompt)} tokens{src} -> {r.output}")
     print(f"KV pages handed out again after being freed: {engine.allocator.reused}")
-    fp32 = dtype == torch.float32  # bf16: tolerance, and HF near-ties may pick either token
     parity = check_parity(ref, reqs, steps, tie_margin=0.0 if fp32 else 0.25)
     print(parity.line())
     atol = 1e-4 if fp32 else 0.03 * parity.max_ref_logit

@@ -157,14 +157,17 @@ class ComparingExecutor:
         kv_cache: torch.Tensor | None,
         *,
         return_lse: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run on both, record the comparison, return the primary's result (``out``, or
         ``(out, lse)`` with ``return_lse``: the protocol's overloads are not restated in
-        this test helper)."""
+        this test helper). ``sinks``: a sink group's logits, given to both."""
         assert self._oracle is not None, "run() before apply()"
         shadow = self._shadow(kv_cache)
-        want, want_lse = self._oracle.run(group, q, k_new, v_new, shadow, return_lse=True)
-        out, lse = self.primary.run(group, q, k_new, v_new, kv_cache, return_lse=True)
+        want, want_lse = self._oracle.run(
+            group, q, k_new, v_new, shadow, return_lse=True, sinks=sinks
+        )
+        out, lse = self.primary.run(group, q, k_new, v_new, kv_cache, return_lse=True, sinks=sinks)
         diff = attention_diff(out, lse, want, want_lse)
         cache_ok = kv_cache is None or (shadow is not None and torch.equal(kv_cache, shadow))
         self.records.append(CallRecord(self._step, group, *diff, cache_ok))

@@ -4,7 +4,9 @@ The same engine and scenario as tests/test_engine.py (chunked prompts mixed with
 pages from a free list, reuse after a request finishes), with ``FlashInferExecutor`` (FA2
 prefill) in place of the reference executor. Logits must match HF's fp32 eager forward of
 each request alone within bf16 tolerance, and the first greedy tokens must be equal (except
-where HF's own top two logits are closer than bf16 can resolve).
+where HF's own top two logits are closer than bf16 can resolve). gpt-oss (sinks) and Llama 4
+(chunks) run the same scenario; EmbeddingGemma's packed encoder-only pass
+(tests/test_engine_local_models.py) must match HF's hidden states of each prompt alone.
 """
 
 from __future__ import annotations
@@ -20,9 +22,15 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: examples.engine
 
 import flashplan as fp
-from examples.engine.engine import Engine
-from examples.engine.hf_models import TINY_CONFIGS, adapter_for, load_model
-from examples.engine.parity import check_parity, reference_model
+from examples.engine.engine import Engine, embed
+from examples.engine.hf_models import (
+    TINY_CONFIGS,
+    EncoderOnly,
+    adapter_for,
+    is_encoder_only,
+    load_model,
+)
+from examples.engine.parity import check_embed_parity, check_parity, reference_model
 from examples.engine.run import make_requests
 
 pytestmark = pytest.mark.gpu
@@ -32,11 +40,14 @@ pytestmark = pytest.mark.gpu
 REL_TOL = 0.05  # max |logit diff| / max |HF logit|
 TIE = 0.25  # HF top-two logit margin below which bf16 may pick the other token (~2.5x error)
 FIRST_TOKENS = 3  # greedy tokens per request that must be equal
-CASES = [(name, 16, "auto") for name in TINY_CONFIGS] + [
+DECODERS = [name for name, config in TINY_CONFIGS.items() if not is_encoder_only(config())]
+CASES = [(name, 16, "auto") for name in DECODERS] + [
     ("llama", 1, "ragged"),
     ("gemma2", 1, "ragged"),  # windowed prefix: custom mask
     ("mistral", 16, "ragged"),
     ("bart", 1, "paged"),
+    ("gpt-oss", 1, "ragged"),  # sinks folded into a ragged + paged extend
+    ("llama4", 1, "auto"),  # chunks on page boundaries: virtual requests (page 16: masks)
 ]
 
 
@@ -89,7 +100,7 @@ def test_engine_step_loop_matches_reference_step_by_step() -> None:
     executor = FlashInferExecutor("cuda", policy=ExecutorPolicy(prefill_backend="fa2"))
     lines = []
     for page_size in (1, 16):
-        for name in TINY_CONFIGS:
+        for name in DECODERS:
             model = load_model(name, dtype=torch.bfloat16, device="cuda")
             tee = ComparingExecutor(executor)
             engine = Engine(
@@ -107,3 +118,28 @@ def test_engine_step_loop_matches_reference_step_by_step() -> None:
             lines.append(f"{name} page_size={page_size}: {tee.summary()}")
             assert not tee.bad(), lines[-1]
     print("\n" + "\n".join(lines))
+
+
+@pytest.mark.parametrize(("page_size", "extend_path"), [(16, "auto"), (1, "paged")])
+def test_embed_on_flashinfer(page_size: int, extend_path: str) -> None:
+    """EmbeddingGemma: prompts of 1 to 60 tokens in one packed pass on FlashInfer (the
+    bidirectional windows on one paged prefill with a position mask), each prompt's hidden
+    states vs HF's fp32 forward of it alone, within bf16 tolerance."""
+    import numpy as np
+
+    from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
+
+    model = load_model("embeddinggemma", dtype=torch.bfloat16, device="cuda")
+    ref = reference_model(model)
+    adapter = adapter_for(model)
+    assert isinstance(adapter, EncoderOnly)
+    executor = FlashInferExecutor("cuda", policy=ExecutorPolicy(prefill_backend="fa2"))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 512, n).tolist() for n in (5, 37, 12, 1, 23, 60, 9)]
+    hidden = embed(adapter, executor, prompts, page_size=page_size, extend_path=extend_path)
+    assert executor.spec is not None
+    assert any(gp.paged is not None and gp.paged.position_mask is not None
+               for gp in executor.spec.group_plans)  # fmt: skip
+    parity = check_embed_parity(ref, prompts, hidden)
+    print(f"\nembeddinggemma page_size={page_size} {extend_path}: {parity.line()}")
+    assert parity.max_abs_diff <= REL_TOL * parity.max_ref, parity.line()
