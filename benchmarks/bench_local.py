@@ -11,12 +11,14 @@ launch overhead is not counted:
                  cannot beat: it reads the same KV and adds a term)
   raw sink       FlashInfer's own sink wrapper (``BatchDecodeWithAttentionSinkWrapper``
                  / ``BatchAttentionWithAttentionSinkWrapper``, JIT-built) called by hand
-  flashplan      ``FlashInferExecutor.run(group, ..., sinks=...)``: the planned kernel
-                 with its LSE, and the sink folded into its state in one more pass
+  flashplan      ``FlashInferExecutor.run(group, ..., sinks=...)``: the plan's call on
+                 FlashInfer's sink kernel (its sink wrapper, planned by flashplan)
 
 Decode at batch 1, 64 and 256 over 4096 keys, and an extend of 16 x (2048 cached + 512
 new), for the sliding-window-128 and the full layer; the output of flashplan against the
-raw sink wrapper's (max abs error relative to the output's largest value).
+raw sink wrapper's (max abs error relative to the output's largest value); and one long
+decode (32768 keys, split over many CTAs) with large sinks, where a sink counted more
+than once would show in that error.
 ``--compile-only`` builds the sink wrappers' JIT modules and exits (run it in the
 background while something else uses the GPU).
 
@@ -185,10 +187,15 @@ def sink_kernels() -> list[str]:
         (f"decode {bs} x 4096", [4096] * bs, [4095] * bs) for bs in (1, 64, 256)
     ]
     cases.append(("extend 16 x (2048 + 512)", [2560] * 16, [2048] * 16))
+    # one long request (FlashInfer splits its keys over many CTAs) with sinks worth a
+    # large share of the mass: a sink counted once per split would show in the error
+    cases.append(("decode 1 x 32768, sinks + 8", [32768], [32767]))
     gen = torch.Generator(device="cuda").manual_seed(0)
-    sinks = torch.randn(HQ, generator=gen, device="cuda") * 2
     for label, seq, prefix in cases:
         decode = label.startswith("decode")
+        sinks = torch.randn(HQ, generator=gen, device="cuda") * 2
+        if label.endswith("+ 8"):
+            sinks = sinks.abs() + 8.0
         for layer, window in SINK_LAYERS:
             group = fp.AttentionGroup(window_left=window, sinks=True)
             if decode:

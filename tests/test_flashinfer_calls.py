@@ -118,10 +118,10 @@ def _fa3_capable(heads: HeadConfig) -> bool:
 
 
 def _expected_backend(
-    heads: HeadConfig, policy: ExecutorPolicy, *, masked: bool, sm90: bool
+    heads: HeadConfig, policy: ExecutorPolicy, *, masked: bool, sm90: bool, sinks: bool = False
 ) -> str:
     """The documented prefill backend rules, restated independently of the policy module."""
-    if masked:
+    if masked or sinks:
         return "fa2"
     if policy.prefill_backend != "auto":
         return policy.prefill_backend
@@ -195,9 +195,25 @@ def _flashinfer_kv_lens(kw: dict[str, Any], indptr: str, last: str) -> np.ndarra
 def _check_bind(call: PlanCall) -> None:
     names = [name for name, _ in call.kwargs]
     assert len(names) == len(set(names)), f"duplicate plan() keyword in {names}"
-    cls = _wrapper_cls(call.wrapper.kind)
+    cls = getattr(flashinfer, call.wrapper.class_name)  # a sink call: FlashInfer's sink wrapper
+    assert issubclass(cls, _wrapper_cls(call.wrapper.kind))  # planned as its kind is
     inspect.signature(cls.__init__).bind(None, _WORKSPACE, **call.wrapper.constructor_kwargs())
     inspect.signature(_plan_fn(call.wrapper.kind)).bind(None, **call.as_dict())
+    _check_sink_kernel(call)
+
+
+def _check_sink_kernel(call: PlanCall) -> None:
+    """A sink wrapper is built for the call's own dtypes, head size and window, on FA2."""
+    sink = call.wrapper.sink
+    if sink is None:
+        return
+    kw = call.as_dict()
+    assert call.wrapper.backend == "fa2"
+    assert sink.window_left == kw["window_left"]
+    assert (sink.q_dtype, sink.kv_dtype) == (kw["q_data_type"], kw["kv_data_type"])
+    assert sink.head_dim == kw.get("head_dim", kw.get("head_dim_qk"))
+    assert kw["logits_soft_cap"] == 0.0  # the sink variant has no soft cap
+    assert "prefix_len_ptr" not in kw  # nor multi-item tensors
 
 
 def _check_common(spec: PlanSpec, gp: GroupPlan, kw: dict[str, Any], window: int) -> None:
@@ -452,6 +468,10 @@ def check_translation(
             assert call.wrapper.group == group.resolved(heads.head_dim)
             masked = gp.uses_custom_mask
             assert ("packed_custom_mask" in kw) == masked
+            # The call the plan gives the sinks runs on FlashInfer's sink kernel, unless a
+            # soft cap or multi-item tensors rule the sink variant out (then folded).
+            sink_kernel = gp.paged.sinks and not group.logits_soft_cap and gp.items is None
+            assert (call.wrapper.sink is not None) == sink_kernel
             assert kw.get("paged_kv_indices", kw.get("indices")) == DeviceIndices(
                 pages_region(index)
             )
@@ -460,13 +480,14 @@ def check_translation(
                 assert call.wrapper.backend == "fa2"
                 want_tc = (
                     True
-                    if policy.deterministic
+                    if policy.deterministic or call.wrapper.sink is not None  # sink: always
                     else policy.decode_tensor_cores
                     if policy.decode_tensor_cores is not None
                     else spec.batch_size >= TENSOR_CORE_MIN_BATCH
                 )
                 assert call.wrapper.use_tensor_cores is want_tc
-                assert call.wrapper.constructor_kwargs()["use_tensor_cores"] is want_tc
+                ctor = call.wrapper.constructor_kwargs()
+                assert ctor.get("use_tensor_cores", want_tc) is want_tc
                 assert kw["head_dim"] == heads.head_dim
                 assert "causal" not in kw and "is_causal" not in kw
                 assert not masked
@@ -476,8 +497,9 @@ def check_translation(
                 assert "use_tensor_cores" not in call.wrapper.constructor_kwargs()
                 # FA2 for masked and multi-item calls (FlashInfer's FA2 rule, tested)
                 assert call.wrapper.backend == _expected_backend(
-                    heads, policy, masked=masked or gp.items is not None, sm90=sm90
-                )
+                    heads, policy, masked=masked or gp.items is not None, sm90=sm90,
+                    sinks=call.wrapper.sink is not None,
+                )  # fmt: skip
                 assert kw["head_dim_qk"] == heads.head_dim
                 np.testing.assert_array_equal(kw["qo_indptr"], qo_indptr)
                 # The prefix part of ragged+paged is non-causal; a paged-only call is
@@ -504,6 +526,7 @@ def check_translation(
             _check_bind(call)
             kw = _resolved(call, inputs)
             assert gp.ragged is not None
+            assert call.wrapper.sink is None  # FlashInfer has no ragged sink kernel
             _check_common(spec, gp, kw, gp.ragged.window_left)
             assert call.wrapper.kind is WrapperKind.RAGGED_PREFILL
             assert call.wrapper.group == group.resolved(heads.head_dim)

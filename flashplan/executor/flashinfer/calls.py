@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from flashplan.arrays import (
     INT32_MAX,
@@ -46,11 +47,13 @@ from flashplan.executor.flashinfer.policy import (
 )
 from flashplan.executor.gathers import pages_region
 from flashplan.layout.group import AttentionGroup
+from flashplan.layout.heads import HeadConfig
 from flashplan.planning.masks import CustomMask, PositionMask, TreeMask
-from flashplan.planning.spec import KernelPath, PagedPart, PlanKey, PlanSpec
+from flashplan.planning.spec import GroupPlan, KernelPath, PagedPart, PlanKey, PlanSpec
 
 __all__ = [
     "PLACEHOLDERS",
+    "SINK_WRAPPERS",
     "BatchInt",
     "BuiltMask",
     "CallInputs",
@@ -61,6 +64,7 @@ __all__ = [
     "MaskRecipe",
     "Placeholder",
     "PlanCall",
+    "SinkKernel",
     "StagedArray",
     "Translation",
     "WrapperKey",
@@ -72,6 +76,7 @@ __all__ = [
     "decode_scheduler_kv_lens",
     "flashinfer_mask_offsets",
     "int32_words",
+    "sink_kernel",
     "skeleton_key",
     "translate",
 ]
@@ -85,23 +90,73 @@ class WrapperKind(enum.Enum):
     RAGGED_PREFILL = "BatchPrefillWithRaggedKVCacheWrapper"
 
 
+#: FlashInfer's attention-sink wrappers, by the kind of call they replace.
+SINK_WRAPPERS = {
+    WrapperKind.DECODE: "BatchDecodeWithAttentionSinkWrapper",
+    WrapperKind.PAGED_PREFILL: "BatchAttentionWithAttentionSinkWrapper",
+}
+
+
+@attrs.frozen(cache_hash=True)
+class SinkKernel:
+    """The attention-sink kernel variant a sink wrapper is built for.
+
+    FlashInfer's sink wrappers (``BatchDecodeWithAttentionSinkWrapper``,
+    ``BatchAttentionWithAttentionSinkWrapper``) compile a JIT variant whose dtypes, head
+    size and sliding-window flag are fixed at construction, and apply the sink inside the
+    kernel (the sink logits and the softmax scale are ``run()`` arguments). So these are
+    part of the wrapper's key.
+
+    Attributes:
+        q_dtype, kv_dtype: the variant's query and KV dtypes.
+        head_dim: its head size.
+        window_left: the call's window (-1: none); the variant is built with or without
+            a sliding window by its sign, and ``plan()`` takes the value.
+    """
+
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    head_dim: int
+    window_left: int
+
+    def constructor_kwargs(self) -> dict[str, Any]:
+        """The sink wrapper's own ``__init__`` arguments."""
+        return {
+            "q_data_type": self.q_dtype,
+            "kv_data_type": self.kv_dtype,
+            "head_dim_qk": self.head_dim,
+            "head_dim_vo": self.head_dim,
+            "window_left": self.window_left,
+        }
+
+
 @attrs.frozen(cache_hash=True)
 class WrapperKey:
     """Identifies one wrapper instance: kind, group and construction options.
 
     Each group has its own wrappers because the window, soft cap, scale and
-    causal flag are compiled in at ``plan()`` time.
+    causal flag are compiled in at ``plan()`` time. ``sink``: the call applies its
+    group's attention sinks in FlashInfer's sink kernel (:class:`SinkKernel`), so the
+    wrapper is FlashInfer's sink wrapper of that kind (always tensor cores for decode).
     """
 
     kind: WrapperKind
     group: AttentionGroup
     backend: str  # "fa2" / "fa3"; decode wrappers always "fa2" (never auto-routed)
     use_tensor_cores: bool  # decode only; False for prefill wrappers
+    sink: SinkKernel | None = None
+
+    @property
+    def class_name(self) -> str:
+        """The FlashInfer wrapper class to construct."""
+        return self.kind.value if self.sink is None else SINK_WRAPPERS[self.kind]
 
     def constructor_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the wrapper's ``__init__`` besides the workspace."""
         kwargs: dict[str, Any] = {"kv_layout": "NHD", "backend": self.backend}
-        if self.kind is WrapperKind.DECODE:
+        if self.sink is not None:  # the sink decode wrapper always uses tensor cores
+            kwargs.update(self.sink.constructor_kwargs())
+        elif self.kind is WrapperKind.DECODE:
             kwargs["use_tensor_cores"] = self.use_tensor_cores
         return kwargs
 
@@ -356,8 +411,11 @@ def call_skeleton(
             pages = DeviceIndices(pages_region(index))
             page_indptr = HostArray(f"g{index}.page_indptr")
             last_page_len = HostArray(f"g{index}.last_page_len")
+            sink = sink_kernel(gp, heads, multi_item=items[index])
             if gp.path is KernelPath.DECODE:
-                wrapper = WrapperKey(WrapperKind.DECODE, group, "fa2", tensor_cores)
+                wrapper = WrapperKey(
+                    WrapperKind.DECODE, group, "fa2", tensor_cores or sink is not None, sink
+                )
                 args: list[tuple[str, Any]] = [
                     ("indptr", page_indptr),
                     ("indices", pages),
@@ -369,9 +427,10 @@ def call_skeleton(
                 args += split_kwargs(policy)
             else:
                 backend = prefill_backend(
-                    heads, policy, custom_mask=masked[index], multi_item=items[index], sm90=sm90
-                )
-                wrapper = WrapperKey(WrapperKind.PAGED_PREFILL, group, backend, False)
+                    heads, policy, custom_mask=masked[index], multi_item=items[index], sm90=sm90,
+                    sinks=sink is not None,
+                )  # fmt: skip
+                wrapper = WrapperKey(WrapperKind.PAGED_PREFILL, group, backend, False, sink)
                 args = [
                     ("qo_indptr", qo_indptr),
                     ("paged_kv_indptr", page_indptr),
@@ -407,6 +466,22 @@ def call_skeleton(
             ragged = PlanCall(wrapper, tuple(args + common))
         out.append(GroupCalls(index, gp.path, paged, ragged, masked[index]))
     return tuple(out)
+
+
+def sink_kernel(gp: GroupPlan, heads: HeadConfig, *, multi_item: bool) -> SinkKernel | None:
+    """The sink kernel variant of a group's paged call, or ``None``: the sink is then
+    folded into the call's (or the merged) state after the kernel, or the group has none.
+
+    A paged call that the plan gives the group's sinks (a decode or paged-only prefill;
+    the ragged call takes them where there is one, and the merge folds them in) runs on
+    FlashInfer's sink kernel, which applies the sink inside the softmax, unless the group
+    has a logits soft cap (the sink variant has none) or the call carries multi-item
+    tensors (the variant's parameters have none).
+    """
+    part = gp.paged
+    if part is None or not part.sinks or gp.group.logits_soft_cap or multi_item:
+        return None
+    return SinkKernel(heads.q_dtype, heads.kv_dtype, heads.head_dim, part.window_left)
 
 
 #: The MultiItemTensors field behind each staged multi-item plan() argument.

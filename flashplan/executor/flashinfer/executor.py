@@ -395,7 +395,7 @@ class FlashInferExecutor:
 
     def _make_wrapper(self, key: WrapperKey, group_index: int, prefix: str = "") -> WrapperSlot:
         del group_index, prefix  # eager wrappers own no per-group or per-step buffers
-        cls = getattr(self._fi, key.kind.value)
+        cls = getattr(self._fi, key.class_name)
         return WrapperSlot(cls(self._workspace, **key.constructor_kwargs()))
 
     def _skeleton(self, spec: PlanSpec) -> tuple[GroupCalls, ...]:
@@ -495,6 +495,7 @@ class FlashInferExecutor:
                 if (
                     self._fast_decode
                     and bound.decode is not None
+                    and key.sink is None  # a sink wrapper's JIT module: plan() each time
                     and held.planned_with == call.constants  # None before a full plan()
                 ):
                     arrays = DecodeArrays(*bound.decode, indices=kwargs["indices"])
@@ -931,10 +932,13 @@ class FlashInferExecutor:
         ``None``), ``kv_cache`` ``[num_pages, 2, page_size, num_kv_heads, head_dim]``
         (contiguous; ``None`` for a ragged-path group); returns ``out`` and, with
         ``return_lse``, float32 base-2 LSE ``[total_q, num_qo_heads]``. A sink
-        group takes its sink logits as ``sinks`` (float32 ``[num_qo_heads]``): they are
-        folded into the state of the one kernel call the plan marks (a merge with a
-        value-0 key of logit ``sinks[h]``, :func:`~flashplan.torch_kernels.fold_sinks_torch`),
-        so they count once and the LSE includes them — never passed to a kernel.
+        group takes its sink logits as ``sinks`` (float32 ``[num_qo_heads]``); they count
+        once and the LSE includes them. The one call the plan marks applies them: a
+        decode or paged-only prefill on FlashInfer's own sink kernel (its sink wrapper,
+        FA2; :func:`~flashplan.executor.flashinfer.calls.sink_kernel`), otherwise a
+        fold into the call's or the merged state on the device (a value-0 key of logit
+        ``sinks[h]``, :func:`~flashplan.kernels.merge_state.fold_sinks_triton`). They
+        are never passed to a kernel that ignores them.
 
         Raises:
             PlanMismatchError: the group was not planned, or a tensor's type, shape,
@@ -962,22 +966,29 @@ class FlashInferExecutor:
             out = q.new_zeros(q.shape, dtype=spec.heads.out_dtype)
             lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
             return (out, lse) if return_lse else out
-        want_lse = return_lse or gc.merges or args.plan.sinks
+        # A sink group's sink joins its state once (the plan names one call): inside
+        # FlashInfer's sink kernel where the paged call runs on it, else folded in the
+        # merge of the group's two states, or in one pass over its one state.
+        in_kernel = gc.paged is not None and gc.paged.wrapper.sink is not None
+        fold = None if in_kernel else sinks
+        want_lse = return_lse or gc.merges or fold is not None
         states = []
         if gc.ragged is not None:
             wrapper = self._planned[(args.index, "ragged")]
             states.append(wrapper.run(q, k_new, v_new, return_lse=want_lse))
         if gc.paged is not None:
             wrapper = self._planned[(args.index, "paged")]
-            states.append(wrapper.run(q, kv_cache, return_lse=want_lse))
-        # A sink group's sink joins its state once (the plan folds it into one call):
-        # in the merge of its two calls' states, else in one pass over its one state.
+            if in_kernel:  # the sink wrapper's run(q, cache, sinks, sm_scale)
+                scale = group.scale_for(spec.heads.head_dim)
+                states.append(wrapper.run(q, kv_cache, sinks, scale, return_lse=want_lse))
+            else:
+                states.append(wrapper.run(q, kv_cache, return_lse=want_lse))
         if gc.merges:
             (o_a, s_a), (o_b, s_b) = states
-            out, lse = merge_state_triton(o_a, s_a, o_b, s_b, sinks=sinks)
-        elif sinks is not None:
+            out, lse = merge_state_triton(o_a, s_a, o_b, s_b, sinks=fold)
+        elif fold is not None:
             o, lse_o = states[0]
-            out, lse = fold_sinks_triton(o, lse_o, sinks)
+            out, lse = fold_sinks_triton(o, lse_o, fold)
         elif return_lse:
             return states[0]
         else:

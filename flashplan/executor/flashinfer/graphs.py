@@ -247,7 +247,7 @@ class GraphExecutor(FlashInferExecutor):
         def ints(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int32, device=dev)
 
-        cls = getattr(self._fi, key.kind.value)
+        cls = getattr(self._fi, key.class_name)
         kwargs = key.constructor_kwargs()
         if key.kind is WrapperKind.RAGGED_PREFILL:  # pragma: no cover - refused by check_fits
             raise PlanMismatchError("paths", "CUDA-graph buckets run paged paths only")
@@ -269,6 +269,8 @@ class GraphExecutor(FlashInferExecutor):
         if mask is not None:  # FlashInfer's plan() copies the built mask onto itself
             kwargs["custom_mask_buf"] = mask
             kwargs["mask_indptr_buf"] = ints(bs + 1)
+        if key.sink is None:  # (FlashInfer's sink prefill wrapper takes no such bound)
+            kwargs["max_total_num_rows"] = self.bucket.total_q
         wrapper = cls(
             self._workspace,
             use_cuda_graph=True,
@@ -276,7 +278,6 @@ class GraphExecutor(FlashInferExecutor):
             paged_kv_indptr_buf=ints(bs + 1),
             paged_kv_indices_buf=indices,
             paged_kv_last_page_len_buf=ints(bs),
-            max_total_num_rows=self.bucket.total_q,
             **kwargs,
         )
         return WrapperSlot(wrapper)

@@ -110,6 +110,7 @@ def prefill_backend(
     custom_mask: bool,
     sm90: bool,
     multi_item: bool = False,
+    sinks: bool = False,
 ) -> str:
     """FlashInfer prefill backend for one call: ``"fa2"`` or ``"fa3"``.
 
@@ -120,9 +121,11 @@ def prefill_backend(
     with a custom mask or multi-item tensors
     always run on FA2, whatever the policy: FlashInfer 0.7.4's FA3 kernels carry the
     multi-item rule too (``hopper/mainloop_mma.cuh``), but the reference file and
-    flashplan's GPU tests use FA2 only.
+    flashplan's GPU tests use FA2 only. Calls on FlashInfer's attention-sink kernel
+    (``sinks``) run on its FA2 variant too: its FA3 variant is a separate JIT module of
+    several minutes' build per variant, which flashplan's GPU tests have not run.
     """
-    if custom_mask or multi_item:
+    if custom_mask or multi_item or sinks:
         return "fa2"
     fa3_kernels = (
         heads.q_dtype in _FA3_DTYPES
