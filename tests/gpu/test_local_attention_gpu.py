@@ -4,11 +4,11 @@ kernels vs the reference.
 Sink groups run on FlashInfer's own sink kernels (decode, paged prefill, verify masks,
 CUDA graphs) and, where those cannot (a soft cap, a ragged + paged merge), with the sink
 folded into the state. A silently ignored sink fails here: each sink case also checks
-that the output moved from the sink-free output by the oracle's amount. Chunk boundaries are placed inside a
-prefill (virtual requests, paged and ragged paths), inside a verify tree, and at the
-decode step that starts a new chunk; page sizes 1 and 16. Chunks that are not a
-multiple of the page size and bidirectional windows run on one paged prefill with a
-position mask built on the device, eagerly and replayed from a CUDA graph.
+that the output moved from the sink-free output by the oracle's amount. Chunk boundaries
+are placed inside a prefill (virtual requests, paged and ragged paths), inside a verify
+tree, and at the decode step that starts a new chunk; page sizes 1 and 16. Chunks that
+are not a multiple of the page size and bidirectional windows run on one paged prefill
+with a position mask built on the device, eagerly and replayed from a CUDA graph.
 """
 
 from __future__ import annotations
