@@ -214,6 +214,7 @@ def _check_sink_kernel(call: PlanCall) -> None:
     assert sink.head_dim == kw.get("head_dim", kw.get("head_dim_qk"))
     assert kw["logits_soft_cap"] == 0.0  # the sink variant has no soft cap
     assert "prefix_len_ptr" not in kw  # nor multi-item tensors
+    assert "packed_custom_mask" not in kw  # and it ignores a custom mask
 
 
 def _check_common(spec: PlanSpec, gp: GroupPlan, kw: dict[str, Any], window: int) -> None:
@@ -469,8 +470,11 @@ def check_translation(
             masked = gp.uses_custom_mask
             assert ("packed_custom_mask" in kw) == masked
             # The call the plan gives the sinks runs on FlashInfer's sink kernel, unless a
-            # soft cap or multi-item tensors rule the sink variant out (then folded).
-            sink_kernel = gp.paged.sinks and not group.logits_soft_cap and gp.items is None
+            # soft cap, multi-item tensors or a custom mask (which flashinfer 0.7.4's sink
+            # variant ignores) rule it out: then the sink is folded into the state.
+            sink_kernel = (
+                gp.paged.sinks and not group.logits_soft_cap and gp.items is None and not masked
+            )
             assert (call.wrapper.sink is not None) == sink_kernel
             assert kw.get("paged_kv_indices", kw.get("indices")) == DeviceIndices(
                 pages_region(index)

@@ -475,11 +475,16 @@ def sink_kernel(gp: GroupPlan, heads: HeadConfig, *, multi_item: bool) -> SinkKe
     A paged call that the plan gives the group's sinks (a decode or paged-only prefill;
     the ragged call takes them where there is one, and the merge folds them in) runs on
     FlashInfer's sink kernel, which applies the sink inside the softmax, unless the group
-    has a logits soft cap (the sink variant has none) or the call carries multi-item
-    tensors (the variant's parameters have none).
+    has a logits soft cap (the sink variant has none), the call carries multi-item
+    tensors (the variant's parameters have none) or a custom mask: flashinfer 0.7.4's
+    ``AttentionSink`` variant defines its own logits mask (the window alone), which
+    replaces the one that reads the packed custom mask, so a masked call on it would
+    silently see every key (a verify tree, a position mask; measured in run AU).
     """
     part = gp.paged
     if part is None or not part.sinks or gp.group.logits_soft_cap or multi_item:
+        return None
+    if part.mask is not None or part.position_mask is not None:
         return None
     return SinkKernel(heads.q_dtype, heads.kv_dtype, heads.head_dim, part.window_left)
 
