@@ -162,7 +162,8 @@ def test_comparing_executor_catches_a_wrong_primary() -> None:
                 rows = spec.total_encoder if group.cross_attention else spec.total_q
                 q = torch.randn(spec.total_q, batch.heads.num_qo_heads, d)
                 k = torch.randn(rows, hkv, d)
-                tee.run(group, q, k, k, kv)
+                sinks = torch.randn(batch.heads.num_qo_heads) if group.sinks else None
+                tee.run(group, q, k, k, kv, sinks=sinks)
         bad = tee.bad()
         assert bad and {r.step for r in bad} <= {1, 2}, tee.summary()
         assert all(not r.cache_ok for r in bad) if cache else all(r.out_err > 0.05 for r in bad)

@@ -72,6 +72,10 @@ class BatchCheck:
         )
 
 
+#: One run of a batch's inputs: ``(group, q, k_new, v_new, sinks)`` (:class:`BatchInputs`).
+Call = tuple[AttentionGroup, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
+
 @attrs.frozen(eq=False)
 class BatchInputs:
     """A batch's random inputs, drawn from its seed (:func:`batch_inputs`).
@@ -80,13 +84,14 @@ class BatchInputs:
         caches: one KV cache per group, ``[num_pages, 2, page_size, num_kv_heads,
             head_dim]`` in the KV dtype, on the table's device.
         calls: per step (one for a batch that is not a multi-step draft), per group,
-            ``(group, q, k_new, v_new)``: ``q`` ``[total_q, num_qo_heads, head_dim]``,
-            ``k_new`` / ``v_new`` ``[rows, num_kv_heads, head_dim]`` (encoder rows for a
-            cross group).
+            ``(group, q, k_new, v_new, sinks)``: ``q`` ``[total_q, num_qo_heads,
+            head_dim]``, ``k_new`` / ``v_new`` ``[rows, num_kv_heads, head_dim]``
+            (encoder rows for a cross group), ``sinks`` float32 ``[num_qo_heads]`` for a
+            sink group, else ``None``.
     """
 
     caches: tuple[torch.Tensor, ...]
-    calls: tuple[tuple[tuple[AttentionGroup, torch.Tensor, torch.Tensor, torch.Tensor], ...], ...]
+    calls: tuple[tuple[Call, ...], ...]
 
 
 def batch_inputs(batch: Batch) -> BatchInputs:
@@ -106,7 +111,9 @@ def batch_inputs(batch: Batch) -> BatchInputs:
         for group in batch.groups:
             q = rand(spec.total_q, hq, d, dtype=heads.q_dtype)
             rows = spec.total_encoder if group.cross_attention else spec.total_q
-            step.append((group, q, rand(rows, hkv, d), rand(rows, hkv, d)))
+            # sink logits around the scores' scale, so that they matter
+            sinks = rand(hq, dtype=torch.float32) * 3 if group.sinks else None
+            step.append((group, q, rand(rows, hkv, d), rand(rows, hkv, d), sinks))
         calls.append(tuple(step))
     return BatchInputs(caches, tuple(calls))
 
@@ -137,9 +144,11 @@ def check_batch(executor: Executor, batch: Batch, oracle: Executor | None = None
     blind_ok = positions_ok = True
     for calls, view, ref in zip(inputs.calls, views, refs, strict=True):
         positions_ok &= torch.equal(view.positions().cpu(), ref.positions().cpu())
-        for (group, q, k, v), cache, oracle_cache in zip(calls, caches, oracle_caches, strict=True):
-            out, lse = view.run(group, q, k, v, cache, return_lse=True)
-            want, want_lse = ref.run(group, q, k, v, oracle_cache, return_lse=True)
+        for (group, q, k, v, sinks), cache, oracle_cache in zip(
+            calls, caches, oracle_caches, strict=True
+        ):
+            out, lse = view.run(group, q, k, v, cache, return_lse=True, sinks=sinks)
+            want, want_lse = ref.run(group, q, k, v, oracle_cache, return_lse=True, sinks=sinks)
             diff = attention_diff(out, lse, want, want_lse)
             out_err, lse_err = max(out_err, diff.out_err), max(lse_err, diff.lse_err)
             blind_ok &= diff.blind_ok

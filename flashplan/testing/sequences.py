@@ -27,6 +27,7 @@ from flashplan.layout.drafts import DraftTree
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
 from flashplan.layout.page_table import PageTable
+from flashplan.planning.chunks import needs_position_mask
 from flashplan.planning.planner import plan, plan_steps
 from flashplan.planning.spec import PlanSpec
 from flashplan.testing.batches import bushy_tree_parents
@@ -100,14 +101,26 @@ def _heads(rng: np.random.Generator, vary: bool, dtype: torch.dtype) -> HeadConf
     return HeadConfig(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=dtype)
 
 
-def _self_group(rng: np.random.Generator, *, window: bool) -> AttentionGroup:
-    """A causal self group: full or windowed, with or without soft cap or explicit scale."""
+def _self_group(rng: np.random.Generator, *, window: bool, sinks: bool) -> AttentionGroup:
+    """A causal self group: full or windowed, with or without soft cap, explicit scale or
+    (where ``sinks``) attention sinks."""
     cap = float(rng.choice([0.0, 30.0, 50.0])) if rng.random() < 0.4 else 0.0
     scale = float(rng.choice([0.05, 0.1])) if rng.random() < 0.2 else None
+    sink = sinks and rng.random() < 0.25
     if window and rng.random() < 0.6:
         w = int(rng.choice([0, 3, 15, 40, 127, 300]))
-        return AttentionGroup.sliding(w, logits_soft_cap=cap, sm_scale=scale)
-    return AttentionGroup.full(logits_soft_cap=cap, sm_scale=scale)
+        return AttentionGroup.sliding(w, logits_soft_cap=cap, sm_scale=scale, sinks=sink)
+    return AttentionGroup.full(logits_soft_cap=cap, sm_scale=scale, sinks=sink)
+
+
+def _local_group(rng: np.random.Generator, *, band: bool) -> AttentionGroup:
+    """A chunked group (chunks on and off page boundaries), or where ``band`` a
+    bidirectional window; sinks on some."""
+    sink = rng.random() < 0.3
+    if band and rng.random() < 0.4:
+        left, right = (int(v) for v in rng.choice([0, 2, 7, 31], 2))
+        return AttentionGroup.bidirectional(window_left=left, window_right=right, sinks=sink)
+    return AttentionGroup.chunked(int(rng.choice([4, 8, 16, 24, 64])), sinks=sink)
 
 
 def _groups(
@@ -116,16 +129,22 @@ def _groups(
     window: bool = True,
     cross: bool = False,
     bidirectional: bool = False,
+    local: bool = False,
 ) -> tuple[AttentionGroup, ...]:
-    """1–3 distinct self groups (0–2 windows), a bidirectional group where allowed and
-    one cross group where asked."""
+    """1–3 distinct self groups (0–2 windows), a bidirectional group where allowed, a
+    chunked or bidirectional-window group and sinks where ``local``, and one cross group
+    where asked."""
     out: list[AttentionGroup] = []
     for _ in range(int(rng.integers(1, 4))):
-        g = _self_group(rng, window=window)
+        g = _self_group(rng, window=window, sinks=local)
         if g not in out:
             out.append(g)
     if bidirectional and rng.random() < 0.4:
         out.append(AttentionGroup.bidirectional())
+    if local and rng.random() < 0.4:
+        g = _local_group(rng, band=bidirectional)
+        if g not in out:
+            out.append(g)
     if cross:
         out.append(AttentionGroup.cross(logits_soft_cap=30.0 if rng.random() < 0.3 else 0.0))
     return tuple(out)
@@ -255,7 +274,7 @@ def random_batch(
     encoder = None
     if mode == "decode":
         cross = rng.random() < 0.3
-        groups = _groups(rng, cross=cross)
+        groups = _groups(rng, cross=cross, local=True)
         seq = _lens(rng, bs, 1, n(300), n(3000))
         if cross:
             encoder = rng.integers(0, n(40), bs)
@@ -287,8 +306,12 @@ def random_batch(
                 items = _delimiters(rng, ext)
                 path = str(rng.choice(["auto", "paged"]))
             else:
-                groups = _groups(rng, cross=cross, bidirectional=True)
+                groups = _groups(rng, cross=cross, bidirectional=True, local=True)
                 path = str(rng.choice(_PATHS))
+                if path == "ragged" and any(  # a position mask runs paged only
+                    needs_position_mask(g, ps) for g in groups if not g.cross_attention
+                ):
+                    path = "paged"
             layout = BatchLayout.extend(prefix + ext, prefix, page_size=ps, groups=groups,
                                         encoder_lens=encoder, item_delimiters=items)  # fmt: skip
             detail = f"prefix={prefix.tolist()} ext={ext.tolist()}"
@@ -296,7 +319,7 @@ def random_batch(
                 detail += f" items={items}"
     elif mode in ("verify_tree", "verify_chain"):
         cross = rng.random() < 0.3
-        groups = _groups(rng, cross=cross)
+        groups = _groups(rng, cross=cross, local=True)
         prefix = _lens(rng, bs, 0, n(300), n(3000))
         tokens = int(rng.choice([1, 2, 4, 8, 16]))
         tree = _tree(rng, bs, tokens, mode == "verify_chain")

@@ -80,8 +80,8 @@ def _run_unchecked(executor: FlashInferExecutor, batch: Batch, *, sync_free: boo
     outs = []
     with syncs_raise(sync_free):
         for view, calls in zip(apply_batch(executor, batch), inputs.calls, strict=True):
-            for (group, q, k, v), cache in zip(calls, inputs.caches, strict=True):
-                outs.append(view.run(group, q, k, v, cache))
+            for (group, q, k, v, sinks), cache in zip(calls, inputs.caches, strict=True):
+                outs.append(view.run(group, q, k, v, cache, sinks=sinks))
             outs.append(view.positions())
     return outs + list(inputs.caches)
 
