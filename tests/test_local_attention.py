@@ -68,18 +68,26 @@ def _plans(layout: fp.BatchLayout, heads: fp.HeadConfig = HEADS) -> list[tuple[s
     """The layout's plan on every extend path it can run on; the ragged path of a group
     that needs a position mask is refused by name."""
     out = []
+    chunked = any(g.has_chunks for g in layout.groups)
     for path in ("auto", "paged", "ragged"):
         if layout.mode is fp.Mode.VERIFY and path == "ragged":
             continue
-        masked = any(
-            needs_position_mask(g, layout.page_size) for g in layout.groups if not g.cross_attention
-        )
-        if path == "ragged" and masked and layout.mode is fp.Mode.EXTEND:  # asked for
-            with pytest.raises(LayoutError) as err:
-                fp.plan(layout, heads, extend_path=path)
-            assert err.value.field == "extend_path"
-            continue
-        out.append((path, fp.plan(layout, heads, extend_path=path)))
+        # chunked_extend="mask" plans every chunked group of an extend as a position mask
+        for how in ("split", "mask") if chunked else ("split",):
+            masked = any(
+                needs_position_mask(g, layout.page_size) or (how == "mask" and g.has_chunks)
+                for g in layout.groups
+                if not g.cross_attention
+            )
+            if path == "ragged" and masked and layout.mode is fp.Mode.EXTEND:  # asked for
+                with pytest.raises(LayoutError) as err:
+                    fp.plan(layout, heads, extend_path=path, chunked_extend=how)
+                assert err.value.field == "extend_path"
+                continue
+            spec = fp.plan(layout, heads, extend_path=path, chunked_extend=how)
+            if how == "mask" and layout.mode is fp.Mode.EXTEND:  # no virtual request left
+                assert all(gp.virtual is None for gp in spec.group_plans)
+            out.append((f"{path}/{how}", spec))
     return out
 
 
@@ -266,8 +274,9 @@ def test_reference_equals_float64_oracle(
     layout: fp.BatchLayout, heads: fp.HeadConfig, path: str, seed: int, data: st.DataObject
 ) -> None:
     plans = dict(_plans(layout, heads))
-    if path not in plans:
-        path = "paged"
+    path = data.draw(
+        st.sampled_from(sorted(k for k in plans if k.startswith(path)) or ["paged/split"])
+    )
     spec = plans[path]
     table, pool = data.draw(page_tables(spec))
     gen = torch.Generator().manual_seed(seed)

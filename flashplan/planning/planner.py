@@ -61,6 +61,7 @@ def plan(
     heads: HeadConfig,
     *,
     extend_path: ExtendPath | str = ExtendPath.AUTO,
+    chunked_extend: str = "split",
 ) -> PlanSpec:
     """Plan every attention group of ``layout`` for the given heads.
 
@@ -78,16 +79,29 @@ def plan(
             Ignored for decode batches and cross-attention groups. A multi-item
             batch runs on FlashInfer's paged prefill only (its ragged kernel ignores
             the multi-item tensors): ``"auto"`` is paged and ``"ragged"`` is refused.
+        chunked_extend: how an extend plans a chunked group whose chunks start on page
+            boundaries: ``"split"`` (a page-aligned trim, or virtual requests where new
+            tokens cross a chunk boundary: plain causal kernels) or ``"mask"`` (always
+            one paged prefill with a position mask: one kernel row per request and a
+            custom mask in every batch, the fixed shape a CUDA-graph extend bucket
+            runs). Decode steps and verify batches are planned alike either way; a
+            chunk that starts inside a page always takes the mask.
 
     Raises:
         LayoutError: ``layout`` or ``heads`` is not the right record, ``extend_path``
-            is not one of the three names, or ``"ragged"`` for a multi-item batch.
+            is not one of the three names, or ``"ragged"`` for a multi-item batch or a
+            position-masked group; ``chunked_extend`` is not ``"split"`` or ``"mask"``.
     """
     if not isinstance(layout, BatchLayout):
         raise FieldTypeError("layout", "must be a BatchLayout", value=type(layout).__name__)
     if not isinstance(heads, HeadConfig):
         raise FieldTypeError("heads", "must be a HeadConfig", value=type(heads).__name__)
     choice = ExtendPath.parse(extend_path)
+    if chunked_extend not in ("split", "mask"):
+        raise LayoutError(
+            "chunked_extend", "must be 'split' or 'mask'", chunked_extend=chunked_extend
+        )
+    mask_chunks = chunked_extend == "mask"
     if layout.is_multi_item and choice is ExtendPath.RAGGED:
         raise LayoutError(
             "extend_path",
@@ -97,12 +111,13 @@ def plan(
         )
     if choice is ExtendPath.RAGGED and layout.mode is Mode.EXTEND:
         for g in layout.groups:
-            if not g.cross_attention and needs_position_mask(g, layout.page_size):
+            if not g.cross_attention and _masked(g, layout.page_size, mask_chunks):
                 raise LayoutError(
                     "extend_path",
                     f"group {g.describe()!r} runs on one paged prefill with a position mask "
-                    "(a bidirectional window, or a chunk that does not start on a page "
-                    "boundary): plan it with 'paged' or 'auto'",
+                    "(a bidirectional window, a chunk that does not start on a page "
+                    "boundary, or chunks with chunked_extend='mask'): plan it with 'paged' "
+                    "or 'auto'",
                     extend_path=choice.value,
                     page_size=layout.page_size,
                 )
@@ -131,7 +146,9 @@ def plan(
         # P, P + 1, ... for each request's new tokens: one run per request
         runs = PositionRuns(layout.prefix_lens, queries.lens)
     given, resolved = planned_groups(layout.groups, heads.head_dim)
-    group_plans = tuple(_plan_group(layout, g, choice, queries, items) for g in given)
+    group_plans = tuple(
+        _plan_group(layout, g, choice, queries, items, mask_chunks) for g in given
+    )
     return PlanSpec.of(
         _plan_key(layout, resolved, tuple(gp.path for gp in group_plans), heads),
         queries,
@@ -305,12 +322,18 @@ def _window(group: AttentionGroup) -> int:
     return min(group.window_left, INT32_MAX)
 
 
+def _masked(group: AttentionGroup, page_size: int, mask_chunks: bool) -> bool:
+    """Whether an extend runs ``group`` on one paged prefill with a position mask."""
+    return needs_position_mask(group, page_size) or (mask_chunks and group.has_chunks)
+
+
 def _plan_group(
     layout: BatchLayout,
     group: AttentionGroup,
     choice: ExtendPath,
     queries: Lengths,
     items: MultiItemTensors | None = None,
+    mask_chunks: bool = False,
 ) -> GroupPlan:
     """One group's plan; ``items`` (a multi-item batch: layouts refuse windowed and
     bidirectional groups there) go to every self group's paged call, in its key
@@ -322,7 +345,7 @@ def _plan_group(
         return _plan_verify(layout, group)
     if layout.mode is Mode.DECODE:
         return _decode_group(layout, group)
-    if needs_position_mask(group, layout.page_size):
+    if _masked(group, layout.page_size, mask_chunks):
         return _group_plan(
             group, KernelPath.PAGED, plan_position_masked(layout, group), None,
             layout.decoder_start, layout.seq_lens,

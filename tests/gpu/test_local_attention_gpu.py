@@ -220,6 +220,61 @@ def test_graph_replay_of_position_masked_decode() -> None:
         assert rel_err(out[: len(seq)], want) <= TOL_OUT
 
 
+def test_graph_replay_of_chunked_extends_planned_with_masks() -> None:
+    """An extend bucket (4 new tokens per request) over a chunked group: planned with
+    chunked_extend="mask", every batch (boundaries crossed or not) is one position-masked
+    call per request, which the bucket replays; equal to the reference, KV writes
+    included."""
+    from flashplan.executor.flashinfer import (
+        FlashInferExecutor,
+        GraphBucket,
+        GraphExecutor,
+        capture,
+    )
+
+    chunked = fp.AttentionGroup.chunked(16, sinks=True)
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    kv = torch.randn(600, 2, 16, 4, 128, generator=gen, device=DEV).to(torch.bfloat16)
+    sinks = torch.randn(16, generator=gen, device=DEV) * 3
+    gx = GraphExecutor(FlashInferExecutor(), GraphBucket.extend(4, 16, 4))
+    q_s = torch.zeros(16, 16, 128, device=DEV, dtype=torch.bfloat16)
+    k_s, v_s = (torch.zeros(16, 4, 128, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+
+    def spec_of(prefix: list[int]) -> fp.PlanSpec:
+        layout = fp.BatchLayout.extend(
+            [p + 4 for p in prefix], prefix, page_size=16, groups=[chunked]
+        )
+        return fp.plan(layout, HEADS, extend_path="paged", chunked_extend="mask")
+
+    first = spec_of([3, 20])
+    gx.apply(first, fp.PageTable.sequential(first.pages_needed, device=DEV))
+
+    def forward() -> torch.Tensor:
+        return gx.run(chunked, q_s, k_s, v_s, kv, sinks=sinks)
+
+    step = capture(gx, forward)
+    ref = fp.ReferenceExecutor()
+    for prefix in ([14, 30, 60, 100], [0, 1, 2], [13, 45, 77, 2]):  # boundaries at 16, 32 …
+        spec = spec_of(prefix)
+        assert spec.group_plans[0].virtual is None
+        assert spec.group_plans[0].paged.position_mask is not None  # type: ignore[union-attr]
+        table = fp.PageTable.shuffled(spec.pages_needed, seed=len(prefix), device=DEV)
+        n = spec.total_q
+        q = torch.randn(n, 16, 128, generator=gen, device=DEV).to(torch.bfloat16)
+        k = torch.randn(n, 4, 128, generator=gen, device=DEV).to(torch.bfloat16)
+        v = torch.randn(n, 4, 128, generator=gen, device=DEV).to(torch.bfloat16)
+        for static, value in ((q_s, q), (k_s, k), (v_s, v)):
+            static.zero_()
+            static[:n] = value
+        kv_ref = kv.clone()
+        out = step.replay(spec, table)
+        ref.apply(spec, table)
+        want = ref.run(chunked, q, k, v, kv_ref, sinks=sinks)
+        torch.cuda.synchronize()
+        assert rel_err(out[:n], want) <= TOL_OUT
+        assert torch.equal(kv, kv_ref)  # the replay wrote the new K/V where the plan says
+
+
 def test_virtual_requests_are_refused_in_graph_buckets() -> None:
     from flashplan.executor.flashinfer import FlashInferExecutor, GraphBucket, GraphExecutor
 

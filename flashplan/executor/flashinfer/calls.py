@@ -366,7 +366,8 @@ def check_runnable(spec: PlanSpec, *, graph: bool = False) -> None:
                 "groups",
                 f"group {gp.group.describe()!r}: this batch splits it into virtual requests "
                 "(new tokens across a chunk boundary), which a CUDA-graph bucket does not "
-                "run: run this step eagerly",
+                "run: plan it with chunked_extend='mask' (one position-masked call per "
+                "request), or run this step eagerly",
                 group=gp.group.describe(),
             )  # fmt: skip
 
