@@ -146,9 +146,7 @@ def plan(
         # P, P + 1, ... for each request's new tokens: one run per request
         runs = PositionRuns(layout.prefix_lens, queries.lens)
     given, resolved = planned_groups(layout.groups, heads.head_dim)
-    group_plans = tuple(
-        _plan_group(layout, g, choice, queries, items, mask_chunks) for g in given
-    )
+    group_plans = tuple(_plan_group(layout, g, choice, queries, items, mask_chunks) for g in given)
     return PlanSpec.of(
         _plan_key(layout, resolved, tuple(gp.path for gp in group_plans), heads),
         queries,
