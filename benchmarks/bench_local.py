@@ -51,6 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashplan as fp
+from flashplan.executor.flashinfer.calls import SINK_WRAPPERS, WrapperKind
 
 HQ, HKV, D, PAGE = 64, 8, 64, 16
 SINK_LAYERS = (("window 128", 127), ("full", -1))
@@ -131,21 +132,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # --------------------------------------------------------------------------- sinks
-def _sink_decode_wrapper(window: int):
+def _sink_wrapper(kind: WrapperKind, window: int):
+    """FlashInfer's sink wrapper replacing ``kind`` (the library's own mapping), FA2."""
     import flashinfer
 
     ws = torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda")
-    return flashinfer.BatchDecodeWithAttentionSinkWrapper(
-        ws, "NHD", backend="fa2", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
-        head_dim_qk=D, head_dim_vo=D, window_left=window,
-    )  # fmt: skip
-
-
-def _sink_prefill_wrapper(window: int):
-    import flashinfer
-
-    ws = torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda")
-    return flashinfer.BatchAttentionWithAttentionSinkWrapper(
+    return getattr(flashinfer, SINK_WRAPPERS[kind])(
         ws, "NHD", backend="fa2", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
         head_dim_qk=D, head_dim_vo=D, window_left=window,
     )  # fmt: skip
@@ -155,8 +147,8 @@ def compile_sink_modules() -> None:
     """Build (JIT) every sink module this benchmark uses."""
     for _, window in SINK_LAYERS:
         t0 = time.perf_counter()
-        _sink_decode_wrapper(window)
-        _sink_prefill_wrapper(window)
+        _sink_wrapper(WrapperKind.DECODE, window)
+        _sink_wrapper(WrapperKind.PAGED_PREFILL, window)
         print(f"sink modules, window {window}: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
@@ -222,13 +214,13 @@ def sink_kernels() -> list[str]:
                 raw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
                 raw.plan(indptr, ids, last, HQ, HKV, D, PAGE, window_left=window,
                          q_data_type=torch.bfloat16)  # fmt: skip
-                sink = _sink_decode_wrapper(window)
+                sink = _sink_wrapper(WrapperKind.DECODE, window)
                 sink.plan(indptr, ids, last, HQ, HKV, D, PAGE, window_left=window,
                           q_data_type=torch.bfloat16)  # fmt: skip
             else:
                 qo = torch.from_numpy(spec.qo_indptr).to(dev)
                 raw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
-                sink = _sink_prefill_wrapper(window)
+                sink = _sink_wrapper(WrapperKind.PAGED_PREFILL, window)
                 for w in (raw, sink):
                     w.plan(qo, indptr, ids, last, HQ, HKV, D, PAGE, causal=True,
                            window_left=window, q_data_type=torch.bfloat16)  # fmt: skip

@@ -235,6 +235,17 @@ def _threshold_firsts(q: int, k: int) -> st.SearchStrategy[int]:
     )
 
 
+def _shuffled_offsets(draw: st.DrawFn, n_bytes: list[int]) -> tuple[list[int], int]:
+    """Each request's first byte, the requests laid out in a shuffled order with 0..3
+    spare bytes before and between them; and the end of the last one's gap."""
+    order = draw(st.permutations(range(len(n_bytes))))
+    offsets, at = [0] * len(n_bytes), draw(st.integers(0, 3))
+    for index in order:
+        offsets[index] = at
+        at += n_bytes[index] + draw(st.integers(0, 3))
+    return offsets, at
+
+
 @st.composite
 def threshold_cases(draw: st.DrawFn) -> dict[str, object]:
     """Requests of 0..20 rows x 0..40 columns (kv < 8: the per-bit path, 8+: the
@@ -245,11 +256,7 @@ def threshold_cases(draw: st.DrawFn) -> dict[str, object]:
     kv = draw(st.lists(st.one_of(st.integers(0, 8), st.integers(9, 40)), min_size=bs, max_size=bs))
     first = [draw(_threshold_firsts(q, k)) for q, k in zip(qo, kv, strict=True)]
     n_bytes = [(q * k + 7) // 8 for q, k in zip(qo, kv, strict=True)]
-    order = draw(st.permutations(range(bs)))
-    offsets, at = [0] * bs, draw(st.integers(0, 3))
-    for index in order:
-        offsets[index] = at
-        at += n_bytes[index] + draw(st.integers(0, 3))
+    offsets, at = _shuffled_offsets(draw, n_bytes)
     dtypes = draw(st.lists(st.sampled_from([torch.int32, torch.int64]), min_size=4, max_size=4))
     arrays = tuple(
         torch.tensor(x, dtype=d) for x, d in zip((first, qo, kv, offsets), dtypes, strict=True)
@@ -360,11 +367,7 @@ def position_cases(draw: st.DrawFn) -> dict[str, object]:
         draw(st.sampled_from([0, 0, 1, 3, 6, 16, 64])),
     )
     n_bytes = [(q * k + 7) // 8 for q, k in zip(qo, kv, strict=True)]
-    order = draw(st.permutations(range(bs)))
-    offsets, at = [0] * bs, draw(st.integers(0, 3))
-    for index in order:
-        offsets[index] = at
-        at += n_bytes[index] + draw(st.integers(0, 3))
+    offsets, at = _shuffled_offsets(draw, n_bytes)
     dtype = draw(st.sampled_from([torch.int32, torch.int64]))
     return {
         "lists": (qo, kv, row, col, rule),

@@ -351,9 +351,10 @@ def check_runnable(spec: PlanSpec, *, graph: bool = False) -> None:
     A chunked extend whose new tokens cross a chunk boundary runs over virtual requests
     (:attr:`~flashplan.planning.GroupPlan.virtual`): more kernel rows than requests,
     which a CUDA-graph bucket (``graph``: the caller is one) has no fixed buffers for.
-    Its steps never split that way (a decode or verify query sees one chunk; a draft
-    extend's tokens stay inside one chunk unless they reach a boundary), so such a
-    batch runs eagerly. The executor refuses rather than run a different mask.
+    Decode and verify steps never split that way (their queries see one chunk each); an
+    extend that a bucket replays is planned with ``plan(..., chunked_extend="mask")``
+    (one position-masked call per request), or runs eagerly. The executor refuses rather
+    than run a different mask.
 
     Raises:
         UnsupportedError: naming the group.
@@ -485,7 +486,7 @@ def sink_kernel(gp: GroupPlan, heads: HeadConfig, *, multi_item: bool) -> SinkKe
     part = gp.paged
     if part is None or not part.sinks or gp.group.logits_soft_cap or multi_item:
         return None
-    if part.mask is not None or part.position_mask is not None:
+    if gp.uses_custom_mask:
         return None
     return SinkKernel(heads.q_dtype, heads.kv_dtype, heads.head_dim, part.window_left)
 

@@ -188,7 +188,8 @@ def _bound_call(
             v.name for n, v in call.placeholders if n == "qo_indptr" and isinstance(v, HostArray)
         )
         qo, ind, kv = prefix + qo_name, g + ".page_indptr", g + ".kv_lens"
-        qo_ints = prefix + qo_name.replace("qo_indptr", "qo")  # "qo" or "g<i>.qo"
+        # a group over virtual requests has its own rows, hence its own query integers
+        qo_ints = prefix + "qo" if qo_name == "qo_indptr" else g + ".qo"
         prefill = (host[qo], staged[qo], host[ind], staged[ind], staged[g + ".last_page_len"],
                    host[kv], staged[kv])  # fmt: skip
         if any(isinstance(v, BuiltMask) for _, v in call.placeholders):
