@@ -39,8 +39,10 @@ import flashplan as fp
 import flashplan.executor.flashinfer.adapter as adapter_mod
 import flashplan.executor.flashinfer.buffers as buffers_mod
 import flashplan.executor.flashinfer.calls as calls_mod
-import flashplan.executor.flashinfer.executor as executor_mod
+import flashplan.executor.flashinfer.device_work as device_work_mod
+import flashplan.executor.flashinfer.eager as eager_mod
 import flashplan.executor.flashinfer.staging as staging_mod
+import flashplan.executor.flashinfer.wrapper_plans as wrapper_plans_mod
 import flashplan.executor.gathers as gathers_mod
 import flashplan.kernels.fused as fused_mod
 import flashplan.planning.planner as planner_mod
@@ -51,12 +53,12 @@ from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 FUNCTIONS = [
     planner_mod.plan,
     FlashInferExecutor.apply,
-    FlashInferExecutor._device_plan,
-    FlashInferExecutor._stage,
-    FlashInferExecutor._upload,
-    FlashInferExecutor._gather_and_mask,
-    FlashInferExecutor._plan_calls,
-    executor_mod._bound_call,
+    eager_mod.EagerBuffers.device_plan,
+    device_work_mod.stage,
+    device_work_mod.upload,
+    device_work_mod.gather_and_mask,
+    wrapper_plans_mod.plan_calls,
+    wrapper_plans_mod.bound_call,
     calls_mod.call_inputs,
     calls_mod._mask_recipe,
     gathers_mod.gather_jobs,

@@ -29,8 +29,8 @@ properties, computed by their first reader); ``--fixed`` times the stages once m
 one plan applied again and again. Medians per apply over ``--n`` applies;
 then a cProfile of the same loop (sorted by own time).
 
-The stage names follow ``flashplan/executor/flashinfer/executor.py``; a stage whose
-method no longer exists is reported as missing rather than failing.
+The stage names follow the executor's parts (``flashplan/executor/flashinfer/``); a
+stage whose function no longer exists is reported as missing rather than failing.
 """
 
 from __future__ import annotations
@@ -59,12 +59,14 @@ with warnings.catch_warnings():
 from _timing import blocked_us, host_us, sleep_cycles
 
 import flashplan as fp
+import flashplan.executor.flashinfer.device_work as device_work_mod
+import flashplan.executor.flashinfer.eager as eager_mod
 import flashplan.executor.flashinfer.executor as executor_mod
-import flashplan.executor.flashinfer.graphs as graphs_mod
+import flashplan.executor.flashinfer.graph_buffers as graph_buffers_mod
+import flashplan.executor.flashinfer.wrapper_plans as wrapper_plans_mod
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 from flashplan.executor.flashinfer.bucket import GraphBucket
 from flashplan.executor.flashinfer.buffers import PinnedSlot
-from flashplan.executor.flashinfer.graphs import GraphExecutor
 from flashplan.kernels.fused import BoundGatherAndMask, StagedMask
 from flashplan.testing.batches import bushy_tree_parents, scoring_batch
 
@@ -144,32 +146,34 @@ class StageTimer:
 
 
 def instrument(timer: StageTimer, ex: FlashInferExecutor, graph: bool) -> None:
-    mod = graphs_mod if graph else executor_mod
+    """Wrap the executor's steps (its parts' module functions and its strategy's
+    methods) in timers."""
+    owned = ex._buffers.owned  # the executor's parts (not its API)
+    strategy = type(ex._buffers)  # (a slotted attrs class: wrapped on the class)
+    mod = graph_buffers_mod if graph else eager_mod
     if graph:
-        timer.wrap(graphs_mod, "check_fits", "check_fits")
+        timer.wrap(graph_buffers_mod, "check_fits", "check_fits")
     timer.wrap(executor_mod, "check_apply_args", "check_apply_args")
-    timer.wrap(ex, "_skeleton", "skeleton")
-    timer.wrap(ex, "_device_plan", "device_plan")
+    timer.wrap(strategy, "skeleton", "skeleton")
+    timer.wrap(strategy, "device_plan", "device_plan")
     timer.wrap(mod, "call_inputs", "call_inputs")
     timer.wrap(mod, "gather_jobs", "gather_jobs")
     if graph:
         timer.wrap(mod, "bucket_jobs", "bucket_jobs")
         timer.wrap(mod, "padded_inputs", "padded_inputs")
     timer.wrap(mod, "device_plan", "staging layout (device_plan())")
-    timer.wrap(ex, "_stage", "stage")
-    timer.wrap(ex._ring, "acquire", "ring.acquire")
-    timer.wrap(ex, "_gather_and_mask", "gather + mask")
-    timer.wrap(executor_mod, "launch_gather_and_mask", "fused launch")
+    timer.wrap(executor_mod, "stage", "stage")
+    timer.wrap(owned.ring, "acquire", "ring.acquire")
+    timer.wrap(executor_mod, "gather_and_mask", "gather + mask")
+    timer.wrap(device_work_mod, "launch_gather_and_mask", "fused launch")
     timer.wrap(BoundGatherAndMask, "__call__", "fused launch")  # the bound launches
     timer.wrap(StagedMask, "build", "extra masks")
-    pool = getattr(ex, "_pool", None)
-    if pool is not None:
-        timer.wrap(pool, "acquire", "pool.acquire")
-        timer.wrap(pool, "mark_planned", "mark events")
-    timer.wrap(ex, "_call_plan", "plan()")
-    timer.wrap(executor_mod, "replan_decode", "fast_decode_plan")
-    timer.wrap(executor_mod, "replan_prefill", "prefill re-plan (replan_prefill)")
-    timer.wrap(ex, "_fill_item_positions", "multi-item fill (memset + fill_runs)")
+    timer.wrap(owned.pool, "acquire", "pool.acquire")
+    timer.wrap(owned.pool, "mark_planned", "mark events")
+    timer.wrap(wrapper_plans_mod, "call_plan", "plan()")
+    timer.wrap(wrapper_plans_mod, "replan_decode", "fast_decode_plan")
+    timer.wrap(wrapper_plans_mod, "replan_prefill", "prefill re-plan (replan_prefill)")
+    timer.wrap(wrapper_plans_mod, "fill_item_positions", "multi-item fill (memset + fill_runs)")
     timer.wrap(PinnedSlot, "mark_read", "mark events")
 
 
@@ -215,8 +219,8 @@ def isolated(timer: StageTimer) -> None:
     cost, without the rest of apply around them."""
     print("  -- the same calls replayed alone (median µs, idle GPU) --")
     if "plan()" in timer.last_call:
-        call_plan, (wrapper, kwargs), _ = timer.last_call["plan()"]
-        t = idle_us(lambda: call_plan(wrapper, kwargs))
+        call_plan, (wrapper, kwargs, *rest), _ = timer.last_call["plan()"]
+        t = idle_us(lambda: call_plan(wrapper, kwargs, *rest))
         print(f"  {'plan() with the kwargs of apply':<34} {t:8.1f}")
         if all(k in kwargs for k in BARE_PLAN_ARGS):  # a decode call
             bare = {k: kwargs[k] for k in BARE_PLAN_ARGS}
@@ -254,7 +258,7 @@ def run(title: str, ex: FlashInferExecutor, make: Callable[[], Any], table: fp.P
     back_to_back = (time.perf_counter() - t0) / n * 1e6
     torch.cuda.synchronize()
     timer = StageTimer()
-    instrument(timer, ex, graph=isinstance(ex, GraphExecutor))
+    instrument(timer, ex, graph=ex.bucket is not None)
     try:
         for spec in [make() for _ in range(n)]:
             torch.cuda.synchronize()
@@ -305,7 +309,7 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--kv", type=int, default=4096)
     parser.add_argument("--n", type=int, default=200, help="applies per measurement")
-    parser.add_argument("--no-graph", action="store_true", help="skip GraphExecutor.apply")
+    parser.add_argument("--no-graph", action="store_true", help="skip the graph executor's apply")
     parser.add_argument("--no-cprofile", action="store_true")
     parser.add_argument(
         "--fixed", action="store_true",
@@ -367,8 +371,8 @@ def main() -> None:
             FlashInferExecutor(policy=policy), lambda: one, table, args.n, False)  # fmt: skip
     if args.case == "decode" and not args.no_graph:
         max_pages = -(-args.kv // ps)
-        gx = GraphExecutor(FlashInferExecutor(), GraphBucket.decode(args.batch, max_pages))
-        run("GraphExecutor.apply (replay planning)", gx, make, table, args.n,
+        gx = FlashInferExecutor().for_bucket(GraphBucket.decode(args.batch, max_pages))
+        run("graph executor apply (replay planning)", gx, make, table, args.n,
             not args.no_cprofile)  # fmt: skip
 
 

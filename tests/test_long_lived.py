@@ -19,9 +19,10 @@ import torch
 import flashplan as fp
 from flashplan.executor.flashinfer.buffers import DeviceBuffer, SliceViews, StagedViews
 from flashplan.executor.flashinfer.calls import call_inputs, call_skeleton, skeleton_key
-from flashplan.executor.flashinfer.executor import FlashInferExecutor, _bound_call
+from flashplan.executor.flashinfer.device_work import staged_mask
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
+from flashplan.executor.flashinfer.wrapper_plans import bound_call
 from flashplan.executor.gathers import gather_jobs
 from flashplan.testing.checking import check_sequence
 from flashplan.testing.sequences import SEQUENCE_MODES, Batch, batch_sequence
@@ -94,10 +95,10 @@ def test_bound_calls_and_masks_from_the_memo_equal_fresh_ones() -> None:
                 for part, call in (("paged", gc.paged), ("ragged", gc.ragged)):
                     if call is None:
                         continue
-                    got = _bound_call(call, host, staged, "", gc.group_index, part)
+                    got = bound_call(call, host, staged, "", gc.group_index, part)
                     fresh_host = StagedViews(host.tensor, dplan.manifest)
                     fresh_dev = StagedViews(staged.tensor, dplan.manifest)
-                    want = _bound_call(call, fresh_host, fresh_dev, "", gc.group_index, part)
+                    want = bound_call(call, fresh_host, fresh_dev, "", gc.group_index, part)
                     assert got.kwargs.keys() == want.kwargs.keys(), batch.label
                     for name, value in got.kwargs.items():
                         assert _same(value, want.kwargs[name]), (batch.label, name)
@@ -105,9 +106,9 @@ def test_bound_calls_and_masks_from_the_memo_equal_fresh_ones() -> None:
                     assert got.prefill_ints == want.prefill_ints, batch.label
             for index, recipe in dplan.masks.items():
                 out = mask_out.setdefault(index, torch.zeros(1 << 20, dtype=torch.uint8))
-                got_mask = FlashInferExecutor._staged_mask(dplan, staged, index, recipe, out)
+                got_mask = staged_mask(dplan, staged, index, recipe, out)
                 fresh_dev = StagedViews(staged.tensor, dplan.manifest)
-                want_mask = FlashInferExecutor._staged_mask(dplan, fresh_dev, index, recipe, out)
+                want_mask = staged_mask(dplan, fresh_dev, index, recipe, out)
                 assert got_mask[1:-1] == want_mask[1:-1], batch.label  # every int field
     shared_layouts = sum(1 for calls in layouts_seen.values() if len(calls) > 1)
     assert shared_layouts > 5  # layouts that several different call sets share

@@ -122,6 +122,16 @@ class GatherJobs:
     def use_map(self) -> IntArray:
         return self.table[5]
 
+    def step(self, prefix: str) -> GatherJobs:
+        """The same table with only the regions named under ``prefix`` (one step of a
+        multi-step draft: :func:`gather_jobs_steps`), their names without it."""
+        regions = tuple(
+            r._replace(name=r.name.removeprefix(prefix))
+            for r in self.regions
+            if r.name.startswith(prefix)
+        )
+        return attrs.evolve(self, regions=regions)
+
     def region(self, name: str) -> Region:
         """The region called ``name`` (``KeyError`` when the batch has none)."""
         for r in self.regions:

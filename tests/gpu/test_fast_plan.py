@@ -36,7 +36,7 @@ def _batches(batch_size: int, seed: int) -> list[np.ndarray]:
 
 
 def _plan_infos(ex: FlashInferExecutor) -> list[object]:
-    return [list(w._plan_info) for w in ex._planned.values()]
+    return [list(w._plan_info) for w in ex.planned_wrappers.values()]
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -109,7 +109,7 @@ def test_fast_decode_plan_equals_plan_in_graphs(page_size: int, batch_size: int)
         gx.apply(specs[0], tables[0])
         caches[name] = [c.clone() for c in base]
 
-        def forward(gx: GraphExecutor = gx, cs: list[torch.Tensor] = caches[name]) -> object:
+        def forward(gx: FlashInferExecutor = gx, cs: list[torch.Tensor] = caches[name]) -> object:
             return [gx.run(g, q, k, v, c) for g, c in zip(GROUPS, cs, strict=True)]
 
         steps[name] = capture(gx, forward)

@@ -143,29 +143,29 @@ def test_fast_prefill_plan_equals_plan(page_size: int) -> None:
         ):
             assert torch.equal(o_fast, o_full), (group, step)
             assert torch.equal(l_fast, l_full), (group, step)
-        assert fast._planned.keys() == full._planned.keys()
-        for key, wrapper in full._planned.items():
+        assert fast.planned_wrappers.keys() == full.planned_wrappers.keys()
+        for key, wrapper in full.planned_wrappers.items():
             built = tuple(
-                ex._mask_bufs[key[0]].tensor if key[0] in ex._mask_bufs else None
+                ex._buffers.owned.mask_bufs[key[0]].tensor if key[0] in ex._buffers.owned.mask_bufs else None
                 for ex in (fast, full)
             )
-            _assert_same_state(fast._planned[key], wrapper, built, f"step {step}, call {key}")
+            _assert_same_state(fast.planned_wrappers[key], wrapper, built, f"step {step}, call {key}")
         _check_kv_lens_fields(fast, step)
     assert fast.plan_counts["fast_prefill_plan"] >= 8  # every wrapper after its first plan
     assert full.plan_counts["fast_prefill_plan"] == 0
     # The sequence makes full plan() calls on wrappers that were re-planned (a verify
     # batch's tree mask changes the constants of the full group's wrapper, and the
     # extend after it changes them back).
-    assert fast.plan_counts["plan"] > sum(len(slots) for slots in fast._pool.slots.values())
+    assert fast.plan_counts["plan"] > sum(len(slots) for slots in fast._buffers.owned.pool.slots.values())
 
 
 def _check_kv_lens_fields(ex: FlashInferExecutor, step: int) -> None:
     """A re-planned prefill wrapper's KV-lengths field is a view of the staging buffer
     and it keeps its own buffer aside; after a full ``plan()`` the field is its own
     buffer again (``plan()`` writes into it: never into the staging buffer)."""
-    staged = ex._staged.tensor
+    staged = ex._buffers.owned.staged.tensor
     lo, hi = staged.data_ptr(), staged.data_ptr() + staged.numel() * staged.element_size()
-    for slots in ex._pool.slots.values():
+    for slots in ex._buffers.owned.pool.slots.values():
         for slot in slots:
             field = getattr(slot.wrapper, "_kv_lens_buffer", None)
             if field is None or slot.planned_with is None:

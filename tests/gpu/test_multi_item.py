@@ -245,9 +245,9 @@ def test_plan_arguments_are_views_of_the_executors_device_data():
         ex.apply(spec, fp.PageTable.sequential(spec.pages_needed, device="cuda"))  # type: ignore[attr-defined]
         (gc,) = ex.calls  # type: ignore[attr-defined]
         assert gc.paged.wrapper.backend == "fa2"
-        wrapper = ex._planned[(gc.group_index, "paged")]  # type: ignore[attr-defined]
+        wrapper = ex.planned_wrappers[(gc.group_index, "paged")]  # type: ignore[attr-defined]
         items = spec.group_plans[0].items
-        staged = ex._staged.tensor  # type: ignore[attr-defined]
+        staged = ex._buffers.owned.staged.tensor  # type: ignore[attr-defined]
         lo, hi = staged.data_ptr(), staged.data_ptr() + staged.numel() * 4
         for attr, want, dtype, signed, in_staging in (
             ("_prefix_len_ptr", items.prefix_len_ptr, torch.uint32, torch.int32, True),
@@ -273,7 +273,7 @@ def test_plain_batch_after_multi_item_is_plain_again():
     for _, out_err, _, _ in run_both(plain, heads, ex, extend_path="paged"):
         assert out_err <= 1e-2
     (gc,) = ex.calls  # type: ignore[attr-defined]
-    assert ex._planned[(gc.group_index, "paged")]._prefix_len_ptr is None  # type: ignore[attr-defined]
+    assert ex.planned_wrappers[(gc.group_index, "paged")]._prefix_len_ptr is None  # type: ignore[attr-defined]
 
 
 def test_apply_and_run_never_sync():

@@ -1,0 +1,54 @@
+"""What an apply leaves for ``run``: one frozen record per applied batch (or step)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch
+
+    from flashplan.executor.flashinfer.buffers import DeviceBuffer
+    from flashplan.executor.flashinfer.staging import DevicePlan
+    from flashplan.executor.flashinfer.wrapper_plans import Planned
+    from flashplan.executor.gathers import Region
+    from flashplan.layout.group import AttentionGroup
+    from flashplan.layout.page_table import PageTable
+    from flashplan.planning.spec import PlanSpec
+
+__all__ = ["AppliedBatch"]
+
+
+@attrs.frozen(eq=False)
+class AppliedBatch:
+    """One applied plan (a whole batch, or one step of a multi-step draft).
+
+    Attributes:
+        spec: the plan.
+        dplan: its device work (calls, gather jobs with this batch's or step's region
+            names, staging manifest).
+        table: the page table it was applied with.
+        planned: the planned wrapper of each call, by ``(group index, part)``.
+        page: int32 device buffer of gathered page ids (regions: ``dplan.jobs``).
+        offset: int32 device buffer of gathered in-page offsets (-1: no slot).
+        positions: the device buffer ``positions()`` fills for this plan.
+    """
+
+    spec: PlanSpec
+    dplan: DevicePlan
+    table: PageTable
+    planned: Planned
+    page: torch.Tensor
+    offset: torch.Tensor
+    positions: DeviceBuffer
+
+    def write_region(self, group: AttentionGroup, window_pool: bool) -> Region:
+        """The gather region of ``group``'s write slots: the encoder's for a cross group,
+        the window pool's for a windowed group of an executor with a page map."""
+        jobs = self.dplan.jobs
+        if group.cross_attention:
+            return jobs.region("encoder")
+        if window_pool and group.uses_window_pool:
+            return jobs.region("write/window")
+        return jobs.region("write")

@@ -1,0 +1,189 @@
+"""The buffers strategy of a FlashInfer executor: who owns every buffer and cache.
+
+An executor is one facade (:class:`~flashplan.executor.flashinfer.FlashInferExecutor`)
+over a strategy that decides where the batch's device data lives:
+
+* :class:`~flashplan.executor.flashinfer.eager.EagerBuffers`: buffers that grow to the
+  largest batch, wrappers made on demand (several per key while the host plans ahead of
+  the GPU);
+* :class:`~flashplan.executor.flashinfer.graph_buffers.GraphBuffers`: the fixed buffers
+  and graph-mode wrappers of one CUDA-graph bucket, sized by a
+  :class:`~flashplan.executor.flashinfer.bucket.GraphBucket`.
+
+Both own an :class:`OwnedBuffers` (the pinned staging ring, the device staging copy,
+the wrapper pool, the call skeletons, …); the executor's steps (stage, gather, plan,
+run) are the same functions over either.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import attrs
+import torch
+
+from flashplan.executor.flashinfer.buffers import DeviceBuffer, PinnedRing, SliceViews, WrapperPool
+from flashplan.kernels.fused import direct_launcher
+from flashplan.kernels.gather import new_status
+
+if TYPE_CHECKING:
+    from flashplan.executor.checks import RunArgs
+    from flashplan.executor.flashinfer.adapter import DirectLaunch
+    from flashplan.executor.flashinfer.bucket import GraphBucket
+    from flashplan.executor.flashinfer.buffers import WrapperSlot
+    from flashplan.executor.flashinfer.calls import GroupCalls, WrapperKey
+    from flashplan.executor.flashinfer.settings import ExecutorSettings
+    from flashplan.executor.flashinfer.staging import DevicePlan
+    from flashplan.layout.page_table import PageTable
+    from flashplan.planning.spec import PlanSpec
+
+__all__ = ["BuffersStrategy", "OwnedBuffers", "PlanCounts"]
+
+
+@attrs.define
+class PlanCounts:
+    """FlashInfer planning calls made so far, by route.
+
+    Attributes:
+        full: full ``plan()`` calls.
+        decode_replans: decode re-plans through the compiled scheduler.
+        prefill_replans: paged prefill re-plans through the compiled scheduler.
+    """
+
+    full: int = 0
+    decode_replans: int = 0
+    prefill_replans: int = 0
+
+
+@attrs.define(eq=False)
+class OwnedBuffers:
+    """Every buffer and cache an executor keeps between applies (see
+    :mod:`~flashplan.executor.flashinfer.caches` for each one's key).
+
+    Attributes:
+        pool: FlashInfer wrappers by ``(step prefix, WrapperKey)``.
+        skeletons: call skeletons by their static key.
+        ring: pinned host staging slots.
+        staged: the device copy of the staging data (int32).
+        views: the named views of staging tensors, per tensor and manifest.
+        out_page: gathered page ids (int32, eager strategy).
+        out_offset: gathered in-page offsets (int32, eager strategy).
+        mask_bufs: built custom masks (uint8) per group index (eager strategy).
+        item_bufs: multi-item ``token_pos_in_items`` (int16 bytes of uint16) per name.
+        runs_staged: the staged position runs (int32).
+        positions: the applied plan's RoPE positions (int32).
+        step_positions: each step's positions of ``apply_steps``.
+        status: int32 ``[2]``: bad page ids met, first bad gather job.
+        direct: the fused gather launch's compiled variants (``None``: launch through
+            Triton's Python path).
+        counts: the planning calls made so far.
+    """
+
+    device: torch.device
+    pool: WrapperPool
+    skeletons: dict[object, tuple[GroupCalls, ...]] = attrs.field(factory=dict)
+    ring: PinnedRing = attrs.field(factory=PinnedRing)
+    views: SliceViews = attrs.field(factory=SliceViews)
+    item_bufs: dict[str, DeviceBuffer] = attrs.field(factory=dict)
+    mask_bufs: dict[int, DeviceBuffer] = attrs.field(factory=dict)
+    step_positions: list[DeviceBuffer] = attrs.field(factory=list)
+    counts: PlanCounts = attrs.field(factory=PlanCounts)
+    direct: DirectLaunch | None = attrs.field(factory=direct_launcher)
+    staged: DeviceBuffer = attrs.field(init=False)
+    out_page: DeviceBuffer = attrs.field(init=False)
+    out_offset: DeviceBuffer = attrs.field(init=False)
+    runs_staged: DeviceBuffer = attrs.field(init=False)
+    positions: DeviceBuffer = attrs.field(init=False)
+    status: torch.Tensor = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        dev = self.device
+        self.staged = DeviceBuffer(dev, torch.int32)
+        self.out_page = DeviceBuffer(dev, torch.int32)
+        self.out_offset = DeviceBuffer(dev, torch.int32)
+        self.runs_staged = DeviceBuffer(dev, torch.int32)
+        self.positions = DeviceBuffer(dev, torch.int32)
+        self.status = new_status(dev)
+
+    def step_positions_buffer(self, step: int) -> DeviceBuffer:
+        """Step ``step``'s positions buffer of ``apply_steps`` (made on first use)."""
+        while len(self.step_positions) <= step:
+            self.step_positions.append(DeviceBuffer(self.device, torch.int32))
+        return self.step_positions[step]
+
+
+class BuffersStrategy(Protocol):
+    """Where an executor's batch data lives; the eager and the graph strategies.
+
+    Attributes:
+        settings: the executor's settings.
+        owned: the buffers and caches it keeps.
+        bucket: the CUDA-graph bucket (``None``: eager).
+        graph: the wrappers read fixed buffers (CUDA graphs).
+        fast_prefill: paged prefill wrappers may be re-planned through the compiled
+            scheduler.
+    """
+
+    @property
+    def settings(self) -> ExecutorSettings: ...
+    @property
+    def owned(self) -> OwnedBuffers: ...
+    @property
+    def bucket(self) -> GraphBucket | None: ...
+    @property
+    def graph(self) -> bool: ...
+    @property
+    def fast_prefill(self) -> bool: ...
+
+    def admit(self, spec: PlanSpec) -> None:
+        """Refuse a plan this strategy cannot hold (a graph: one beyond its bucket)."""
+        ...
+
+    def admit_steps(self, specs: tuple[PlanSpec, ...]) -> None:
+        """Refuse the steps of a multi-step draft this strategy cannot hold."""
+        ...
+
+    def skeleton(self, spec: PlanSpec) -> tuple[GroupCalls, ...]:
+        """``spec``'s FlashInfer calls (kept per static key)."""
+        ...
+
+    def device_plan(
+        self, spec: PlanSpec, calls: tuple[GroupCalls, ...], table: PageTable
+    ) -> DevicePlan:
+        """``spec``'s device work: gather jobs, staging manifest and masks."""
+        ...
+
+    def steps_device_plan(
+        self,
+        steps: list[tuple[PlanSpec, tuple[GroupCalls, ...]]],
+        table: PageTable,
+        prefixes: list[str],
+    ) -> DevicePlan:
+        """The device work of every step of a multi-step draft, names under prefixes."""
+        ...
+
+    def gather_out(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gather's output buffers (page ids, in-page offsets), at least ``size``."""
+        ...
+
+    def mask_out(self, group_index: int, size: int) -> torch.Tensor:
+        """The uint8 buffer group ``group_index``'s mask is built into (``size`` bytes)."""
+        ...
+
+    def make_wrapper(self, key: WrapperKey, group_index: int, prefix: str) -> WrapperSlot:
+        """A new FlashInfer wrapper for ``key``."""
+        ...
+
+    def check_run(
+        self,
+        spec: PlanSpec | None,
+        group: object,
+        q: object,
+        k_new: object,
+        v_new: object,
+        kv_cache: object,
+        return_lse: object,
+        sinks: object,
+    ) -> RunArgs:
+        """``run``'s arguments checked against the applied plan and this strategy."""
+        ...

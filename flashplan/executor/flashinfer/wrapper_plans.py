@@ -1,0 +1,204 @@
+"""Planning the FlashInfer wrappers of a batch: every call's ``plan()`` (or its fast
+re-plan through the compiled scheduler, :mod:`~flashplan.executor.flashinfer.adapter`).
+
+A call's arguments are resolved once per call, staging layout and pinned slot
+(:class:`~flashplan.executor.flashinfer.caches.BoundCall`); per batch only the
+placeholders that change (gathered page ids, built masks, the batch's ints,
+multi-item tensors) are resolved.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from flashplan.errors import UnsupportedError
+from flashplan.executor.flashinfer.adapter import (
+    DecodeArrays,
+    PrefillArrays,
+    replan_decode,
+    replan_prefill,
+    replannable,
+    restore_own_buffers,
+)
+from flashplan.executor.flashinfer.caches import BoundCall, BoundCallKey, DecodeViews, PrefillViews
+from flashplan.executor.flashinfer.calls import (
+    BatchInt,
+    BuiltMask,
+    DeviceIndices,
+    GroupCalls,
+    HostArray,
+    ItemPositions,
+    PlanCall,
+    StagedArray,
+    WrapperKind,
+)
+from flashplan.executor.flashinfer.device_work import fill_item_positions, region_view
+
+if TYPE_CHECKING:
+    from flashplan.executor.flashinfer.buffers import StagedViews
+    from flashplan.executor.flashinfer.staging import DevicePlan
+    from flashplan.executor.flashinfer.strategy import BuffersStrategy
+
+__all__ = ["Planned", "bound_call", "call_plan", "plan_calls"]
+
+#: The planned wrapper of each call, by ``(group index, "paged" | "ragged")``.
+Planned = dict[tuple[int, str], Any]
+
+#: torch dtypes of the staged views handed to plan() (the multi-item tensors).
+_VIEW_DTYPES = {"uint32": torch.uint32, "uint16": torch.uint16}
+
+
+def bound_call(
+    call: PlanCall, host: StagedViews, staged: StagedViews, prefix: str, index: int, part: str
+) -> BoundCall:
+    """``call``'s :class:`BoundCall` for these views (made on first use; kept in the
+    device views' memo under a :class:`BoundCallKey` that holds the whole call)."""
+    memo_key = BoundCallKey(prefix, index, part, call, id(host))
+    bound = staged.memo.calls.get(memo_key)
+    if bound is not None and bound.host is host:
+        return bound
+    kwargs = dict(call.constants)
+    dynamic = []
+    for name, value in call.placeholders:
+        if isinstance(value, HostArray):
+            kwargs[name] = host[prefix + value.name]
+        else:
+            dynamic.append((name, value))
+    g = f"{prefix}g{index}"
+    decode: DecodeViews | None = None
+    prefill: PrefillViews | None = None
+    mask_indptr = None
+    ints = (prefix + "qo.total", prefix + "qo.max_len", g + ".max_kv_len")
+    if call.wrapper.kind is WrapperKind.DECODE:
+        ind, last = g + ".page_indptr", g + ".last_page_len"
+        if call.wrapper.use_tensor_cores:  # the scheduler's qo_indptr and KV lengths
+            qo, kv = prefix + "qo_indptr", g + ".kv_lens"
+            decode = (host[ind], staged[ind], host[last], staged[last],
+                      host[qo], staged[qo], host[kv])  # fmt: skip
+        else:
+            decode = (host[ind], staged[ind], host[last], staged[last], None, None, None)
+    elif call.wrapper.kind is WrapperKind.PAGED_PREFILL:
+        qo_name = next(
+            v.name for n, v in call.placeholders if n == "qo_indptr" and isinstance(v, HostArray)
+        )
+        qo, ind, kv = prefix + qo_name, g + ".page_indptr", g + ".kv_lens"
+        # a group over virtual requests has its own rows, hence its own query integers
+        qo_ints = prefix + "qo" if qo_name == "qo_indptr" else g + ".qo"
+        prefill = (host[qo], staged[qo], host[ind], staged[ind], staged[g + ".last_page_len"],
+                   host[kv], staged[kv])  # fmt: skip
+        if any(isinstance(v, BuiltMask) for _, v in call.placeholders):
+            mask_indptr = staged[g + ".mask.indptr"]
+        ints = (qo_ints + ".total", qo_ints + ".max_len", g + ".max_kv_len")
+    bound = BoundCall(host, kwargs, tuple(dynamic), decode, prefill, mask_indptr, ints)
+    staged.memo.calls[memo_key] = bound
+    return bound
+
+
+def plan_calls(
+    strategy: BuffersStrategy,
+    calls: tuple[GroupCalls, ...],
+    dplan: DevicePlan,
+    host: StagedViews,
+    staged: StagedViews,
+    page: torch.Tensor,
+    masks: dict[int, torch.Tensor],
+    stream: torch.cuda.Stream,
+    prefix: str = "",
+) -> Planned:
+    """Plan every wrapper of ``calls``; placeholders resolve against the views of the
+    staged host slot (``host``) and of its device copy (``staged``), the gathered page
+    ids and the built masks (names under ``prefix``: a multi-step draft's step).
+
+    A wrapper whose last full ``plan()`` had the call's constants is re-planned through
+    the compiled scheduler where the settings allow (decode; eager FA2 paged prefill);
+    otherwise ``plan()`` runs.
+    """
+    settings, owned = strategy.settings, strategy.owned
+    counts = owned.counts
+
+    def resolve(value: Any) -> Any:
+        if isinstance(value, StagedArray):
+            # A typed view of the persistent device staging buffer: FlashInfer keeps it
+            # for run(); it stays valid until the next apply rewrites the buffer.
+            words = staged[prefix + value.name]
+            return words.view(_VIEW_DTYPES[value.dtype])[: dplan.elements[prefix + value.name]]
+        if isinstance(value, BatchInt):
+            return dplan.ints[prefix + value.name]
+        if isinstance(value, DeviceIndices):
+            return region_view(staged, page, dplan.jobs.region(prefix + value.region))
+        if isinstance(value, BuiltMask):
+            return masks[value.group_index]
+        if isinstance(value, ItemPositions):
+            return fill_item_positions(owned, dplan, staged, prefix + value.name)
+        raise AssertionError(f"unresolved placeholder {value!r}")  # pragma: no cover
+
+    planned: Planned = {}
+    for gc in calls:
+        for part, call in (("paged", gc.paged), ("ragged", gc.ragged)):
+            if call is None:
+                continue
+            key, index = call.wrapper, gc.group_index
+            held = owned.pool.acquire(
+                (prefix, key), partial(strategy.make_wrapper, key, index, prefix)
+            )
+            bound = bound_call(call, host, staged, prefix, index, part)
+            kwargs = dict(bound.kwargs)
+            for name, value in bound.dynamic:
+                kwargs[name] = resolve(value)
+            if (
+                settings.fast_decode
+                and bound.decode is not None
+                and key.sink is None  # a sink wrapper's JIT module: plan() each time
+                and held.planned_with == call.constants  # None before a full plan()
+            ):
+                arrays = DecodeArrays(*bound.decode, indices=kwargs["indices"])
+                replan_decode(held, kwargs, arrays, graph=strategy.graph)
+                counts.decode_replans += 1
+            elif (
+                strategy.fast_prefill
+                and bound.prefill is not None
+                and held.replannable  # its last full plan() took replan_prefill's path
+                and held.planned_with == call.constants
+            ):
+                ints = dplan.ints
+                total, max_q, max_kv = bound.prefill_ints
+                prefill = PrefillArrays(
+                    *bound.prefill, indices=kwargs["paged_kv_indices"],
+                    mask_indptr_device=bound.mask_indptr, total_rows=ints[total],
+                    max_q_len=ints[max_q], max_kv_len=ints[max_kv],
+                )  # fmt: skip
+                replan_prefill(held, kwargs, prefill)
+                counts.prefill_replans += 1
+            else:
+                held.planned_with = None  # until this plan() succeeds
+                held.replannable = False
+                restore_own_buffers(held)
+                call_plan(held.wrapper, kwargs, settings.workspace_bytes)
+                held.planned_with = call.constants
+                # what replannable() reads is fixed by the constructor, the constant
+                # arguments and this plan(): checked once per full plan()
+                held.replannable = bound.prefill is not None and replannable(held.wrapper, kwargs)
+                counts.full += 1
+            owned.pool.mark_planned(held, stream)
+            planned[(index, part)] = held.wrapper
+    return planned
+
+
+def call_plan(wrapper: Any, kwargs: dict[str, Any], workspace_bytes: int) -> None:
+    """``wrapper.plan(**kwargs)``; a workspace too small for it raises
+    :class:`~flashplan.UnsupportedError` naming ``workspace_bytes``."""
+    try:
+        wrapper.plan(**kwargs)
+    except RuntimeError as exc:
+        text = str(exc).lower()
+        if "workspace" in text or "buffer size" in text or "out of memory" in text:
+            raise UnsupportedError(
+                "workspace_bytes",
+                f"FlashInfer's plan() needs more workspace than this executor has ({exc}); "
+                "construct the executor with a larger workspace_bytes",
+                workspace_bytes=workspace_bytes,
+            ) from exc
+        raise
