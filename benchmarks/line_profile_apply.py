@@ -37,8 +37,8 @@ from line_profiler import LineProfiler
 
 import flashplan as fp
 import flashplan.executor.flashinfer.adapter as adapter_mod
+import flashplan.executor.flashinfer.batch_arrays as batch_arrays_mod
 import flashplan.executor.flashinfer.buffers as buffers_mod
-import flashplan.executor.flashinfer.calls as calls_mod
 import flashplan.executor.flashinfer.device_work as device_work_mod
 import flashplan.executor.flashinfer.eager as eager_mod
 import flashplan.executor.flashinfer.staging as staging_mod
@@ -59,8 +59,8 @@ FUNCTIONS = [
     device_work_mod.gather_and_mask,
     wrapper_plans_mod.plan_calls,
     wrapper_plans_mod.bound_call,
-    calls_mod.call_inputs,
-    calls_mod._mask_recipe,
+    batch_arrays_mod.call_inputs,
+    batch_arrays_mod._mask_recipe,
     gathers_mod.gather_jobs,
     gathers_mod._job_table,
     staging_mod.device_plan,

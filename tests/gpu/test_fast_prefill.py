@@ -146,17 +146,23 @@ def test_fast_prefill_plan_equals_plan(page_size: int) -> None:
         assert fast.planned_wrappers.keys() == full.planned_wrappers.keys()
         for key, wrapper in full.planned_wrappers.items():
             built = tuple(
-                ex._buffers.owned.mask_bufs[key[0]].tensor if key[0] in ex._buffers.owned.mask_bufs else None
+                ex._buffers.owned.mask_bufs[key[0]].tensor
+                if key[0] in ex._buffers.owned.mask_bufs
+                else None
                 for ex in (fast, full)
             )
-            _assert_same_state(fast.planned_wrappers[key], wrapper, built, f"step {step}, call {key}")
+            _assert_same_state(
+                fast.planned_wrappers[key], wrapper, built, f"step {step}, call {key}"
+            )
         _check_kv_lens_fields(fast, step)
     assert fast.plan_counts["fast_prefill_plan"] >= 8  # every wrapper after its first plan
     assert full.plan_counts["fast_prefill_plan"] == 0
     # The sequence makes full plan() calls on wrappers that were re-planned (a verify
     # batch's tree mask changes the constants of the full group's wrapper, and the
     # extend after it changes them back).
-    assert fast.plan_counts["plan"] > sum(len(slots) for slots in fast._buffers.owned.pool.slots.values())
+    assert fast.plan_counts["plan"] > sum(
+        len(slots) for slots in fast._buffers.owned.pool.slots.values()
+    )
 
 
 def _check_kv_lens_fields(ex: FlashInferExecutor, step: int) -> None:
