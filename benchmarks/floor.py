@@ -22,7 +22,10 @@ Columns:
   floor          module plan + copy + launch
   bare plan()    FlashInfer's public ``plan()`` on ready pinned indptrs and device page ids
   apply          ``FlashInferExecutor.apply(spec, table)`` of an already-planned spec
-  step           ``BatchLayout.decode`` + ``plan`` + ``apply`` (what #24's target times)
+  step           ``BatchLayout.decode`` + ``plan`` + ``apply`` (what #24's target times),
+                 the same lengths every call
+  loop step      the same, as a decode loop: every request one token longer each call
+                 (new page counts once per page, new KV lengths every call)
 """
 
 from __future__ import annotations
@@ -85,11 +88,29 @@ class Recorder:
         return getattr(self.module, name)
 
 
+#: Tokens a decode loop's requests grow by before starting over (``loop step``).
+LOOP = 256
+
+
+class LoopLens:
+    """A decode loop's sequence lengths: every request one token longer per step,
+    back to the start after :data:`LOOP` steps."""
+
+    def __init__(self, lens: np.ndarray) -> None:
+        self.lens, self.step = lens, 0
+
+    def next(self) -> np.ndarray:
+        self.step = (self.step + 1) % LOOP
+        return self.lens + self.step
+
+
 def measure(bs: int, reps: int) -> dict[str, float]:
     lens = np.full(bs, KV)
     layout = fp.BatchLayout.decode(lens, page_size=PAGE)
     spec = fp.plan(layout, HEADS)
-    table = fp.PageTable.shuffled(spec.pages_needed, seed=bs, device=DEV)
+    # room for the decode loop below: every request up to LOOP tokens longer
+    room = fp.plan(fp.BatchLayout.decode(lens + LOOP, page_size=PAGE), HEADS).pages_needed
+    table = fp.PageTable.shuffled(room, seed=bs, device=DEV)
     part = spec.group_plans[0].paged
     assert part is not None
 
@@ -161,10 +182,17 @@ def measure(bs: int, reps: int) -> dict[str, float]:
     def step() -> None:
         ex.apply(fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), HEADS), table)
 
+    loop = LoopLens(lens)
+    ex_loop = FlashInferExecutor()
+
+    def loop_step() -> None:
+        ex_loop.apply(fp.plan(fp.BatchLayout.decode(loop.next(), page_size=PAGE), HEADS), table)
+
     out = {"batch": bs, "staged_entries": entries, "direct_launches": 0}
     for name, fn in (
         ("module_plan", module_plan), ("fast_decode", fast), ("copy", copy),
         ("launch", launch), ("bare_plan", bare), ("apply", apply), ("step", step),
+        ("loop_step", loop_step),
     ):  # fmt: skip
         out[f"{name}_us"] = host_us(fn, n=reps, warmup=20)
     out["direct_launches"] = direct.direct
@@ -187,8 +215,9 @@ def main() -> None:
         head,
         "",
         "| batch | staged int32 | module plan | fast_decode_plan | copy | launch | **floor** "
-        "| bare plan() | apply | step | step / bare | step / floor | bare / floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| bare plan() | apply | step | step / bare | step / floor | bare / floor "
+        "| loop step | loop step / bare |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -196,7 +225,8 @@ def main() -> None:
             f"| {r['fast_decode_us']:.1f} | {r['copy_us']:.1f} | {r['launch_us']:.1f} "
             f"| **{r['floor_us']:.1f}** | {r['bare_plan_us']:.1f} | {r['apply_us']:.1f} "
             f"| {r['step_us']:.1f} | {r['step_us'] / r['bare_plan_us']:.2f}x "
-            f"| {r['step_us'] / r['floor_us']:.2f}x | {r['bare_plan_us'] / r['floor_us']:.2f}x |"
+            f"| {r['step_us'] / r['floor_us']:.2f}x | {r['bare_plan_us'] / r['floor_us']:.2f}x "
+            f"| {r['loop_step_us']:.1f} | {r['loop_step_us'] / r['bare_plan_us']:.2f}x |"
         )
     text = "\n".join(lines)
     print(text)

@@ -128,3 +128,57 @@ def test_fast_decode_plan_equals_plan_in_graphs(page_size: int, batch_size: int)
             assert torch.equal(got_cache, want_cache), i
     assert steps["fast"].executor.plan_counts["fast_decode_plan"] >= len(specs) * len(GROUPS)
     assert steps["full"].executor.plan_counts["fast_decode_plan"] == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("batch_size", [2, 9])  # CUDA-core and tensor-core decode
+def test_kept_schedules_equal_plan(page_size: int, batch_size: int) -> None:
+    """A decode loop (every request one token longer each step, some steps' plans
+    applied twice): where the scheduler's inputs are unchanged the re-plan keeps its
+    last plan (``schedules_kept``), and every output, LSE and plan info still equals an
+    executor that calls ``plan()`` every step."""
+    seed = stable_seed("kept schedules", page_size, batch_size)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    fast = FlashInferExecutor(fast_plan=True)
+    full = FlashInferExecutor(fast_plan=False)
+    hq, hkv, d = HEADS.num_qo_heads, HEADS.num_kv_heads, HEADS.head_dim
+    start = np.random.default_rng(seed).integers(30, 300, batch_size)
+    table = fp.PageTable.shuffled(
+        fp.plan(fp.BatchLayout.decode(start + 40, page_size=page_size), HEADS).pages_needed,
+        seed=seed % 1000, device=DEV,
+    )  # fmt: skip
+    assert table.num_pages is not None
+    caches = [
+        torch.randn(table.num_pages, 2, page_size, hkv, d, generator=gen, device=DEV).to(
+            torch.bfloat16
+        )
+        for _ in GROUPS
+    ]
+    kept_before = 0
+    for step in range(24):
+        seq = start + step
+        spec = fp.plan(fp.BatchLayout.decode(seq, page_size=page_size, groups=GROUPS), HEADS)
+        for again in range(1 + (step % 5 == 0)):  # every fifth plan applied twice
+            q = torch.randn(batch_size, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
+            outs = {}
+            for name, ex in (("fast", fast), ("full", full)):
+                with syncs_raise(name == "fast"):
+                    ex.apply(spec, table)
+                    outs[name] = [
+                        ex.run(g, q, None, None, c, return_lse=True)
+                        for g, c in zip(GROUPS, caches, strict=True)
+                    ]
+            torch.cuda.synchronize()
+            for group, (o_fast, l_fast), (o_full, l_full) in zip(
+                GROUPS, outs["fast"], outs["full"], strict=True
+            ):
+                assert torch.equal(o_fast, o_full), (group, step, again)
+                assert torch.equal(l_fast, l_full), (group, step, again)
+            assert _plan_infos(fast) == _plan_infos(full), (step, again)
+            kept = fast.plan_counts["schedules_kept"]
+            if again:  # the same plan: every wrapper kept its schedule
+                assert kept - kept_before == len(GROUPS), step
+            kept_before = kept
+    assert full.plan_counts["schedules_kept"] == 0
+    if batch_size < 4 and page_size == 16:  # page counts change every 16 steps at most
+        assert fast.plan_counts["schedules_kept"] >= 24

@@ -28,13 +28,13 @@ another version may have fixed either, and then the workarounds would misplace b
   zero pages gives a negative size; flashplan gives such a span one unread page with
   ``last_page_len = 0`` (:func:`~flashplan.executor.flashinfer.calls.call_inputs`).
 
-A re-plan issues no sync and no copy (schedulers read pinned host arrays, kernels the
-staged device arrays), and runs only after a full ``plan()`` with the same constants
-(``WrapperSlot.planned_with``). This module imports no other executor module.
+A re-plan issues no sync and no copy, and runs only after a full ``plan()`` with the same
+constants (``WrapperSlot.planned_with``). This module imports no other executor module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Hashable, Iterable, Mapping
@@ -185,8 +185,7 @@ class DecodeArrays(NamedTuple):
     """The arrays of one decode ``plan()`` call, on both sides of the staging copy.
 
     Attributes:
-        indptr_host, indptr_device: int32 ``[bs + 1]`` (pages) page indptr: a pinned
-            host view of the staging slot and its device copy.
+        indptr_host, indptr_device: int32 ``[bs + 1]`` page indptr (pages), pinned and on device.
         last_page_len_host, last_page_len_device: int32 ``[bs]`` (tokens), likewise.
         qo_indptr_host, qo_indptr_device, kv_lens_host: a tensor-core decode's int32
             ``[bs + 1]`` ``0, 1, …, bs`` and ``[bs]`` scheduler KV lengths (tokens:
@@ -206,13 +205,15 @@ class DecodeArrays(NamedTuple):
 
 @functools.lru_cache(maxsize=32)
 def _empty(dtype: torch.dtype | str, device: torch.device) -> torch.Tensor:
-    """A 0-element tensor of ``dtype`` (or its name) on ``device``, from which the CUDA-core
-    decode scheduler reads the dtypes (made once; it holds no data, so it is shared)."""
+    """A 0-element tensor of ``dtype`` (or its name) on ``device``: the CUDA-core decode
+    scheduler reads the dtypes from it (made once; it holds no data, so it is shared)."""
     return torch.empty(0, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype,
                        device=device)  # fmt: skip
 
 
-def replan_decode(slot: Slot, kwargs: dict[str, Any], arrays: DecodeArrays, *, graph: bool) -> None:
+def replan_decode(
+    slot: Slot, kwargs: dict[str, Any], arrays: DecodeArrays, *, graph: bool, schedule: bool = True
+) -> None:
     """Re-plan ``slot``'s decode wrapper by calling its compiled module's scheduler
         (``_cached_module.plan``) with the staged arrays, as vLLM's ``fast_plan_decode``
         does: what flashinfer 0.7.4's ``fast_decode_plan`` does for an FA2 decode wrapper of
@@ -224,14 +225,13 @@ def replan_decode(slot: Slot, kwargs: dict[str, Any], arrays: DecodeArrays, *, g
         the staged device copy (two device-to-device copies). Eager mode: the wrapper's fields
         point at the staged device views (page indptr, page ids, last-page lengths, a
         tensor-core decode's ``qo_indptr``), as ``fast_decode_plan`` points them.
-
         The caller guarantees ``fast_decode_available(fi)``, an FA2 wrapper (flashplan's
         decode wrappers all are) and ``slot.planned_with`` equal to the call's constants.
-        Issues no sync.
-
-        ``slot``: graph mode, with its ``fixed`` ``"indptr"`` and ``"last_page_len"`` buffers;
-        ``kwargs``: the call's ``plan()`` keyword arguments; ``graph``: whether the wrapper was
-        made with ``use_cuda_graph=True``.
+        Issues no sync. ``slot``: graph mode, with its ``fixed`` ``"indptr"`` and
+        ``"last_page_len"`` buffers; ``kwargs``: the call's ``plan()`` keyword arguments;
+        ``graph``: whether the wrapper was made with ``use_cuda_graph=True``;
+        ``schedule=False``: the caller knows the scheduler's inputs equal its last call's,
+        whose plan (``_plan_info``, the int workspace) stands: the scheduler is skipped.
     """
     w = slot.wrapper
     tensor_cores = bool(w.use_tensor_cores)
@@ -249,8 +249,8 @@ def replan_decode(slot: Slot, kwargs: dict[str, Any], arrays: DecodeArrays, *, g
     window = kwargs.get("window_left", -1)
     soft_cap = kwargs.get("logits_soft_cap")
     graph_enabled = w.is_cuda_graph_enabled
-    with torch.cuda.device(w.device):
-        if tensor_cores:
+    with torch.cuda.device(w.device) if schedule else contextlib.nullcontext():
+        if schedule and tensor_cores:
             split = kwargs.get("fixed_split_size")
             w._plan_info = w._cached_module.plan(
                 w._float_workspace_buffer, w._int_workspace_buffer,
@@ -259,7 +259,7 @@ def replan_decode(slot: Slot, kwargs: dict[str, Any], arrays: DecodeArrays, *, g
                 dim, dim, False, window, -1 if split is None else split,
                 kwargs.get("disable_split_kv", False), 0, 1, True,
             )  # fmt: skip
-        else:
+        elif schedule:
             q_dtype = kwargs.get("q_data_type") or kwargs.get("data_type") or torch.float16
             kv_dtype = kwargs.get("kv_data_type") or kwargs.get("data_type") or q_dtype
             w._plan_info = w._cached_module.plan(

@@ -199,6 +199,10 @@ class WrapperSlot:
             fixed its compiled module; ``None`` before one, or after one that failed.
         replannable: whether its last full ``plan()`` took the path a prefill re-plan
             re-creates (:func:`~flashplan.executor.flashinfer.adapter.replannable`).
+        scheduled: what the decode scheduler's last run on this wrapper read, when that
+            run came after its last full ``plan()``: ``(spec, page indptr)`` — the plan
+            (PlanSpec) it came from and a copy of its int32 ``[bs + 1]`` page indptr
+            (pages); ``None`` otherwise (see ``wrapper_plans``).
     """
 
     wrapper: Any
@@ -206,6 +210,7 @@ class WrapperSlot:
     fixed: dict[str, torch.Tensor] = attrs.field(factory=dict)
     planned_with: tuple[tuple[str, Any], ...] | None = None
     replannable: bool = False
+    scheduled: tuple[object, np.ndarray] | None = None
 
     def idle(self) -> bool:
         """The copies the wrapper's last ``plan()`` queued have run (never waits)."""

@@ -208,6 +208,7 @@ class FlashInferExecutor:
             "plan": counts.full,
             "fast_decode_plan": counts.decode_replans,
             "fast_prefill_plan": counts.prefill_replans,
+            "schedules_kept": counts.schedules_kept,
         }
 
     @property
@@ -298,7 +299,7 @@ class FlashInferExecutor:
         if self.check_pages:
             check_gathered(dplan, spec, table, page, offset)
         stream = self._stream()
-        planned = plan_calls(buffers, calls, dplan, host, staged, page, masks, stream)
+        planned = plan_calls(buffers, spec, calls, dplan, host, staged, page, masks, stream)
         slot.mark_read(stream)
         self._batch = AppliedBatch(spec, dplan, table, planned, page, offset, owned.positions)
         self._positions = None
@@ -362,7 +363,9 @@ class FlashInferExecutor:
         stream = self._stream()
         batches = []
         for k, (prefix, (spec, calls)) in enumerate(zip(prefixes, steps, strict=True)):
-            planned = plan_calls(buffers, calls, dplan, host, staged, page, {}, stream, prefix)
+            planned = plan_calls(
+                buffers, spec, calls, dplan, host, staged, page, {}, stream, prefix
+            )
             step_plan = DevicePlan(
                 calls, dplan.jobs.step(prefix), dplan.manifest, dplan.parts, dplan.masks
             )

@@ -48,11 +48,14 @@ class PlanCounts:
         full: full ``plan()`` calls.
         decode_replans: decode re-plans through the compiled scheduler.
         prefill_replans: paged prefill re-plans through the compiled scheduler.
+        schedules_kept: decode re-plans that kept the scheduler's last plan (its inputs
+            unchanged: ``wrapper_plans``).
     """
 
     full: int = 0
     decode_replans: int = 0
     prefill_replans: int = 0
+    schedules_kept: int = 0
 
 
 @attrs.define(eq=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from flashplan.errors import UnsupportedError
@@ -38,9 +39,10 @@ from flashplan.executor.flashinfer.calls import (
 from flashplan.executor.flashinfer.device_work import fill_item_positions, region_view
 
 if TYPE_CHECKING:
-    from flashplan.executor.flashinfer.buffers import StagedViews
+    from flashplan.executor.flashinfer.buffers import StagedViews, WrapperSlot
     from flashplan.executor.flashinfer.staging import DevicePlan
     from flashplan.executor.flashinfer.strategy import BuffersStrategy
+    from flashplan.planning.spec import PlanSpec
 
 __all__ = ["Planned", "bound_call", "call_plan", "plan_calls"]
 
@@ -97,8 +99,36 @@ def bound_call(
     return bound
 
 
+def _schedule_changed(held: WrapperSlot, spec: PlanSpec, arrays: DecodeArrays) -> bool:
+    """Whether a decode re-plan must run the scheduler: not when its inputs equal those
+    of the scheduler's last run on this wrapper (whose plan then stands).
+
+    The inputs are fixed by the call's constants (equal: the caller checked
+    ``planned_with``) and the plan's arrays: the same plan object has the same ones. A
+    CUDA-core decode's only array is the page indptr, which in a decode loop changes
+    once per page of new tokens, so equal values are checked too (``bs + 1`` int32); a
+    tensor-core decode's scheduler also reads every request's KV length, which changes
+    every step, so only the plan itself is compared. Records the inputs when the
+    scheduler runs.
+    """
+    indptr = arrays.indptr_host.numpy()
+    last = held.scheduled
+    if last is not None and (
+        last[0] is spec
+        or (
+            arrays.kv_lens_host is None
+            and last[1].shape == indptr.shape
+            and np.array_equal(last[1], indptr)
+        )
+    ):
+        return False
+    held.scheduled = (spec, indptr.copy())
+    return True
+
+
 def plan_calls(
     strategy: BuffersStrategy,
+    spec: PlanSpec,
     calls: tuple[GroupCalls, ...],
     dplan: DevicePlan,
     host: StagedViews,
@@ -108,7 +138,7 @@ def plan_calls(
     stream: torch.cuda.Stream,
     prefix: str = "",
 ) -> Planned:
-    """Plan every wrapper of ``calls``; placeholders resolve against the views of the
+    """Plan every wrapper of ``calls`` (of ``spec``); placeholders resolve against the views of the
     staged host slot (``host``) and of its device copy (``staged``), the gathered page
     ids and the built masks (names under ``prefix``: a multi-step draft's step).
 
@@ -155,8 +185,10 @@ def plan_calls(
                 and held.planned_with == call.constants  # None before a full plan()
             ):
                 arrays = DecodeArrays(*bound.decode, indices=kwargs["indices"])
-                replan_decode(held, kwargs, arrays, graph=strategy.graph)
+                schedule = _schedule_changed(held, spec, arrays)
+                replan_decode(held, kwargs, arrays, graph=strategy.graph, schedule=schedule)
                 counts.decode_replans += 1
+                counts.schedules_kept += not schedule
             elif (
                 strategy.fast_prefill
                 and bound.prefill is not None
@@ -175,9 +207,12 @@ def plan_calls(
             else:
                 held.planned_with = None  # until this plan() succeeds
                 held.replannable = False
+                held.scheduled = None
                 restore_own_buffers(held)
                 call_plan(held.wrapper, kwargs, settings.workspace_bytes)
                 held.planned_with = call.constants
+                if bound.decode is not None:  # plan() ran the scheduler on these inputs
+                    held.scheduled = (spec, bound.decode[0].numpy().copy())
                 # what replannable() reads is fixed by the constructor, the constant
                 # arguments and this plan(): checked once per full plan()
                 held.replannable = bound.prefill is not None and replannable(held.wrapper, kwargs)
