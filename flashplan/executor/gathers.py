@@ -32,11 +32,15 @@ from flashplan.errors import PlanMismatchError, UnsupportedError
 from flashplan.planning.spec import PlanSpec
 
 __all__ = [
+    "ENCODER",
+    "WRITE",
+    "WRITE_WINDOW",
     "GatherJobs",
     "Region",
     "concat_jobs",
     "gather_jobs",
     "gather_jobs_steps",
+    "is_pages_region",
     "pages_region",
 ]
 
@@ -155,9 +159,22 @@ def _check_table(table: IntArray) -> None:
         raise ValueError("a job table is a C-contiguous read-only array")
 
 
+#: Region of the new tokens' write slots (full pool).
+WRITE = "write"
+#: Region of the same slots mapped into the sliding-window pool.
+WRITE_WINDOW = "write/window"
+#: Region of the encoder tokens' write slots (cross groups).
+ENCODER = "encoder"
+
+
 def pages_region(group_index: int) -> str:
     """Name of the region holding group ``group_index``'s page ids."""
     return f"pages/{group_index}"
+
+
+def is_pages_region(name: str) -> bool:
+    """Whether region ``name`` holds a group's page ids (else write slots)."""
+    return name.startswith("pages/")
 
 
 def gather_jobs(
@@ -240,15 +257,15 @@ def _job_parts(
         parts.append((pages_region(index), start, num, 1, int(uses_map)))
     has_self = any(not gp.group.cross_attention for gp in spec.group_plans)
     if has_self:
-        parts.append(("write", spec.write_start, spec.qo_lens, ps, 0))
+        parts.append((WRITE, spec.write_start, spec.qo_lens, ps, 0))
         if windowed:
-            parts.append(("write/window", spec.write_start, spec.qo_lens, ps, 1))
+            parts.append((WRITE_WINDOW, spec.write_start, spec.qo_lens, ps, 1))
     if (
         encoder_writes
         and spec.encoder_indptr is not None
         and any(gp.group.cross_attention for gp in spec.group_plans)
     ):
-        parts.append(("encoder", np.zeros(bs, np.int32), np.diff(spec.encoder_indptr), ps, 0))
+        parts.append((ENCODER, np.zeros(bs, np.int32), np.diff(spec.encoder_indptr), ps, 0))
     return parts
 
 

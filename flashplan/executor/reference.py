@@ -30,7 +30,14 @@ import torch
 
 from flashplan.errors import OptionError, PlanMismatchError
 from flashplan.executor.checks import check_apply_args, check_run_args
-from flashplan.executor.gathers import GatherJobs, gather_jobs, pages_region
+from flashplan.executor.gathers import (
+    ENCODER,
+    WRITE,
+    WRITE_WINDOW,
+    GatherJobs,
+    gather_jobs,
+    pages_region,
+)
 from flashplan.executor.reference_calls import (
     CallRows,
     PagedCall,
@@ -136,9 +143,9 @@ class ReferenceExecutor:
 
         writes: dict[str, tuple[Slots, torch.Tensor, torch.Tensor]] = {}
         for name, counts, what in (
-            ("write", spec.qo_lens, "writes the new tokens' K/V to"),
-            ("write/window", spec.qo_lens, "writes the new tokens' K/V to (window pool)"),
-            ("encoder", None, "writes the encoder tokens' K/V to"),
+            (WRITE, spec.qo_lens, "writes the new tokens' K/V to"),
+            (WRITE_WINDOW, spec.qo_lens, "writes the new tokens' K/V to (window pool)"),
+            (ENCODER, None, "writes the encoder tokens' K/V to"),
         ):
             if not jobs.has(name):
                 continue
@@ -272,11 +279,11 @@ class ReferenceExecutor:
         write = None
         if args.writes:
             if group.cross_attention:
-                write = applied.writes["encoder"]
+                write = applied.writes[ENCODER]
             elif self.page_map is not None and group.uses_window_pool:
-                write = applied.writes["write/window"]
+                write = applied.writes[WRITE_WINDOW]
             else:
-                write = applied.writes["write"]
+                write = applied.writes[WRITE]
         if kv_cache is not None:  # every check before the first write
             num_pages = int(kv_cache.shape[0])
             if call is not None:

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+import flashplan.executor.flashinfer.names as names
+
 if TYPE_CHECKING:
     import torch
 
@@ -48,7 +50,7 @@ class AppliedBatch:
         the window pool's for a windowed group of an executor with a page map."""
         jobs = self.dplan.jobs
         if group.cross_attention:
-            return jobs.region("encoder")
+            return jobs.region(names.ENCODER)
         if window_pool and group.uses_window_pool:
-            return jobs.region("write/window")
-        return jobs.region("write")
+            return jobs.region(names.WRITE_WINDOW)
+        return jobs.region(names.WRITE)

@@ -4,9 +4,12 @@ host-only and pure; what the executor stages for one batch."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import numpy.typing as npt
 
+import flashplan.executor.flashinfer.names as names
 from flashplan.arrays import (
     INT32_MAX,
     IntArray,
@@ -70,22 +73,24 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
         gc.paged is not None and gc.path is KernelPath.DECODE and gc.paged.wrapper.use_tensor_cores
         for gc in calls
     )
-    host: dict[str, IntArray] = {"qo_indptr": spec.qo_indptr} if uses_qo or tc_decode else {}
+    host: dict[str, IntArray] = {names.QO_INDPTR: spec.qo_indptr} if uses_qo or tc_decode else {}
     spans: dict[int, tuple[IntArray, IntArray]] = {}
     masks: dict[int, MaskRecipe] = {}
     ints: dict[str, int] = {}
     if uses_qo:
-        ints["qo.total"] = spec.total_q
-        ints["qo.max_len"] = int(np.maximum.reduce(spec.qo_lens)) if spec.batch_size else 0
+        ints[names.batch_int("qo.total")] = spec.total_q
+        ints[names.batch_int("qo.max_len")] = (
+            int(np.maximum.reduce(spec.qo_lens)) if spec.batch_size else 0
+        )
     elements: dict[str, int] = {}
     for gc in calls:
         gp = spec.group_plans[gc.group_index]
         index = gc.group_index
         if gp.virtual is not None:  # the kernels run over the virtual requests' rows
             vq = gp.virtual.queries
-            host[f"g{index}.qo_indptr"] = vq.indptr
-            ints[f"g{index}.qo.total"] = vq.total
-            ints[f"g{index}.qo.max_len"] = vq.max_len
+            host[names.group_array(index, "qo_indptr")] = vq.indptr
+            ints[names.group_int(index, "qo.total")] = vq.total
+            ints[names.group_int(index, "qo.max_len")] = vq.max_len
         part = gp.paged
         if part is None:
             continue
@@ -100,17 +105,17 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
             num = seal_inplace(np.where(empty, 1, num))
             page_indptr = indptr(num, "pages")
         spans[index] = (start, num)
-        host[f"g{index}.page_indptr"] = page_indptr
-        host[f"g{index}.last_page_len"] = call.last_page_len
+        host[names.group_array(index, "page_indptr")] = page_indptr
+        host[names.group_array(index, "last_page_len")] = call.last_page_len
         if gc.path is not KernelPath.DECODE:
             # What FlashInfer's prefill plan() derives on the host (a re-plan without it:
             # adapter.replan_prefill): the KV lengths its get_seq_lens computes,
             # max(pages - 1, 0) * page_size + last_page_len, are the part's own (an empty
             # span has last_page_len 0 and at most one page), and the longest.
-            host[f"g{index}.kv_lens"] = call.kv_lens
-            ints[f"g{index}.max_kv_len"] = call.max_kv_len
+            host[names.group_array(index, "kv_lens")] = call.kv_lens
+            ints[names.group_int(index, "max_kv_len")] = call.max_kv_len
         elif gc.paged is not None and gc.paged.wrapper.use_tensor_cores:
-            host[f"g{index}.kv_lens"] = decode_scheduler_kv_lens(part)
+            host[names.group_array(index, "kv_lens")] = decode_scheduler_kv_lens(part)
         if gc.masked:
             mask = part.mask if part.mask is not None else part.position_mask
             assert mask is not None
@@ -124,10 +129,12 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
                     ints[value.name] = items.token_pos_in_items_len
                     continue
                 if isinstance(value, ItemPositions):
-                    host[f"{value.name}.start"] = items.item_start
-                    host[f"{value.name}.length"] = items.item_length
-                    ints[f"{value.name}.size"] = items.batch_size * items.token_pos_in_items_len
-                    ints[f"{value.name}.longest"] = items.max_length
+                    host[names.item_part(value.name, "start")] = items.item_start
+                    host[names.item_part(value.name, "length")] = items.item_length
+                    ints[names.item_part(value.name, "size")] = (
+                        items.batch_size * items.token_pos_in_items_len
+                    )
+                    ints[names.item_part(value.name, "longest")] = items.max_length
                     continue
                 arr: npt.NDArray[np.unsignedinteger] = getattr(items, _ITEM_ARRAYS[name])
                 host[value.name] = int32_words(arr)
@@ -201,31 +208,31 @@ def _mask_recipe(
             "extend_path", "a custom mask of this many elements exceeds int32 offsets: plan "
             "this batch with extend_path='paged'", mask_elements=total,
         )  # fmt: skip
-    g = f"g{index}.mask."
-    host[g + "qo_lens"] = mask.qo_lens
-    host[g + "kv_lens"] = mask.kv_lens
-    host[g + "indptr"] = seal_inplace(offsets)  # int32: total fits (checked above)
+    name = functools.partial(names.mask_name, index)
+    host[name("qo_lens")] = mask.qo_lens
+    host[name("kv_lens")] = mask.kv_lens
+    host[name("indptr")] = seal_inplace(offsets)  # int32: the total fits (checked above)
     max_bytes = (int(np.maximum.reduce(sizes)) + 7) // 8 if total else 0
     if isinstance(mask, PositionMask):
         # positions fit int32 (the layout checks its lengths); a bound beyond any
         # position is no bound, so the rule is capped at int32 too
-        host[g + "row_position"] = seal_inplace(mask.row_position)
-        host[g + "col_position"] = seal_inplace(mask.col_position)
+        host[name("row_position")] = seal_inplace(mask.row_position)
+        host[name("col_position")] = seal_inplace(mask.col_position)
         rule = np.array(
             [mask.causal, mask.window_left, mask.window_right, mask.chunk], dtype=np.int64
         )
-        host[g + "rule"] = seal_inplace(np.minimum(rule, INT32_MAX))
+        host[name("rule")] = seal_inplace(np.minimum(rule, INT32_MAX))
         return MaskRecipe(max_bytes, max(total, 1), position=True)
     # the int32 staging copy must not wrap a far-off threshold: clamped, then cast
     # (the ufuncs themselves: np.clip's Python wrapper costs more than both)
     low, high = constant_operand(-INT32_MAX, np.int64), constant_operand(INT32_MAX, np.int64)
     first = np.maximum(mask.first_visible, low)
-    host[g + "first_visible"] = seal_inplace(np.minimum(first, high, out=first))
+    host[name("first_visible")] = seal_inplace(np.minimum(first, high, out=first))
     num_tokens = 0
     if isinstance(mask, TreeMask):
         num_tokens = int(mask.row_offsets.shape[1])
-        host[g + "row_offsets"] = mask.row_offsets.reshape(-1)  # read-only int32, C order
-        host[g + "tail_start"] = seal_inplace(mask.tail_start)  # in [0, kv_len]
+        host[name("row_offsets")] = mask.row_offsets.reshape(-1)  # read-only int32, C order
+        host[name("tail_start")] = seal_inplace(mask.tail_start)  # in [0, kv_len]
         # the rows' packed bits (a view of the mask's own: a tree's, preset by the planner)
-        host[g + "tail_words"] = bytes_as_int32(mask.tail_words.reshape(-1))
+        host[name("tail_words")] = bytes_as_int32(mask.tail_words.reshape(-1))
     return MaskRecipe(max_bytes=max_bytes, total_bytes=max(total, 1), num_tokens=num_tokens)

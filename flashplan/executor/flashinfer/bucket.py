@@ -26,10 +26,18 @@ from collections.abc import Mapping
 import attrs
 import numpy as np
 
+import flashplan.executor.flashinfer.names as names
 from flashplan.arrays import INT32_MAX, IntArray, seal_inplace
 from flashplan.errors import BucketError
 from flashplan.executor.flashinfer.calls import MaskRecipe, bytes_as_int32
-from flashplan.executor.gathers import GatherJobs, Region, pages_region
+from flashplan.executor.gathers import (
+    WRITE,
+    WRITE_WINDOW,
+    GatherJobs,
+    Region,
+    is_pages_region,
+    pages_region,
+)
 from flashplan.layout.batch import Mode
 from flashplan.layout.convert import as_int
 from flashplan.planning.spec import KernelPath, PlanKey, PlanSpec
@@ -151,9 +159,9 @@ class GraphBucket:
             if path is not KernelPath.RAGGED:
                 sizes.append((pages_region(index), self.batch_size * self.max_pages))
         if any(not g.cross_attention for g in key.groups):
-            sizes.append(("write", self.total_q))
+            sizes.append((WRITE, self.total_q))
             if window_pool and any(g.uses_window_pool for g in key.groups):
-                sizes.append(("write/window", self.total_q))
+                sizes.append((WRITE_WINDOW, self.total_q))
         regions = []
         base = 0
         for name, size in sizes:
@@ -232,7 +240,7 @@ def bucket_jobs(
     pads = graph.batch_size - batch_size
     n = len(jobs.regions)
     fixed = [bucket.region(r.name) for r in jobs.regions]
-    is_pages = [r.name.startswith("pages/") for r in jobs.regions]
+    is_pages = [is_pages_region(r.name) for r in jobs.regions]
     per_pad = np.array(
         [1 if pages else graph.tokens_per_request for pages in is_pages], dtype=np.int64
     )
@@ -276,15 +284,16 @@ def padded_inputs(
     n = graph.tokens_per_request
     out: dict[str, IntArray] = {}
     for name, values in host.items():
-        field = name.rsplit(".", 1)[-1]
-        if name == "qo_indptr" or field == "page_indptr":
-            step = n if name == "qo_indptr" else 1
+        parsed = names.parse(name)
+        field = parsed.field
+        if field in ("qo_indptr", "page_indptr") and not parsed.kind:
+            step = n if field == "qo_indptr" else 1
             last = int(values[-1])  # the padded end fits int32: the bucket's sizes do
             padded = np.empty(values.shape[0] + pads, dtype=np.int32)
             padded[: values.shape[0]] = values
             padded[values.shape[0] :] = last + step * np.arange(1, pads + 1, dtype=np.int32)
             out[name] = seal_inplace(padded)
-        elif ".mask." in name:
+        elif parsed.kind == "mask":
             out[name] = _padded_mask_array(name, field, values, host, pads, n)
         elif field in ("last_page_len", "kv_lens"):  # one key per padding request
             out[name] = seal_inplace(np.concatenate([values, np.ones(pads, np.int32)]))

@@ -24,7 +24,7 @@ Every kept object, in one place:
 kept object                  key (everything it depends on)       checked on use
 ===========================  ===================================  =======================
 call skeleton                :func:`~.calls.skeleton_key` (plan   the policy and the GPU
-(``_skeletons``)             key, decode kernel kind, masked and  are the executor's own,
+(``OwnedBuffers.skeletons``) key, decode kernel kind, masked and  are the executor's own,
                              multi-item groups; a graph's bucket  fixed at construction
                              batch size)
 wrapper (``WrapperPool``)    ``(step prefix, WrapperKey)``: kind, its last full ``plan()``'s
@@ -32,6 +32,10 @@ wrapper (``WrapperPool``)    ``(step prefix, WrapperKey)``: kind, its last full 
                                                                   call's
                                                                   (``planned_with``), or
                                                                   ``plan()`` runs
+a decode wrapper's last      the scheduler's inputs: the call's   the same ``PlanSpec``
+schedule                     constants (checked as above) and     (``is``), or (CUDA-core
+(``WrapperSlot.scheduled``)  the plan's arrays (page indptr;      decode) equal page
+                             tensor cores: KV lengths too)        indptr values
 named views of a staging     ``(id(tensor), StagingManifest)``    ``views.tensor is
 tensor (``SliceViews``)                                           tensor``
 bound ``plan()`` arguments   :class:`BoundCallKey`: step prefix,  ``bound.host is host``
@@ -57,7 +61,7 @@ items, positions)                                                 reads them (st
                                                                   order)
 a graph executor's fixed     the first apply's plan key, masked   every later apply: a
 buffers and wrappers         groups and steps per apply (the      plan of another key,
-(``GraphExecutor``)          graph was captured for them)         mask set or step count
+(``GraphBuffers.fixed``)     graph was captured for them)         mask set or step count
                                                                   is refused
                                                                   (``PlanMismatchError``)
 ===========================  ===================================  =======================

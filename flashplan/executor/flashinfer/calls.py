@@ -22,8 +22,10 @@ flashinfer's signatures on a CPU-only machine):
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import flashplan.executor.flashinfer.names as names
 from flashplan.errors import UnsupportedError
 from flashplan.executor.flashinfer.batch_arrays import (
     bytes_as_int32,
@@ -57,7 +59,6 @@ from flashplan.executor.flashinfer.policy import (
     prefill_backend,
     split_kwargs,
 )
-from flashplan.executor.gathers import pages_region
 from flashplan.layout.heads import HeadConfig
 from flashplan.planning.spec import GroupPlan, KernelPath, PlanKey, PlanSpec
 
@@ -170,12 +171,14 @@ def call_skeleton(
         ]
         paged = ragged = None
         # a group over virtual requests has its own query index pointers (the same rows)
-        qo_indptr = HostArray(f"g{index}.qo_indptr" if virtual[index] else "qo_indptr")
+        qo_indptr = HostArray(
+            names.group_array(index, "qo_indptr") if virtual[index] else names.QO_INDPTR
+        )
         if gp.paged is not None:
             part = gp.paged
-            pages = DeviceIndices(pages_region(index))
-            page_indptr = HostArray(f"g{index}.page_indptr")
-            last_page_len = HostArray(f"g{index}.last_page_len")
+            pages = DeviceIndices(names.pages_region(index))
+            page_indptr = HostArray(names.group_array(index, "page_indptr"))
+            last_page_len = HostArray(names.group_array(index, "last_page_len"))
             sink = sink_kernel(gp, heads, multi_item=items[index])
             if gp.path is KernelPath.DECODE:
                 wrapper = WrapperKey(
@@ -209,11 +212,12 @@ def call_skeleton(
                 if masked[index]:
                     args.append(("packed_custom_mask", BuiltMask(index)))
                 if items[index]:
+                    item = functools.partial(names.item_name, index)
                     args += [
-                        ("prefix_len_ptr", StagedArray(f"g{index}.items.prefix_len", "uint32")),
-                        ("token_pos_in_items_ptr", ItemPositions(f"g{index}.items.tpos")),
-                        ("token_pos_in_items_len", BatchInt(f"g{index}.items.tpos_len")),
-                        ("max_item_len_ptr", StagedArray(f"g{index}.items.max_len", "uint16")),
+                        ("prefix_len_ptr", StagedArray(item("prefix_len"), "uint32")),
+                        ("token_pos_in_items_ptr", ItemPositions(item("tpos"))),
+                        ("token_pos_in_items_len", BatchInt(item("tpos_len"))),
+                        ("max_item_len_ptr", StagedArray(item("max_len"), "uint16")),
                     ]
                 args += split_kwargs(policy)
             paged = PlanCall(wrapper, tuple(args + common))

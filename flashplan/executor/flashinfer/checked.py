@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+import flashplan.executor.flashinfer.names as names
 from flashplan.errors import PageTableError
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ def check_gathered(
     if bad.size:
         _raise_bad(dplan, spec, table, int(bad[0]), "is not a valid page id")
     for r in jobs.regions:
-        if r.name.startswith("pages/"):
+        if names.is_pages_region(r.name):
             continue
         flat = pg[r.lo : r.hi].astype(np.int64) * spec.page_size + off[r.lo : r.hi]
         order = np.argsort(flat, kind="stable")
@@ -60,12 +61,12 @@ def check_cache_pages(
     batch: AppliedBatch, args: RunArgs, group: AttentionGroup, num_pages: int, window_pool: bool
 ) -> None:
     """Every id this run reads or writes is inside the cache of ``num_pages`` pages."""
-    names = []
+    regions = []
     if args.plan.paged is not None:
-        names.append(f"pages/{args.index}")
+        regions.append(names.pages_region(args.index))
     if args.writes:
-        names.append(batch.write_region(group, window_pool).name)
-    for name in names:
+        regions.append(batch.write_region(group, window_pool).name)
+    for name in regions:
         r = batch.dplan.jobs.region(name)
         ids = batch.page[r.lo : r.hi]
         if r.size and int(ids.max()) >= num_pages:  # the documented sync of this mode

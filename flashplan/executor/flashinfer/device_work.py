@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+import flashplan.executor.flashinfer.names as names
 from flashplan.executor.flashinfer.buffers import DeviceBuffer
 from flashplan.executor.flashinfer.caches import MaskKey, mask_layout
-from flashplan.executor.flashinfer.staging import JOBS, DevicePlan
+from flashplan.executor.flashinfer.names import JOBS
+from flashplan.executor.flashinfer.staging import DevicePlan
 from flashplan.kernels.fused import (
     BoundGatherAndMask,
     StagedMask,
@@ -177,20 +179,23 @@ def staged_mask(
         if held.max_bytes != recipe.max_bytes:  # the batch's own size, same arrays
             held = views.memo.masks[key] = held._replace(max_bytes=recipe.max_bytes)
         return held
-    m, g, num_tokens = dplan.manifest, f"g{index}.mask.", recipe.num_tokens
-    qo = m[g + "qo_lens"]
+    manifest, num_tokens = dplan.manifest, recipe.num_tokens
+
+    def at(field: names.MaskField) -> int:
+        return manifest[names.mask_name(index, field)].offset
+
+    qo = manifest[names.mask_name(index, "qo_lens")]
     more = (0, 0, 0)
     if num_tokens:
-        more = (m[g + "row_offsets"].offset, m[g + "tail_start"].offset,
-                m[g + "tail_words"].offset)  # fmt: skip
+        more = (at("row_offsets"), at("tail_start"), at("tail_words"))
     if recipe.position:  # the kernel's slots: rule, column positions, row positions
-        more = (m[g + "rule"].offset, m[g + "col_position"].offset, 0)
-        first = m[g + "row_position"].offset
+        more = (at("rule"), at("col_position"), 0)
+        first = at("row_position")
     else:
-        first = m[g + "first_visible"].offset
+        first = at("first_visible")
     # each request's first byte: the first bs entries of FlashInfer's mask_indptr
     mask = StagedMask(
-        views.tensor, first, qo.offset, m[g + "kv_lens"].offset, m[g + "indptr"].offset,
+        views.tensor, first, qo.offset, at("kv_lens"), at("indptr"),
         *more, qo.size, num_tokens, recipe.max_bytes, out, recipe.position,
     )  # fmt: skip
     views.memo.masks[key] = mask
@@ -204,7 +209,7 @@ def fill_item_positions(
     (:class:`~flashplan.executor.flashinfer.calls.ItemPositions`): zeroed, then every
     item's 1, 2, … written by one launch. Each name has its own buffer: FlashInfer
     keeps the tensor until the wrapper is planned again."""
-    size = dplan.ints[name + ".size"]
+    size = dplan.ints[names.item_part(name, "size")]
     buf = owned.item_bufs.get(name)
     if buf is None:
         buf = owned.item_bufs[name] = DeviceBuffer(owned.device, torch.int16)
@@ -212,7 +217,11 @@ def fill_item_positions(
     out.zero_()  # int16: torch fills few uint16 tensors; the bytes are the same
     out = out.view(torch.uint16)
     fill_runs(
-        staged[name + ".start"], 1, staged[name + ".length"], out, dplan.ints[name + ".longest"]
+        staged[names.item_part(name, "start")],
+        1,
+        staged[names.item_part(name, "length")],
+        out,
+        dplan.ints[names.item_part(name, "longest")],
     )
     return out
 

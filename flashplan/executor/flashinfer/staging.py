@@ -24,13 +24,10 @@ import numpy as np
 import numpy.typing as npt
 
 from flashplan.executor.flashinfer.calls import GroupCalls, MaskRecipe
+from flashplan.executor.flashinfer.names import JOBS
 from flashplan.executor.gathers import GatherJobs
 
 __all__ = ["JOBS", "DevicePlan", "Slice", "StagingManifest", "device_plan"]
-
-#: Name of the job table's slice: :attr:`GatherJobs.table` flattened, ``6 * num_jobs``
-#: entries (its six columns end to end, in :func:`~flashplan.kernels.gather_slots` order).
-JOBS = "jobs"
 
 
 class Slice(NamedTuple):

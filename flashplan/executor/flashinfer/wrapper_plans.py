@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+import flashplan.executor.flashinfer.names as names
 from flashplan.errors import UnsupportedError
 from flashplan.executor.flashinfer.adapter import (
     DecodeArrays,
@@ -69,15 +70,17 @@ def bound_call(
             kwargs[name] = host[prefix + value.name]
         else:
             dynamic.append((name, value))
-    g = f"{prefix}g{index}"
     decode: DecodeViews | None = None
     prefill: PrefillViews | None = None
     mask_indptr = None
-    ints = (prefix + "qo.total", prefix + "qo.max_len", g + ".max_kv_len")
+    max_kv = names.group_int(index, "max_kv_len", prefix)
+    ints = (names.batch_int("qo.total", prefix), names.batch_int("qo.max_len", prefix), max_kv)
+    ind = names.group_array(index, "page_indptr", prefix)
+    last = names.group_array(index, "last_page_len", prefix)
+    kv = names.group_array(index, "kv_lens", prefix)
     if call.wrapper.kind is WrapperKind.DECODE:
-        ind, last = g + ".page_indptr", g + ".last_page_len"
         if call.wrapper.use_tensor_cores:  # the scheduler's qo_indptr and KV lengths
-            qo, kv = prefix + "qo_indptr", g + ".kv_lens"
+            qo = prefix + names.QO_INDPTR
             decode = (host[ind], staged[ind], host[last], staged[last],
                       host[qo], staged[qo], host[kv])  # fmt: skip
         else:
@@ -86,14 +89,14 @@ def bound_call(
         qo_name = next(
             v.name for n, v in call.placeholders if n == "qo_indptr" and isinstance(v, HostArray)
         )
-        qo, ind, kv = prefix + qo_name, g + ".page_indptr", g + ".kv_lens"
-        # a group over virtual requests has its own rows, hence its own query integers
-        qo_ints = prefix + "qo" if qo_name == "qo_indptr" else g + ".qo"
-        prefill = (host[qo], staged[qo], host[ind], staged[ind], staged[g + ".last_page_len"],
+        qo = prefix + qo_name
+        prefill = (host[qo], staged[qo], host[ind], staged[ind], staged[last],
                    host[kv], staged[kv])  # fmt: skip
         if any(isinstance(v, BuiltMask) for _, v in call.placeholders):
-            mask_indptr = staged[g + ".mask.indptr"]
-        ints = (qo_ints + ".total", qo_ints + ".max_len", g + ".max_kv_len")
+            mask_indptr = staged[names.mask_name(index, "indptr", prefix)]
+        if qo_name != names.QO_INDPTR:  # virtual requests: the group's own query integers
+            ints = (names.group_int(index, "qo.total", prefix),
+                    names.group_int(index, "qo.max_len", prefix), max_kv)  # fmt: skip
     bound = BoundCall(host, kwargs, tuple(dynamic), decode, prefill, mask_indptr, ints)
     staged.memo.calls[memo_key] = bound
     return bound
