@@ -12,7 +12,9 @@ import attrs
 import torch
 
 from flashplan.errors import PageTableError, PlanMismatchError
+from flashplan.fp8 import Scale, check_scale
 from flashplan.layout.group import AttentionGroup
+from flashplan.layout.heads import HeadConfig
 from flashplan.layout.page_table import PageTable
 from flashplan.planning.spec import GroupPlan, PlanSpec
 
@@ -77,11 +79,15 @@ class RunArgs:
         index: the group's position in ``spec.group_plans``.
         plan: the group's plan.
         writes: whether ``k_new`` / ``v_new`` are written into the cache.
+        k_scale, v_scale: an fp8 cache's per-tensor scales (:mod:`flashplan.fp8`: a
+            number or a 0-d float32 tensor); 1.0 for any other cache.
     """
 
     index: int
     plan: GroupPlan
     writes: bool
+    k_scale: Scale = 1.0
+    v_scale: Scale = 1.0
 
 
 def check_run_args(
@@ -96,6 +102,9 @@ def check_run_args(
     *,
     total_q: int | None = None,
     sinks: object = None,
+    k_scale: object = None,
+    v_scale: object = None,
+    read_scales: bool = True,
 ) -> RunArgs:
     """Check a ``run`` call against the applied plan, before anything is written.
 
@@ -109,7 +118,9 @@ def check_run_args(
             contradicts the plan; a ragged group without ``k_new``; a missing cache;
             ``return_lse`` that is not a bool; sink logits missing for a sink group,
             given to a group without sinks, or not float32 ``[num_qo_heads]`` on the
-            applied device.
+            applied device; scales given for a cache that is not fp8, or a scale that is
+            not positive and finite (:func:`flashplan.fp8.check_scale`; a tensor's
+            value only with ``read_scales``, which reads it back).
     """
     if spec is None or device is None:
         raise PlanMismatchError("spec", "run() before apply(): apply a PlanSpec first")
@@ -129,19 +140,23 @@ def check_run_args(
     if writes:
         rows = spec.total_encoder if group.cross_attention else q_rows
         for name, t in (("k_new", k_new), ("v_new", v_new)):
-            _expect(name, _tensor(name, t, device), (rows, heads.num_kv_heads, d), heads.kv_dtype)
+            _expect(
+                name, _tensor(name, t, device), (rows, heads.num_kv_heads, d),
+                heads.kv_input_dtype,
+            )  # fmt: skip
     elif gp.ragged is not None:
         raise PlanMismatchError(
             "k_new", "the group runs on the ragged path: pass k_new and v_new",
             group=group.describe(),
         )  # fmt: skip
+    scales = _scales(heads, k_scale, v_scale, device, read_scales)
     if kv_cache is None:
         if gp.paged is not None:
             raise PlanMismatchError(
                 "kv_cache", "the group reads the paged KV cache; only ragged-path groups run "
                 "without a cache", group=group.describe(), path=gp.path.value,
             )  # fmt: skip
-        return RunArgs(index, gp, writes=False)
+        return RunArgs(index, gp, False, *scales)
     cache = _tensor("kv_cache", kv_cache, device)
     want: tuple[Any, ...] = (2, spec.page_size, heads.num_kv_heads, d)
     if cache.dim() != 5 or tuple(cache.shape[1:]) != want:
@@ -153,7 +168,25 @@ def check_run_args(
         raise PlanMismatchError(
             "kv_cache", "dtype differs from the plan's", planned=heads.kv_dtype, dtype=cache.dtype
         )
-    return RunArgs(index, gp, writes=writes)
+    return RunArgs(index, gp, writes, *scales)
+
+
+def _scales(
+    heads: HeadConfig, k_scale: object, v_scale: object, device: torch.device, read: bool
+) -> tuple[Scale, Scale]:
+    """An fp8 cache's scales, checked; none for another cache."""
+    if not heads.kv_is_fp8:
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if value is not None:
+                raise PlanMismatchError(
+                    name, "scales are for fp8 KV caches: pass None",
+                    kv_dtype=heads.kv_dtype, type=type(value).__name__,
+                )  # fmt: skip
+        return 1.0, 1.0
+    return (
+        check_scale("k_scale", k_scale, device, read=read),
+        check_scale("v_scale", v_scale, device, read=read),
+    )
 
 
 def _check_sinks(sinks: object, wanted: bool, num_qo_heads: int, device: torch.device) -> None:

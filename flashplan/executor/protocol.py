@@ -33,8 +33,9 @@ class Executor(Protocol):
       ragged-path group that needs no cache), then attends. It returns ``out``
       ``[total_q, num_qo_heads, head_dim]`` and, with ``return_lse=True``, the float32
       base-2 log-sum-exp ``[total_q, num_qo_heads]`` (``-inf`` where a query sees no
-      key, whose output is 0). Every argument is checked against the plan before
-      anything is written.
+      key, whose output is 0). An fp8 cache (``HeadConfig.kv_dtype``) takes its
+      per-tensor ``k_scale`` / ``v_scale`` (:mod:`flashplan.fp8`). Every argument is
+      checked against the plan before anything is written.
     """
 
     @property
@@ -69,6 +70,8 @@ class Executor(Protocol):
         *,
         return_lse: Literal[False] = False,
         sinks: torch.Tensor | None = None,
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     @overload
@@ -82,6 +85,8 @@ class Executor(Protocol):
         *,
         return_lse: Literal[True],
         sinks: torch.Tensor | None = None,
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def run(
@@ -94,6 +99,8 @@ class Executor(Protocol):
         *,
         return_lse: bool = False,
         sinks: torch.Tensor | None = None,
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer of ``group`` (see the class docstring)."""
         ...

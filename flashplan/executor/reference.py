@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from flashplan.errors import OptionError, PlanMismatchError
-from flashplan.executor.checks import check_apply_args, check_run_args
+from flashplan.executor.checks import RunArgs, check_apply_args, check_run_args
 from flashplan.executor.gathers import (
     ENCODER,
     WRITE,
@@ -49,8 +49,10 @@ from flashplan.executor.reference_calls import (
     entry_queries,
     paged_call,
 )
+from flashplan.fp8 import Scale, dequantize, quantize
 from flashplan.kernel_rules import kernel_visibility
 from flashplan.layout.group import AttentionGroup
+from flashplan.layout.heads import FP8_DTYPES
 from flashplan.layout.page_table import PageTable
 from flashplan.planning.spec import PlanSpec
 from flashplan.torch_kernels import fold_sinks_torch, gather_slots_torch, merge_state_torch
@@ -215,6 +217,8 @@ class ReferenceExecutor:
         *,
         return_lse: Literal[False] = False,
         sinks: torch.Tensor | None = None,
+        k_scale: Scale | None = None,
+        v_scale: Scale | None = None,
     ) -> torch.Tensor: ...
 
     @overload
@@ -228,6 +232,8 @@ class ReferenceExecutor:
         *,
         return_lse: Literal[True],
         sinks: torch.Tensor | None = None,
+        k_scale: Scale | None = None,
+        v_scale: Scale | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def run(
@@ -240,6 +246,8 @@ class ReferenceExecutor:
         *,
         return_lse: bool = False,
         sinks: torch.Tensor | None = None,
+        k_scale: Scale | None = None,
+        v_scale: Scale | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer of ``group``.
 
@@ -258,6 +266,11 @@ class ReferenceExecutor:
                 a sink group it includes the sink term (``docs/semantics.md``).
             sinks: a sink group's sink logits, float32 ``[num_qo_heads]`` (natural-log
                 units, not scaled or capped); ``None`` for other groups.
+            k_scale, v_scale: an fp8 cache's per-tensor scales (a positive finite
+                number or a 0-d float32 tensor on the cache's device; ``None``: 1.0):
+                new K/V (in ``q_dtype``) are stored as ``x / scale`` saturated to the
+                format, and attention reads ``stored * scale`` (:mod:`flashplan.fp8`).
+                ``None`` for any other cache.
 
         Returns:
             ``out [total_q, num_qo_heads, head_dim]`` (``out_dtype``), or ``(out, lse)``.
@@ -271,7 +284,8 @@ class ReferenceExecutor:
         args = check_run_args(
             None if applied is None else applied.spec,
             None if applied is None else applied.device,
-            group, q, k_new, v_new, kv_cache, return_lse, sinks=sinks,
+            group, q, k_new, v_new, kv_cache, return_lse, sinks=sinks, k_scale=k_scale,
+            v_scale=v_scale,
         )  # fmt: skip
         assert applied is not None
         spec, gp = applied.spec, args.plan
@@ -293,6 +307,9 @@ class ReferenceExecutor:
         if write is not None and kv_cache is not None:
             assert k_new is not None and v_new is not None
             _, page, slot = write
+            if spec.heads.kv_is_fp8:
+                k_new = quantize(k_new, args.k_scale, kv_cache.dtype)
+                v_new = quantize(v_new, args.v_scale, kv_cache.dtype)
             kv_cache[page, 0, slot] = k_new
             kv_cache[page, 1, slot] = v_new
         scale = group.scale_for(spec.heads.head_dim)
@@ -300,7 +317,7 @@ class ReferenceExecutor:
         states = []
         if call is not None:
             assert kv_cache is not None
-            k, v = self._padded_keys(kv_cache, call)
+            k, v = self._padded_keys(kv_cache, call, args, self.compute_dtype)
             state = self._attend(q, k, v, call.visible, call.rows, scale, cap)
             if gp.paged is not None and gp.paged.sinks:
                 assert sinks is not None  # checked: a sink group's run takes them
@@ -324,15 +341,21 @@ class ReferenceExecutor:
         return (out, lse) if return_lse else out
 
     @staticmethod
-    def _padded_keys(kv_cache: torch.Tensor, call: PagedCall) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[n, max_kv, Hkv, D]``: each entry's own keys, zeros after them."""
+    def _padded_keys(
+        kv_cache: torch.Tensor, call: PagedCall, args: RunArgs, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[n, max_kv, Hkv, D]`` in ``dtype``: each entry's own keys as
+        attention reads them (an fp8 cache's dequantized), zeros after them."""
         hkv, d = kv_cache.shape[3], kv_cache.shape[4]
         bs = call.rows.shape[0]
-        k = kv_cache.new_zeros(bs * call.max_kv, hkv, d)
-        v = kv_cache.new_zeros(bs * call.max_kv, hkv, d)
-        k[call.padded_index] = kv_cache[call.page, 0, call.slot]
-        v[call.padded_index] = kv_cache[call.page, 1, call.slot]
-        return k.view(bs, call.max_kv, hkv, d), v.view(bs, call.max_kv, hkv, d)
+        padded = []
+        for kv, scale in ((0, args.k_scale), (1, args.v_scale)):
+            rows = kv_cache[call.page, kv, call.slot]
+            read = dequantize(rows, scale, dtype) if rows.dtype in FP8_DTYPES else rows.to(dtype)
+            out = read.new_zeros(bs * call.max_kv, hkv, d)
+            out[call.padded_index] = read
+            padded.append(out.view(bs, call.max_kv, hkv, d))
+        return padded[0], padded[1]
 
     def _attend(
         self,

@@ -121,6 +121,15 @@ def plan(
                     extend_path=choice.value,
                     page_size=layout.page_size,
                 )
+    if heads.kv_is_fp8 and choice is ExtendPath.RAGGED and layout.mode is Mode.EXTEND:
+        raise LayoutError(
+            "extend_path",
+            "an fp8 KV cache is read as stored (quantized), the new tokens' keys too; the "
+            "ragged kernel would read the unquantized new K/V: plan it with 'paged' or "
+            "'auto'",
+            extend_path=choice.value,
+            kv_dtype=heads.kv_dtype,
+        )
     if layout.mode is Mode.EXTEND and choice is ExtendPath.AUTO:
         # ('auto' puts a position-masked group on its paged prefill, as cross groups)
         choice = default_extend_path(layout, heads)

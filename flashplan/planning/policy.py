@@ -21,6 +21,9 @@ def default_extend_path(layout: BatchLayout, heads: HeadConfig) -> ExtendPath:
 
     * A multi-item batch: ``PAGED`` — FlashInfer's multi-item mode exists only in its
       paged prefill kernel.
+    * An fp8 KV cache: ``PAGED`` — attention reads every key as the cache stores it
+      (quantized), the new tokens' too, which the ragged kernel over the unquantized
+      new K/V would not.
     * No request has a cached prefix: ``RAGGED`` — attention over the new tokens
       alone, no page gather, one kernel.
     * Otherwise: ``PAGED`` — one paged prefill over prefix + new tokens, which
@@ -28,8 +31,7 @@ def default_extend_path(layout: BatchLayout, heads: HeadConfig) -> ExtendPath:
       ragged+paged time for a 16 x (2048 + 512) batch on an H200), and needs no
       custom mask for windowed groups.
     """
-    del heads  # the choice does not depend on head shapes (measured: see benchmarks)
-    if layout.is_multi_item:
+    if layout.is_multi_item or heads.kv_is_fp8:  # (head shapes do not move the choice)
         return ExtendPath.PAGED
     if not np.any(layout.prefix_lens):
         return ExtendPath.RAGGED

@@ -158,16 +158,22 @@ class ComparingExecutor:
         *,
         return_lse: bool = False,
         sinks: torch.Tensor | None = None,
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run on both, record the comparison, return the primary's result (``out``, or
         ``(out, lse)`` with ``return_lse``: the protocol's overloads are not restated in
-        this test helper). ``sinks``: a sink group's logits, given to both."""
+        this test helper). ``sinks``, ``k_scale``, ``v_scale``: given to both."""
         assert self._oracle is not None, "run() before apply()"
         shadow = self._shadow(kv_cache)
+        # scales only where given: an executor written before fp8 caches takes none
+        scales = {n: s for n, s in (("k_scale", k_scale), ("v_scale", v_scale)) if s is not None}
         want, want_lse = self._oracle.run(
-            group, q, k_new, v_new, shadow, return_lse=True, sinks=sinks
+            group, q, k_new, v_new, shadow, return_lse=True, sinks=sinks, **scales
         )
-        out, lse = self.primary.run(group, q, k_new, v_new, kv_cache, return_lse=True, sinks=sinks)
+        out, lse = self.primary.run(
+            group, q, k_new, v_new, kv_cache, return_lse=True, sinks=sinks, **scales
+        )
         diff = attention_diff(out, lse, want, want_lse)
         cache_ok = kv_cache is None or (shadow is not None and torch.equal(kv_cache, shadow))
         self.records.append(CallRecord(self._step, group, *diff, cache_ok))

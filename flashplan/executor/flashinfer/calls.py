@@ -120,9 +120,19 @@ def check_runnable(spec: PlanSpec, *, graph: bool = False) -> None:
     (one position-masked call per request), or runs eagerly. The executor refuses rather
     than run a different mask.
 
+    An fp8 KV cache is refused too: this executor does not run one yet (the
+    :class:`~flashplan.ReferenceExecutor` does).
+
     Raises:
-        UnsupportedError: naming the group.
+        UnsupportedError: naming the group, or ``kv_dtype``.
     """
+    if spec.heads.kv_is_fp8:
+        raise UnsupportedError(
+            "kv_dtype",
+            "the FlashInfer executor does not run fp8 KV caches yet; the ReferenceExecutor "
+            "runs this plan",
+            kv_dtype=str(spec.heads.kv_dtype),
+        )
     if not graph:
         return
     for gp in spec.group_plans:

@@ -116,8 +116,11 @@ class EagerBuffers:
         kv_cache: object,
         return_lse: object,
         sinks: object,
+        k_scale: object = None,
+        v_scale: object = None,
     ) -> RunArgs:
         """:func:`~flashplan.executor.checks.check_run_args` against the applied plan."""
         return check_run_args(
-            spec, self.settings.device, group, q, k_new, v_new, kv_cache, return_lse, sinks=sinks
-        )
+            spec, self.settings.device, group, q, k_new, v_new, kv_cache, return_lse, sinks=sinks,
+            k_scale=k_scale, v_scale=v_scale, read_scales=self.settings.check_pages,
+        )  # fmt: skip

@@ -390,6 +390,8 @@ class FlashInferExecutor:
         *,
         return_lse: Literal[False] = False,
         sinks: torch.Tensor | None = None,
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     @overload
@@ -403,6 +405,8 @@ class FlashInferExecutor:
         *,
         return_lse: Literal[True],
         sinks: torch.Tensor | None = None,
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def run(
@@ -415,6 +419,8 @@ class FlashInferExecutor:
         *,
         return_lse: bool = False,
         sinks: torch.Tensor | None = None,
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention of one layer of ``group`` on FlashInfer kernels.
 
@@ -431,7 +437,9 @@ class FlashInferExecutor:
         FA2; :func:`~flashplan.executor.flashinfer.calls.sink_kernel`), otherwise a
         fold into the call's or the merged state on the device (a value-0 key of logit
         ``sinks[h]``, :func:`~flashplan.kernels.merge_state.fold_sinks_triton`). They
-        are never passed to a kernel that ignores them.
+        are never passed to a kernel that ignores them. ``k_scale`` / ``v_scale``
+        are an fp8 cache's scales; this executor does not run fp8 caches yet (``apply``
+        refuses them), so they must be ``None``.
 
         Raises:
             PlanMismatchError: the group was not planned, or a tensor's type, shape,
@@ -440,7 +448,7 @@ class FlashInferExecutor:
             PageTableError: ``check_pages`` mode, an id outside the cache.
         """
         args = self._buffers.check_run(
-            self.spec, group, q, k_new, v_new, kv_cache, return_lse, sinks
+            self.spec, group, q, k_new, v_new, kv_cache, return_lse, sinks, k_scale, v_scale
         )
         batch = self._batch
         assert batch is not None and isinstance(group, AttentionGroup)

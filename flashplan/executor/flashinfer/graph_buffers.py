@@ -309,12 +309,15 @@ class GraphBuffers:
         kv_cache: object,
         return_lse: object,
         sinks: object,
+        k_scale: object = None,
+        v_scale: object = None,
     ) -> RunArgs:
         """As the eager check, with the bucket's ``total_q`` rows, and no encoder writes
         (a bucket writes no encoder K/V)."""
         args = check_run_args(
             spec, self.settings.device, group, q, k_new, v_new, kv_cache, return_lse,
-            total_q=self.bucket.total_q, sinks=sinks,
+            total_q=self.bucket.total_q, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+            read_scales=False,
         )  # fmt: skip
         if args.writes and args.plan.group.cross_attention:
             raise PlanMismatchError(

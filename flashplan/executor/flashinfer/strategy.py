@@ -187,6 +187,8 @@ class BuffersStrategy(Protocol):
         kv_cache: object,
         return_lse: object,
         sinks: object,
+        k_scale: object = None,
+        v_scale: object = None,
     ) -> RunArgs:
         """``run``'s arguments checked against the applied plan and this strategy."""
         ...
