@@ -226,3 +226,23 @@ def test_one_reference_executor_across_models_equals_fresh_ones() -> None:
         while engine.has_work():
             assert engine.step() is not None
         assert tee.records and not tee.bad(0.0, 0.0), f"{name} {page_size}: {tee.summary()}"
+
+
+@pytest.mark.parametrize(("name", "kv_dtype"), [("llama", "fp8_e4m3"), ("gemma2", "fp8_e5m2")])
+def test_fp8_cache_parity_with_hf(name: str, kv_dtype: str) -> None:
+    """``run.py --kv-dtype fp8_*``: a bf16 model over an fp8 cache, on the reference
+    executor, within the stated fp8 tolerance of HF's fp32 forward (``run.TOLERANCES``),
+    greedy tokens equal outside HF's near-ties; the cache really is fp8."""
+    from examples.engine import run
+
+    seen: list[torch.dtype] = []
+    real = Engine.__init__
+
+    def spy(self: Engine, *args: object, **kwargs: object) -> None:
+        real(self, *args, **kwargs)  # type: ignore[arg-type]
+        seen.extend(c.dtype for c in self.ctx.kv_caches)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Engine, "__init__", spy)
+        assert run.main(["--model", name, "--kv-dtype", kv_dtype]) == 0
+    assert seen and set(seen) == {run.KV_DTYPES[kv_dtype]}

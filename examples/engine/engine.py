@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import attrs
 import numpy as np
 import torch
 
@@ -115,6 +116,10 @@ class Engine:
         conventions: the HF -> flashplan mapping (tests perturb it).
         keep_all_logits: return the logits of every new token, not only each request's last.
         eos_token_id: stop a request when it samples this token.
+        kv_dtype: the decoder KV caches' dtype (default: the model's); an fp8 dtype
+            (``torch.float8_e4m3fn`` / ``torch.float8_e5m2``) stores K/V quantized with
+            ``kv_scales`` (``docs/semantics.md``, "FP8 KV cache").
+        kv_scales: an fp8 cache's ``(k_scale, v_scale)``, the same for every layer.
     """
 
     def __init__(
@@ -131,6 +136,8 @@ class Engine:
         conventions: HFConventions = HFConventions(),  # noqa: B008 (frozen)
         keep_all_logits: bool = False,
         eos_token_id: int | None = None,
+        kv_dtype: torch.dtype | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
         if getattr(adapter, "is_encoder_only", False):
             raise ValueError("an encoder-only model generates nothing: use embed()")
@@ -152,11 +159,13 @@ class Engine:
         self.groups = (*groups[Kind.SELF], *groups[Kind.CROSS])
         self.encoder_groups = tuple(groups[Kind.ENCODER])
         # One cache per decoder layer (self and cross attention of a layer share it).
-        h = adapter.heads
+        h = adapter.heads if kv_dtype is None else attrs.evolve(adapter.heads, kv_dtype=kv_dtype)
+        self.heads = h
         shape = (num_pages, 2, page_size, h.num_kv_heads, h.head_dim)
         caches = [torch.zeros(shape, dtype=h.kv_dtype, device=self.device)]
         caches += [torch.zeros_like(caches[0]) for _ in range(adapter.num_layers - 1)]
-        self.ctx = StepContext(executor, adapter.bindings, caches, conventions)
+        scales = kv_scales if h.kv_is_fp8 else None
+        self.ctx = StepContext(executor, adapter.bindings, caches, conventions, scales)
         self.allocator = PageAllocator(num_pages)
         # Host page table: one row per running request, -1 where no page is allocated.
         self.table = np.full((max_running, _cdiv(max_request_tokens, page_size) + 1), -1, np.int32)
@@ -239,7 +248,7 @@ class Engine:
         # 3. Encoder pass for joining requests (its own plan; no cache).
         encoder_states = self._encode([r for r in reqs if not r.encoder_cached], pages)
         # 4. Plan once, apply once, then every layer runs its group on this plan.
-        spec = fp.plan(layout, self.adapter.heads, extend_path=self.extend_path)
+        spec = fp.plan(layout, self.heads, extend_path=self.extend_path)
         self.executor.apply(spec, table)
         ids = [t for r, n in batch for t in r.tokens[r.num_cached : r.num_cached + n]]
         last = spec.qo_indptr[1:] - 1  # each request's last new token

@@ -181,12 +181,14 @@ class StepContext:
         kv_caches: one cache per decoder layer, ``[num_pages, 2, page_size, kv_heads,
             head_dim]`` in the model's dtype.
         conventions: the HF -> flashplan mapping.
+        kv_scales: an fp8 cache's ``(k_scale, v_scale)`` (every layer's), else ``None``.
     """
 
     executor: fp.Executor
     bindings: Mapping[nn.Module, Binding]
     kv_caches: list[torch.Tensor]
     conventions: HFConventions
+    kv_scales: tuple[float, float] | None = None
 
 
 def _tokens_first(x: torch.Tensor) -> torch.Tensor:
@@ -239,7 +241,11 @@ def flashplan_attention(
         rows = ctx.executor.spec.total_encoder if ctx.executor.spec else 0
         k, v = (k[:rows], v[:rows]) if rows else (None, None)
     cache = None if binding.cache is None else ctx.kv_caches[binding.cache]
-    out = ctx.executor.run(group, q, k, v, cache, sinks=sinks)
+    if ctx.kv_scales is not None and cache is not None:  # an fp8 cache and its scales
+        k_scale, v_scale = ctx.kv_scales
+        out = ctx.executor.run(group, q, k, v, cache, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    else:
+        out = ctx.executor.run(group, q, k, v, cache, sinks=sinks)
     return out.unsqueeze(0), None
 
 
