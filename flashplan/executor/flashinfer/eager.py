@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from flashplan.executor.checks import RunArgs, check_run_args
 from flashplan.executor.flashinfer.buffers import DeviceBuffer, WrapperPool, WrapperSlot
 from flashplan.executor.flashinfer.calls import call_inputs, call_skeleton, skeleton_key
 from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
@@ -16,6 +15,7 @@ from flashplan.executor.flashinfer.strategy import OwnedBuffers
 from flashplan.executor.gathers import gather_jobs, gather_jobs_steps
 
 if TYPE_CHECKING:
+    from flashplan.executor.checks import RunArgs
     from flashplan.executor.flashinfer.bucket import GraphBucket
     from flashplan.executor.flashinfer.calls import GroupCalls, WrapperKey
     from flashplan.executor.flashinfer.settings import ExecutorSettings
@@ -106,21 +106,10 @@ class EagerBuffers:
         cls = getattr(self.settings.flashinfer, key.class_name)
         return WrapperSlot(cls(self.settings.workspace, **key.constructor_kwargs()))
 
-    def check_run(
-        self,
-        spec: PlanSpec | None,
-        group: object,
-        q: object,
-        k_new: object,
-        v_new: object,
-        kv_cache: object,
-        return_lse: object,
-        sinks: object,
-        k_scale: object = None,
-        v_scale: object = None,
-    ) -> RunArgs:
-        """:func:`~flashplan.executor.checks.check_run_args` against the applied plan."""
-        return check_run_args(
-            spec, self.settings.device, group, q, k_new, v_new, kv_cache, return_lse, sinks=sinks,
-            k_scale=k_scale, v_scale=v_scale, read_scales=self.settings.check_pages,
-        )  # fmt: skip
+    @property
+    def run_rows(self) -> int | None:
+        """``run`` takes the plan's query rows."""
+        return None
+
+    def check_run(self, args: RunArgs) -> None:
+        """Every checked call runs."""

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Literal, overload
 import torch
 
 from flashplan.errors import PageTableError, PlanMismatchError, UnsupportedError
-from flashplan.executor.checks import check_apply_args
+from flashplan.executor.checks import check_apply_args, check_run_args
 from flashplan.executor.flashinfer.applied import AppliedBatch
 from flashplan.executor.flashinfer.calls import GroupCalls, check_runnable
 from flashplan.executor.flashinfer.checked import check_cache_pages, check_gathered
@@ -447,9 +447,12 @@ class FlashInferExecutor:
                 given, which a bucket does not write).
             PageTableError: ``check_pages`` mode, an id outside the cache.
         """
-        args = self._buffers.check_run(
-            self.spec, group, q, k_new, v_new, kv_cache, return_lse, sinks, k_scale, v_scale
-        )
+        args = check_run_args(
+            self.spec, self.device, group, q, k_new, v_new, kv_cache, return_lse,
+            total_q=self._buffers.run_rows, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+            read_scales=self.check_pages,
+        )  # fmt: skip
+        self._buffers.check_run(args)
         batch = self._batch
         assert batch is not None and isinstance(group, AttentionGroup)
         if kv_cache is not None and not kv_cache.is_contiguous():

@@ -16,7 +16,6 @@ import torch
 
 from flashplan.arrays import INT32_MAX, IntArray
 from flashplan.errors import BucketError, PlanMismatchError
-from flashplan.executor.checks import RunArgs, check_run_args
 from flashplan.executor.flashinfer.bucket import (
     BucketLayout,
     GraphBucket,
@@ -40,6 +39,7 @@ from flashplan.executor.flashinfer.strategy import OwnedBuffers
 from flashplan.executor.gathers import GatherJobs, concat_jobs, gather_jobs, pages_region
 
 if TYPE_CHECKING:
+    from flashplan.executor.checks import RunArgs
     from flashplan.executor.flashinfer.settings import ExecutorSettings
     from flashplan.layout.page_table import PageTable
     from flashplan.planning.spec import PlanKey, PlanSpec
@@ -299,30 +299,16 @@ class GraphBuffers:
         )
         return WrapperSlot(wrapper)
 
-    def check_run(
-        self,
-        spec: PlanSpec | None,
-        group: object,
-        q: object,
-        k_new: object,
-        v_new: object,
-        kv_cache: object,
-        return_lse: object,
-        sinks: object,
-        k_scale: object = None,
-        v_scale: object = None,
-    ) -> RunArgs:
-        """As the eager check, with the bucket's ``total_q`` rows, and no encoder writes
-        (a bucket writes no encoder K/V)."""
-        args = check_run_args(
-            spec, self.settings.device, group, q, k_new, v_new, kv_cache, return_lse,
-            total_q=self.bucket.total_q, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-            read_scales=False,
-        )  # fmt: skip
+    @property
+    def run_rows(self) -> int:
+        """``run`` takes the bucket's ``total_q`` rows (padding rows' outputs ignored)."""
+        return self.bucket.total_q
+
+    def check_run(self, args: RunArgs) -> None:
+        """A bucket writes no encoder K/V."""
         if args.writes and args.plan.group.cross_attention:
             raise PlanMismatchError(
                 "k_new",
                 "a CUDA-graph bucket writes no encoder K/V: write them in an eager step "
                 "and pass k_new=v_new=None for cross groups in the graph",
             )
-        return args

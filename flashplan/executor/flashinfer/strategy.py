@@ -177,18 +177,12 @@ class BuffersStrategy(Protocol):
         """A new FlashInfer wrapper for ``key``."""
         ...
 
-    def check_run(
-        self,
-        spec: PlanSpec | None,
-        group: object,
-        q: object,
-        k_new: object,
-        v_new: object,
-        kv_cache: object,
-        return_lse: object,
-        sinks: object,
-        k_scale: object = None,
-        v_scale: object = None,
-    ) -> RunArgs:
-        """``run``'s arguments checked against the applied plan and this strategy."""
+    @property
+    def run_rows(self) -> int | None:
+        """The query rows ``run`` takes (a bucket's ``total_q``); ``None``: the plan's."""
+        ...
+
+    def check_run(self, args: RunArgs) -> None:
+        """Refuse a checked ``run`` call this strategy cannot run (a bucket: encoder
+        writes)."""
         ...
