@@ -9,16 +9,24 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 import torch
 
-from flashplan.errors import PageTableError, PlanMismatchError
+from flashplan.errors import OptionError, PageTableError, PlanMismatchError
 from flashplan.fp8 import Scale, check_scale
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
 from flashplan.layout.page_table import PageTable
 from flashplan.planning.spec import GroupPlan, PlanSpec
 
-__all__ = ["RunArgs", "check_apply_args", "check_run_args"]
+__all__ = [
+    "RunArgs",
+    "check_apply_args",
+    "check_page_map",
+    "check_run_args",
+    "first_shared_slot",
+]
 
 
 def _tensor(name: str, t: object, device: torch.device) -> torch.Tensor:
@@ -206,3 +214,39 @@ def _check_sinks(sinks: object, wanted: bool, num_qo_heads: int, device: torch.d
         )  # fmt: skip
     t = _tensor("sinks", sinks, device)
     _expect("sinks", t, (num_qo_heads,), torch.float32)
+
+
+def check_page_map(page_map: object, device: torch.device | None = None) -> torch.Tensor | None:
+    """An executor's ``page_map`` (full-pool page id -> sliding-window pool page id, a
+    negative entry: evicted), checked: ``None``, or an int32 1-D tensor (on ``device``
+    where one is given: the FlashInfer executor's).
+
+    Raises:
+        OptionError: anything else.
+    """
+    if page_map is None:
+        return None
+    if (
+        not isinstance(page_map, torch.Tensor)
+        or page_map.dtype != torch.int32
+        or page_map.dim() != 1
+        or (device is not None and page_map.device != device)
+    ):
+        where = "" if device is None else f" on {device}"
+        raise OptionError(
+            "page_map", f"must be an int32 1-D tensor{where}", value=type(page_map).__name__
+        )
+    return page_map
+
+
+def first_shared_slot(flat: npt.NDArray[np.int64]) -> tuple[int, int] | None:
+    """The first two entries of ``flat`` (int ``[n]`` cache slots, ``page * page_size +
+    offset``) that name one slot, as indices into ``flat`` (the earlier first), taking the
+    slots in sorted order; ``None`` when every slot is distinct. Both executors' write
+    collision checks."""
+    order = np.argsort(flat, kind="stable")
+    same = np.flatnonzero(flat[order[1:]] == flat[order[:-1]])
+    if not same.size:
+        return None
+    k = int(same[0])
+    return int(order[k]), int(order[k + 1])

@@ -29,6 +29,7 @@ import numpy.typing as npt
 
 from flashplan.arrays import INT32_MAX, IntArray
 from flashplan.errors import PlanMismatchError, UnsupportedError
+from flashplan.layout.group import AttentionGroup
 from flashplan.planning.spec import PlanSpec
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "gather_jobs_steps",
     "is_pages_region",
     "pages_region",
+    "write_region",
 ]
 
 
@@ -170,6 +172,17 @@ ENCODER = "encoder"
 def pages_region(group_index: int) -> str:
     """Name of the region holding group ``group_index``'s page ids."""
     return f"pages/{group_index}"
+
+
+def write_region(group: AttentionGroup, window_pool: bool) -> str:
+    """The region of ``group``'s write slots: the encoder tokens' for a cross group; the
+    window pool's for a group kept there (``window_pool``: the executor has a page map);
+    the full pool's otherwise. Both executors write through it."""
+    if group.cross_attention:
+        return ENCODER
+    if window_pool and group.uses_window_pool:
+        return WRITE_WINDOW
+    return WRITE
 
 
 def is_pages_region(name: str) -> bool:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from flashplan.errors import OptionError, PlanMismatchError
-from flashplan.executor.checks import RunArgs, check_apply_args, check_run_args
+from flashplan.executor.checks import RunArgs, check_apply_args, check_page_map, check_run_args
 from flashplan.executor.gathers import (
     ENCODER,
     WRITE,
@@ -37,6 +37,7 @@ from flashplan.executor.gathers import (
     GatherJobs,
     gather_jobs,
     pages_region,
+    write_region,
 )
 from flashplan.executor.reference_calls import (
     CallRows,
@@ -44,7 +45,6 @@ from flashplan.executor.reference_calls import (
     Slots,
     call_rows,
     check_collisions,
-    check_page_map,
     entries,
     entry_queries,
     paged_call,
@@ -290,14 +290,8 @@ class ReferenceExecutor:
         assert applied is not None
         spec, gp = applied.spec, args.plan
         call = applied.paged.get(args.index)
-        write = None
-        if args.writes:
-            if group.cross_attention:
-                write = applied.writes[ENCODER]
-            elif self.page_map is not None and group.uses_window_pool:
-                write = applied.writes[WRITE_WINDOW]
-            else:
-                write = applied.writes[WRITE]
+        window_pool = self.page_map is not None
+        write = applied.writes[write_region(group, window_pool)] if args.writes else None
         if kv_cache is not None:  # every check before the first write
             num_pages = int(kv_cache.shape[0])
             if call is not None:

@@ -10,7 +10,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from flashplan.errors import OptionError, PageTableError
+from flashplan.errors import PageTableError
+from flashplan.executor.checks import first_shared_slot
 from flashplan.kernel_rules import kernel_visibility
 from flashplan.layout.page_table import PageTable
 from flashplan.lengths import Lengths
@@ -22,7 +23,6 @@ __all__ = [
     "Slots",
     "call_rows",
     "check_collisions",
-    "check_page_map",
     "entries",
     "entry_queries",
     "paged_call",
@@ -158,29 +158,14 @@ def entries(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return req, k
 
 
-def check_page_map(page_map: object) -> torch.Tensor | None:
-    if page_map is None:
-        return None
-    if (
-        not isinstance(page_map, torch.Tensor)
-        or page_map.dtype != torch.int32
-        or page_map.dim() != 1
-    ):
-        raise OptionError("page_map", "must be an int32 1-D tensor", value=type(page_map).__name__)
-    return page_map
-
-
 def check_collisions(slots: Slots, page_size: int, table: PageTable) -> None:
     """Raise PageTableError when two entries would write the same cache slot."""
     ok = ~slots.bad
     if not ok.any():
         return
-    flat = slots.page[ok] * page_size + slots.slot[ok]
-    order = np.argsort(flat, kind="stable")
-    same = flat[order[1:]] == flat[order[:-1]]
-    if same.any():
-        k = int(np.flatnonzero(same)[0])
-        reqs = slots.request[ok][order[k : k + 2]]
+    shared = first_shared_slot(slots.page[ok].astype(np.int64) * page_size + slots.slot[ok])
+    if shared is not None:
+        reqs = slots.request[ok][list(shared)]
         first, second = sorted(int(r) for r in reqs)
         raise PageTableError(
             "pages",
@@ -188,5 +173,5 @@ def check_collisions(slots: Slots, page_size: int, table: PageTable) -> None:
             "same page id), so one would overwrite the other",
             request=second,
             other_request=first,
-            page=int(slots.page[ok][order[k]]),
+            page=int(slots.page[ok][shared[0]]),
         )

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-import flashplan.executor.flashinfer.names as names
+from flashplan.executor.gathers import write_region
 
 if TYPE_CHECKING:
     import torch
@@ -46,11 +46,6 @@ class AppliedBatch:
     positions: DeviceBuffer
 
     def write_region(self, group: AttentionGroup, window_pool: bool) -> Region:
-        """The gather region of ``group``'s write slots: the encoder's for a cross group,
-        the window pool's for a windowed group of an executor with a page map."""
-        jobs = self.dplan.jobs
-        if group.cross_attention:
-            return jobs.region(names.ENCODER)
-        if window_pool and group.uses_window_pool:
-            return jobs.region(names.WRITE_WINDOW)
-        return jobs.region(names.WRITE)
+        """The gather region of ``group``'s write slots
+        (:func:`~flashplan.executor.gathers.write_region`)."""
+        return self.dplan.jobs.region(write_region(group, window_pool))

@@ -11,6 +11,7 @@ import torch
 
 import flashplan.executor.flashinfer.names as names
 from flashplan.errors import PageTableError
+from flashplan.executor.checks import first_shared_slot
 
 if TYPE_CHECKING:
     from flashplan.executor.checks import RunArgs
@@ -36,11 +37,11 @@ def check_gathered(
     for r in jobs.regions:
         if names.is_pages_region(r.name):
             continue
-        flat = pg[r.lo : r.hi].astype(np.int64) * spec.page_size + off[r.lo : r.hi]
-        order = np.argsort(flat, kind="stable")
-        same = np.flatnonzero(flat[order[1:]] == flat[order[:-1]])
-        if same.size:
-            entry = r.lo + int(order[same[0] + 1])
+        shared = first_shared_slot(
+            pg[r.lo : r.hi].astype(np.int64) * spec.page_size + off[r.lo : r.hi]
+        )
+        if shared is not None:
+            entry = r.lo + shared[1]
             _raise_bad(dplan, spec, table, entry, "is a cache slot another token writes")
 
 

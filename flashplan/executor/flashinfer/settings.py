@@ -12,7 +12,8 @@ from typing import Any
 import attrs
 import torch
 
-from flashplan.errors import OptionError, OptionTypeError, UnsupportedError, as_option
+from flashplan.errors import OptionTypeError, UnsupportedError, as_option
+from flashplan.executor.checks import check_page_map
 from flashplan.executor.flashinfer.adapter import (
     check_version,
     fast_decode_available,
@@ -121,13 +122,7 @@ class ExecutorSettings:
         size = as_option(as_int, "workspace_bytes", workspace_bytes, minimum=1 << 20)
         checked = as_option(as_bool, "check_pages", check_pages)
         fast = as_option(as_bool, "fast_plan", fast_plan)
-        if page_map is not None and (
-            not isinstance(page_map, torch.Tensor)
-            or page_map.dtype != torch.int32
-            or page_map.dim() != 1
-            or page_map.device != dev
-        ):
-            raise OptionError("page_map", f"must be an int32 1-D tensor on {dev}", value=page_map)
+        page_map = check_page_map(page_map, dev)
         return cls(
             device=dev,
             flashinfer=fi,
