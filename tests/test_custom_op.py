@@ -99,3 +99,38 @@ def test_refusals() -> None:
     ex.apply(spec, table)
     with pytest.raises(PlanMismatchError):  # a group that was not planned
         fp.attention(fp.AttentionOp(ex, fp.AttentionGroup.sliding(2)), q, None, None, None)
+
+
+@pytest.mark.parametrize("tensor_scales", [False, True])
+def test_compiled_layer_over_an_fp8_cache_equals_eager(tensor_scales: bool) -> None:
+    """The op passes an fp8 cache's scales (numbers or 0-d tensors) to ``run``: the
+    compiled layer equals the eager one bit for bit, stored bytes included."""
+    heads = fp.HeadConfig(4, 2, 16, q_dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
+    group = fp.AttentionGroup.full()
+    ex = fp.ReferenceExecutor(compute_dtype=torch.float32)
+    attend = fp.AttentionOp(ex, group)
+    ks, vs = (torch.tensor(0.5), torch.tensor(2.0)) if tensor_scales else (0.5, 2.0)
+    gen = torch.Generator().manual_seed(5)
+    wq = torch.randn(32, 64, generator=gen).to(torch.bfloat16)
+    wkv = torch.randn(32, 64, generator=gen).to(torch.bfloat16)
+
+    def layer(x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        q = (x @ wq).view(-1, 4, 16)
+        k, v = (x @ wkv).view(-1, 2, 2, 16).unbind(1)
+        return fp.attention(
+            attend, q, k.contiguous(), v.contiguous(), kv_cache, k_scale=ks, v_scale=vs
+        )
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    spec = fp.plan(fp.BatchLayout.decode([9, 3, 14], page_size=PAGE, groups=(group,)), heads)
+    table = fp.PageTable.shuffled(spec.pages_needed, seed=3)
+    cache = (torch.randn(POOL, 2, PAGE, 2, 16, generator=gen) * 4).to(torch.float8_e4m3fn)
+    x = torch.randn(spec.total_q, 32, generator=gen).to(torch.bfloat16)
+    ex.apply(spec, table)
+    eager_cache, compiled_cache = cache.clone(), cache.clone()
+    with torch.no_grad():
+        want = layer(x, eager_cache)
+        got = compiled(x, compiled_cache)
+    assert torch.equal(got, want)
+    assert torch.equal(compiled_cache.view(torch.uint8), eager_cache.view(torch.uint8))
+    assert not torch.equal(compiled_cache.view(torch.uint8), cache.view(torch.uint8))

@@ -86,13 +86,17 @@ def attention(
     *,
     out_dtype: torch.dtype | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``op.executor.run(op.group, q, k_new, v_new, kv_cache, sinks=sinks)`` through the custom op
     ``torch.ops.flashplan.run``: traceable by ``torch.compile(fullgraph=True)``.
 
     ``out_dtype`` is the plan's ``HeadConfig.out_dtype`` (default: ``q``'s dtype, as
     ``HeadConfig``'s): the compiler must know the output's dtype without reading the
-    executor, so it is an argument of the op.
+    executor, so it is an argument of the op. ``k_scale`` / ``v_scale``: an fp8 cache's
+    scales (:mod:`flashplan.fp8`), a number or a 0-d float32 tensor; passed to ``run``
+    only when given.
 
     Returns:
         ``[total_q, num_qo_heads, head_dim]`` of ``out_dtype``.
@@ -102,7 +106,11 @@ def attention(
             that contradict the plan), or an ``out_dtype`` that is not the plan's.
     """
     dtype = q.dtype if out_dtype is None else out_dtype
-    return run(op, q, k_new, v_new, kv_cache, dtype, sinks)
+    # the op's schema takes each scale as a tensor or as a number (one union per argument
+    # is not a schema type)
+    k_t, k_f = (k_scale, None) if isinstance(k_scale, torch.Tensor) else (None, k_scale)
+    v_t, v_f = (v_scale, None) if isinstance(v_scale, torch.Tensor) else (None, v_scale)
+    return run(op, q, k_new, v_new, kv_cache, dtype, sinks, k_t, v_t, k_f, v_f)
 
 
 register_opaque_type(AttentionOp, typ="reference")
@@ -117,12 +125,21 @@ def run(
     kv_cache: torch.Tensor | None,
     out_dtype: torch.dtype,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_scale_value: float | None = None,
+    v_scale_value: float | None = None,
 ) -> torch.Tensor:
-    """The op: ``op.executor.run(op.group, ...)`` on the plan applied now."""
+    """The op: ``op.executor.run(op.group, ...)`` on the plan applied now (each scale a
+    tensor or a number, or neither)."""
     planned = op.spec().heads.out_dtype
     if planned != out_dtype:
         raise PlanMismatchError("out_dtype", "must be the plan's", planned=planned, got=out_dtype)
-    return op.executor.run(op.group, q, k_new, v_new, kv_cache, sinks=sinks)
+    k = k_scale if k_scale is not None else k_scale_value
+    v = v_scale if v_scale is not None else v_scale_value
+    if k is None and v is None:  # an executor without fp8 support takes no scales
+        return op.executor.run(op.group, q, k_new, v_new, kv_cache, sinks=sinks)
+    return op.executor.run(op.group, q, k_new, v_new, kv_cache, sinks=sinks, k_scale=k, v_scale=v)
 
 
 @run.register_fake
@@ -134,6 +151,10 @@ def _run_fake(
     kv_cache: torch.Tensor | None,
     out_dtype: torch.dtype,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    k_scale_value: float | None = None,
+    v_scale_value: float | None = None,
 ) -> torch.Tensor:
     # (the executor is opaque here: the shape is q's, the dtype an argument)
     return q.new_empty(q.shape, dtype=out_dtype)
