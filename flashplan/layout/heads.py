@@ -89,6 +89,29 @@ class HeadConfig:
                 num_kv_heads=self.num_kv_heads,
             )
 
+    def shard(self, world_size: int) -> HeadConfig:
+        """One rank's heads under tensor parallelism over ``world_size`` ranks: each
+        rank holds a contiguous block of ``num_qo_heads / world_size`` query heads and
+        the ``num_kv_heads / world_size`` KV heads they read (query head ``h`` of a rank
+        reads its KV head ``h // group_size``, as on one device). Every rank plans the
+        same layout with this config.
+
+        Raises:
+            LayoutError: ``world_size`` below 1, or not dividing ``num_kv_heads``
+                (a KV head is not split across ranks).
+        """
+        world = as_int("world_size", world_size, minimum=1)
+        if self.num_kv_heads % world:
+            raise LayoutError(
+                "num_kv_heads",
+                "must be divisible by the tensor-parallel world size",
+                num_kv_heads=self.num_kv_heads,
+                world_size=world,
+            )
+        return attrs.evolve(
+            self, num_qo_heads=self.num_qo_heads // world, num_kv_heads=self.num_kv_heads // world
+        )
+
     @property
     def kv_is_fp8(self) -> bool:
         """Whether the KV cache is stored in an 8-bit float format (quantized)."""
