@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from flashplan.draft_kv import compact_accepted, copy_prefix_pages
 from flashplan.errors import (
     BucketError,
     FieldTypeError,
@@ -84,6 +85,8 @@ __all__ = [
     "UnsupportedError",
     "attention",
     "capture",
+    "compact_accepted",
+    "copy_prefix_pages",
     "materialize",
     "plan",
     "plan_steps",
