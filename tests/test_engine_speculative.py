@@ -1,7 +1,9 @@
 """Speculative decoding in the example engine (CPU, fp32, reference executor): with
 greedy sampling the tokens equal the target's own greedy decode, for drafts that agree
 always (the target's own layers: every draft accepted) and rarely (its first layer);
-chains of 1 to 4 drafts, page sizes 1, 4 and 16, full and sliding-window models."""
+chains of 1 to 4 drafts and EAGLE trees (multi-step draft decode over branch rows,
+partial pages copied, accepted paths compacted), page sizes 1, 4 and 16, full and
+sliding-window models."""
 
 from __future__ import annotations
 
@@ -30,13 +32,18 @@ def test_speculative_decode_is_lossless(name: str, page_size: int) -> None:
     want = greedy_decode(target, prompts, MAX_NEW, page_size=page_size)
     same = draft_from(model, model.config.num_hidden_layers)  # the target's own layers
     weak = draft_from(model, 1)
-    weak_acceptance = []
-    for k in (1, 2, 4):
-        full = speculative_decode(target, same, prompts, MAX_NEW, k, page_size=page_size)
-        assert full.tokens == want, (k, "full")
+    weak_acceptance, moved = [], 0
+    for k, topk in ((1, 1), (2, 1), (4, 1), (3, 2), (1, 4)):  # chains, then EAGLE trees
+        full = speculative_decode(target, same, prompts, MAX_NEW, k, topk=topk, page_size=page_size)
+        assert full.tokens == want, (k, topk, "full")
         assert full.acceptance == 1.0
         assert full.rounds == -(-MAX_NEW // (k + 1))  # k + 1 tokens per round
-        partial = speculative_decode(target, weak, prompts, MAX_NEW, k, page_size=page_size)
-        assert partial.tokens == want, (k, "weak")
+        partial = speculative_decode(
+            target, weak, prompts, MAX_NEW, k, topk=topk, page_size=page_size
+        )
+        assert partial.tokens == want, (k, topk, "weak")
         weak_acceptance.append(partial.acceptance)
+        moved += partial.moved
     assert min(weak_acceptance) < 1.0  # some drafts were rejected: both paths ran
+    if name == "llama":  # (its weak draft disagrees often enough to pick other branches)
+        assert moved > 0  # accepted paths off the first branch: compaction moved K/V

@@ -20,6 +20,7 @@ target's cached tokens and ``x`` the pending token (generated, not yet cached):
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -114,18 +115,22 @@ class SpeculativeRun:
     Attributes:
         tokens: each request's first ``max_new`` generated tokens.
         rounds: draft + verify rounds run.
-        drafted: draft tokens proposed (``k`` per request and round).
+        drafted: draft depth offered (``k`` per request and round: a tree's depth, not
+            its ``topk * k`` tokens).
         accepted: draft tokens accepted.
+        moved: accepted paths that left the tree's first branch (their K/V moved by
+            ``fp.compact_accepted``).
     """
 
     tokens: list[list[int]]
     rounds: int
     drafted: int
     accepted: int
+    moved: int = 0
 
     @property
     def acceptance(self) -> float:
-        """Accepted / drafted."""
+        """Accepted / drafted: the share of the offered depth accepted."""
         return self.accepted / max(self.drafted, 1)
 
 
@@ -136,53 +141,119 @@ def speculative_decode(
     max_new: int,
     k: int,
     *,
+    topk: int = 1,
     page_size: int = 16,
 ) -> SpeculativeRun:
-    """Greedy speculative decoding of ``prompts`` (each at least 2 tokens) with chains of
-    ``k`` draft tokens (module docstring)."""
-    room = max(map(len, prompts)) + max_new + 2 * k + 2
+    """Greedy speculative decoding of ``prompts`` (each at least 2 tokens), ``k`` draft
+    tokens per branch: one chain (``topk=1``, module docstring), or an EAGLE tree of
+    ``topk`` branches (the draft's ``topk`` best first tokens, each continued greedily by a
+    multi-step draft decode over branch rows; see :func:`_draft_tree`)."""
+    room = max(map(len, prompts)) + max_new + (topk + 1) * k + 2  # a verify: L + topk*k + 1
     tgt, table = _setup(target, prompts, room, page_size)
-    drf = _Model(draft, fp.ReferenceExecutor(), tgt.num_pages, page_size)
+    bs = len(prompts)
+    # branch pages for a tree's draft decode: past the requests' rows in one pool
+    per_branch = -(-(page_size - 1 + k) // page_size) + 1
+    pool = tgt.num_pages + bs * topk * per_branch
+    own = torch.arange(tgt.num_pages, pool, dtype=torch.int32).reshape(bs, topk, per_branch)
+    tgt = _Model(target, tgt.executor, pool, page_size)
+    drf = _Model(draft, fp.ReferenceExecutor(), pool, page_size)
+    table = fp.PageTable(table.pages, rows=table.rows, num_pages=pool)
     for m in (tgt, drf):
         _prefill(m, table, prompts)
-    bs = len(prompts)
     seqs = [list(p) for p in prompts]  # every token, the pending one last
     cached = np.array([len(p) - 1 for p in prompts])  # the target's
     draft_cached = cached.copy()
     out: list[list[int]] = [[] for _ in prompts]
-    rounds = drafted = accepted = 0
+    rounds = drafted = accepted = moved = 0
     while min(map(len, out)) < max_new:
         rounds += 1
-        # 1. draft: catch up to the pending token (1 or 2 tokens), then k - 1 decodes
+        # 1. draft: catch up through the pending token, then propose
         layout = fp.BatchLayout.extend(cached + 1, draft_cached, page_size=page_size,
                                        groups=drf.groups)  # fmt: skip
         ids = [t for s, c in zip(seqs, draft_cached.tolist(), strict=True) for t in s[c:]]
         logits = drf.forward(layout, table, ids)
-        last = np.cumsum(cached + 1 - draft_cached) - 1
-        drafts = [logits[torch.from_numpy(last)].argmax(-1).tolist()]
-        for s in range(1, k):
-            layout = fp.BatchLayout.decode(cached + 1 + s, page_size=page_size, groups=drf.groups)
-            drafts.append(drf.forward(layout, table, drafts[-1]).argmax(-1).tolist())
-        proposal = np.array(drafts).T  # [bs, k]
-        # 2. verify: the pending token and the k drafts, a chain, at L .. L + k
-        tree = fp.DraftTree.chain(bs, k + 1)
+        first = logits[torch.from_numpy(np.cumsum(cached + 1 - draft_cached) - 1)]
+        if topk == 1:
+            tree, tokens = _draft_chain(drf, table, cached, first, k)
+        else:
+            tree, tokens = _draft_tree(drf, table, cached, first, k, topk, own)
+        # 2. verify: the pending token and the tree, at L + depth
         layout = fp.BatchLayout.verify(cached, tree, page_size=page_size, groups=tgt.groups)
-        ids = [t for s, d in zip(seqs, proposal.tolist(), strict=True) for t in (s[-1], *d)]
-        preds = tgt.forward(layout, table, ids).argmax(-1).view(bs, k + 1).numpy()
-        # 3. accept the agreeing prefix; the target's next prediction becomes pending
-        agree = np.cumprod(preds[:, :k] == proposal, axis=1).sum(axis=1)  # drafts kept
-        paths = [list(range(int(n) + 1)) for n in agree]
+        ids = [t for s, d in zip(seqs, tokens.tolist(), strict=True) for t in (s[-1], *d)]
+        preds = tgt.forward(layout, table, ids).argmax(-1).view(bs, tree.num_tokens).numpy()
+        # 3. accept: from the root, follow the child holding the target's prediction
+        full = np.concatenate([np.full((bs, 1), -1), tokens], axis=1)  # token per node
+        paths = [_greedy_path(tree.parents[i], full[i], preds[i]) for i in range(bs)]
         fp.compact_accepted(tgt.ctx.kv_caches, table, cached, tree, paths, page_size=page_size)
-        for i in range(bs):
-            new = [*proposal[i, : agree[i]].tolist(), int(preds[i, agree[i]])]
+        for i, path in enumerate(paths):
+            new = [*full[i, path[1:]].tolist(), int(preds[i, path[-1]])]
             seqs[i] += new
             out[i] += new
+        agree = np.array([len(p) - 1 for p in paths])
+        moved += sum(p != list(range(len(p))) for p in paths)
         drafted += bs * k
         accepted += int(agree.sum())
-        # the draft cached the pending token and d1 .. d(k-1): all but d(k) when all agree
-        draft_cached = cached + np.minimum(agree + 1, k)
+        # a chain: the draft cached the pending token and d1 .. d(k-1) on the request
+        # rows; a tree: the pending token only (the branches' K/V is on branch pages)
+        draft_cached = cached + (np.minimum(agree + 1, k) if topk == 1 else 1)
         cached = cached + agree + 1
-    return SpeculativeRun([o[:max_new] for o in out], rounds, drafted, accepted)
+    return SpeculativeRun([o[:max_new] for o in out], rounds, drafted, accepted, moved)
+
+
+def _greedy_path(parents: np.ndarray, tokens: np.ndarray, preds: np.ndarray) -> list[int]:
+    """The accepted path: from the root, the child whose token is the target's
+    prediction at the current node, while there is one."""
+    path = [0]
+    while True:
+        children = np.flatnonzero((parents == path[-1]) & (tokens == preds[path[-1]]))
+        if not children.size:
+            return path
+        path.append(int(children[0]))
+
+
+def _draft_chain(  # type: ignore[no-untyped-def]
+    drf: _Model, table: fp.PageTable, cached: np.ndarray, first: torch.Tensor, k: int
+):
+    """A chain of ``k`` drafts: the best first token, then ``k - 1`` greedy decodes on
+    the request rows. Returns the tree and the draft tokens ``[bs, k]``."""
+    drafts = [first.argmax(-1).tolist()]
+    for s in range(1, k):
+        layout = fp.BatchLayout.decode(cached + 1 + s, page_size=drf.page_size, groups=drf.groups)
+        drafts.append(drf.forward(layout, table, drafts[-1]).argmax(-1).tolist())
+    return fp.DraftTree.chain(len(cached), k + 1), np.array(drafts).T
+
+
+def _draft_tree(  # type: ignore[no-untyped-def]
+    drf: _Model,
+    table: fp.PageTable,
+    cached: np.ndarray,
+    first: torch.Tensor,
+    k: int,
+    topk: int,
+    own: torch.Tensor,
+):
+    """An EAGLE tree: the draft's ``topk`` best first tokens, each continued by ``k - 1``
+    greedy steps of a multi-step draft decode over branch rows (``fp.DraftDecode``,
+    ``PageTable.draft_branches``; each branch's first own page starts as a copy of the
+    request's partial last page, ``fp.copy_prefix_pages``). Returns the tree and the
+    draft tokens ``[bs, topk * k]`` (branch-major, as ``DraftTree.eagle``)."""
+    bs, ps = len(cached), drf.page_size
+    branch = [first.topk(topk, dim=-1).indices]  # [bs, topk]: each branch's first token
+    if k > 1:
+        plan = fp.DraftDecode(cached + 1, topk, k - 1, page_size=ps, groups=drf.groups)
+        rows = fp.PageTable.draft_branches(table, plan.prefix_lens, topk,
+                                           own[:, :, : plan.branch_pages], page_size=ps,
+                                           num_pages=table.num_pages)  # fmt: skip
+        fp.copy_prefix_pages(drf.ctx.kv_caches, table, plan.prefix_lens, own, page_size=ps)
+        specs = fp.plan_steps(plan, drf.adapter.heads)
+        views = drf.executor.apply_steps(specs, rows)
+        for view in views:  # step s: each branch's s-th token in, its next token out
+            ctx = dataclasses.replace(drf.ctx, executor=view)
+            ids = branch[-1].reshape(-1)
+            logits = drf.adapter.decode(ids, view.positions().long(), torch.arange(len(ids)), ctx)
+            branch.append(logits.argmax(-1).view(bs, topk))
+    tokens = torch.stack(branch, dim=2).reshape(bs, topk * k)  # [bs, branch, depth]
+    return fp.DraftTree.eagle(bs, topk, k), tokens.numpy()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--model", default="llama")
-    p.add_argument("--k", type=int, default=3, help="draft tokens per round (a chain)")
+    p.add_argument("--k", type=int, default=3, help="draft tokens per branch and round")
+    p.add_argument("--topk", type=int, default=1, help="branches (1: a chain; more: a tree)")
     p.add_argument(
         "--draft-layers", type=int, default=1, help="the target's layers the draft keeps"
     )
@@ -209,11 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     want = greedy_decode(target, prompts, args.max_new_tokens, page_size=args.page_size)
     run = speculative_decode(
         target, draft_from(model, args.draft_layers), prompts, args.max_new_tokens, args.k,
-        page_size=args.page_size,
+        topk=args.topk, page_size=args.page_size,
     )  # fmt: skip
     same = run.tokens == want
-    print(f"{run.rounds} rounds of {args.k} drafts: acceptance {run.acceptance:.2f} "
-          f"({run.accepted}/{run.drafted}); tokens equal to greedy decoding: {same}")  # fmt: skip
+    print(f"{run.rounds} rounds, {args.topk} branch(es) of {args.k}: acceptance "
+          f"{run.acceptance:.2f} ({run.accepted}/{run.drafted}), {run.moved} paths moved; "
+          f"tokens equal to greedy decoding: {same}")  # fmt: skip
     return 0 if same else 1
 
 
