@@ -83,7 +83,8 @@ def quantize(x: torch.Tensor, scale: Scale, dtype: torch.dtype) -> torch.Tensor:
     if dtype not in FP8_DTYPES:
         raise PlanMismatchError("kv_dtype", "not an fp8 dtype", dtype=str(dtype))
     top = fp8_max(dtype)
-    y = x.to(torch.float32) / scale_value(scale, x.to(torch.float32))
+    y = x.to(torch.float32)
+    y = y / scale_value(scale, y)
     return y.clamp(-top, top).to(dtype)  # clamp keeps NaN; every value now fits
 
 

@@ -68,3 +68,8 @@ def test_every_staged_name_comes_from_the_constructors() -> None:
     assert seen > 500
     assert np.all([names.is_pages_region(names.pages_region(i)) for i in range(5)])
     assert not names.is_pages_region(names.WRITE)
+
+
+@given(STEPS)
+def test_step_of_inverts_step_prefix(step: int | None) -> None:
+    assert names.step_of(names.step_prefix(step)) == (0 if step is None else step)

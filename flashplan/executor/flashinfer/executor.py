@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
+import flashplan.executor.flashinfer.names as names
 from flashplan.errors import PageTableError, PlanMismatchError, UnsupportedError
 from flashplan.executor.checks import check_apply_args, check_run_args
 from flashplan.executor.flashinfer.applied import AppliedBatch
@@ -356,7 +357,7 @@ class FlashInferExecutor:
             if any(gc.masked for gc in calls):
                 raise UnsupportedError("specs", "apply_steps() plans steps without custom masks")
             steps.append((spec, calls))
-        prefixes = [f"s{k}/" for k in range(len(steps))]
+        prefixes = [names.step_prefix(k) for k in range(len(steps))]
         dplan = buffers.steps_device_plan(steps, table, prefixes)
         slot, host, staged = stage(owned, dplan)
         (page, offset), _ = gather_and_mask(buffers, dplan, staged, table)

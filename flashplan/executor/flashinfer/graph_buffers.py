@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
+import flashplan.executor.flashinfer.names as names
 from flashplan.arrays import INT32_MAX, IntArray
 from flashplan.errors import BucketError, PlanMismatchError
 from flashplan.executor.flashinfer.bucket import (
@@ -69,11 +70,6 @@ class FixedShape:
     page: torch.Tensor
     offset: torch.Tensor
     masks: dict[int, torch.Tensor]
-
-
-def _step_of(prefix: str) -> int:
-    """The step index of a multi-step name prefix (``"s3/"`` -> 3; ``""`` -> 0)."""
-    return int(prefix[1:-1]) if prefix else 0
 
 
 @attrs.define(eq=False)
@@ -269,7 +265,7 @@ class GraphBuffers:
             raise PlanMismatchError("paths", "CUDA-graph buckets run paged paths only")
         layout = self.fixed.layout
         r = layout.region(pages_region(group_index))
-        base = layout.total * _step_of(prefix)  # step k's regions: k layouts on
+        base = layout.total * names.step_of(prefix)  # step k's regions: k layouts on
         indices = self.fixed.page[base + r.lo : base + r.hi]
         if key.kind is WrapperKind.DECODE:
             fixed = {"indptr": ints(bs + 1), "last_page_len": ints(bs)}

@@ -53,6 +53,7 @@ __all__ = [
     "mask_name",
     "pages_region",
     "parse",
+    "step_of",
     "step_prefix",
 ]
 
@@ -80,6 +81,12 @@ def step_prefix(step: int | None) -> str:
     return "" if step is None else f"s{step}/"
 
 
+def step_of(prefix: str) -> int:
+    """The step a name prefix belongs to (``"s3/"`` -> 3; ``""``, a single apply -> 0):
+    the inverse of :func:`step_prefix`."""
+    return int(prefix[1:-1]) if prefix else 0
+
+
 def batch_int(field: Literal["qo.total", "qo.max_len"], prefix: str = "") -> str:
     """A batch-wide integer's name."""
     return prefix + field
@@ -101,8 +108,8 @@ def mask_name(group: int, field: MaskField, prefix: str = "") -> str:
 
 
 def item_name(group: int, field: ItemField, prefix: str = "") -> str:
-    """Group ``group``'s multi-item tensor (or, with a ``.``-suffix the caller adds,
-    one of its integers) ``field``."""
+    """Group ``group``'s multi-item tensor or integer ``field`` (the token positions'
+    parts: :func:`item_part`)."""
     return f"{prefix}g{group}.items.{field}"
 
 
