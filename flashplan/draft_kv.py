@@ -24,7 +24,7 @@ import numpy.typing as npt
 import torch
 
 from flashplan.errors import LayoutError, PageTableError
-from flashplan.layout.convert import as_int
+from flashplan.layout.convert import as_int, as_lengths
 from flashplan.layout.drafts import DraftTree
 from flashplan.layout.page_table import PageTable
 
@@ -57,13 +57,12 @@ def _check_caches(caches: Sequence[torch.Tensor], table: PageTable, page_size: i
 
 
 def _host_lengths(field: str, values: object, batch_size: int) -> npt.NDArray[np.int64]:
-    arr = np.asarray(values)
-    if arr.ndim != 1 or arr.shape[0] != batch_size or not np.issubdtype(arr.dtype, np.integer):
-        raise LayoutError(field, f"must be {batch_size} host integers (one per request)",
-                          shape=arr.shape)  # fmt: skip
-    if arr.size and arr.min() < 0:
-        i = int(np.argmin(arr))
-        raise LayoutError(field, "must be >= 0", request=i, value=int(arr[i]))
+    """Per-request host lengths (:func:`~flashplan.layout.convert.as_lengths`), one per
+    request of the table, as int64 for the index arithmetic."""
+    arr = as_lengths(field, values)
+    if arr.shape[0] != batch_size:
+        raise LayoutError(field, f"must hold one length per request ({batch_size})",
+                          given=int(arr.shape[0]))  # fmt: skip
     return arr.astype(np.int64)
 
 

@@ -149,3 +149,33 @@ def test_copy_prefix_pages_refuses_mismatched_inputs() -> None:
         fp.copy_prefix_pages(_caches(rng, 2, table.num_pages), table, [3, 5], own, page_size=4)
     with pytest.raises(fp.LayoutError, match="prefix_lens"):
         fp.copy_prefix_pages(_caches(rng, 4, table.num_pages), table, [3], own, page_size=4)
+
+
+JUNK = st.one_of(
+    st.lists(st.integers(-5, 80), max_size=4),
+    st.lists(st.floats(allow_nan=True), min_size=1, max_size=3),
+    st.lists(st.text(max_size=2), min_size=1, max_size=3),
+    st.just([[1, 2]]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(prefix=JUNK, paths=st.lists(st.lists(st.integers(-2, 9), max_size=4), max_size=3))
+def test_junk_is_refused_before_any_write(prefix: object, paths: list[list[int]]) -> None:
+    """Junk lengths and paths: a flashplan error or a valid move, never a crash or a
+    write the refused call left behind."""
+    rng = np.random.default_rng(3)
+    table = _table(rng, 2, 8)
+    caches = _caches(rng, 4, table.num_pages)
+    before = [c.clone() for c in caches]
+    tree = fp.DraftTree.eagle(2, 2, 2)
+    try:
+        fp.compact_accepted(caches, table, prefix, tree, paths, page_size=4)
+    except fp.FlashplanError:
+        assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+    own = torch.arange(40, 48, dtype=torch.int32).reshape(2, 2, 2)
+    before = [c.clone() for c in caches]
+    try:
+        fp.copy_prefix_pages(caches, table, prefix, own, page_size=4)
+    except fp.FlashplanError:
+        assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
