@@ -18,7 +18,7 @@ import torch
 
 import flashplan as fp
 
-from .hf_attention import HFConventions, Kind, StepContext, expected_call
+from .hf_attention import HFConventions, Kind, StepContext, planned_groups
 from .hf_models import DecoderOnly, EncoderDecoder, EncoderOnly
 
 
@@ -153,11 +153,9 @@ class Engine:
         model = adapter.model
         self.device = model.device
         # One group per kind of attention layer, planned before the forward from the modules.
-        groups = {k: {} for k in Kind}
-        for module, b in adapter.bindings.items():
-            groups[b.kind][conventions.group(b.kind, expected_call(module))] = None
+        groups = planned_groups(adapter.bindings, conventions)
         self.groups = (*groups[Kind.SELF], *groups[Kind.CROSS])
-        self.encoder_groups = tuple(groups[Kind.ENCODER])
+        self.encoder_groups = groups[Kind.ENCODER]
         # One cache per decoder layer (self and cross attention of a layer share it).
         h = adapter.heads if kv_dtype is None else attrs.evolve(adapter.heads, kv_dtype=kv_dtype)
         self.heads = h
@@ -332,10 +330,9 @@ def embed(
     """
     if not prompts or not all(prompts):
         raise ValueError("embed needs at least one prompt, each of at least one token")
-    bindings = adapter.bindings.items()
-    groups = {conventions.group(b.kind, expected_call(m)): None for m, b in bindings}
+    groups = planned_groups(adapter.bindings, conventions)[Kind.ENCODER]  # all its modules
     lens = [len(p) for p in prompts]
-    layout = fp.BatchLayout.extend(lens, [0] * len(lens), page_size=page_size, groups=(*groups,))
+    layout = fp.BatchLayout.extend(lens, [0] * len(lens), page_size=page_size, groups=groups)
     spec = fp.plan(layout, adapter.heads, extend_path=extend_path)
     need = layout.pages_needed.tolist()
     free = list(range(sum(need)))  # popped from the end: the last page id first

@@ -150,6 +150,18 @@ class HFConventions:
         return self.resolve(kind, call)[0]
 
 
+def planned_groups(
+    bindings: Mapping[nn.Module, Binding], conventions: HFConventions
+) -> dict[Kind, tuple[fp.AttentionGroup, ...]]:
+    """Each kind's attention groups, one per distinct group of its modules (in module
+    order), planned before the forward from what each module will pass
+    (:func:`expected_call`)."""
+    groups: dict[Kind, dict[fp.AttentionGroup, None]] = {k: {} for k in Kind}
+    for module, b in bindings.items():
+        groups[b.kind][conventions.group(b.kind, expected_call(module))] = None
+    return {k: tuple(g) for k, g in groups.items()}
+
+
 def expected_call(module: nn.Module) -> HFCall:
     """What ``module`` will pass its attention function, read from the module the way the
     modeling code reads it, so that groups can be planned before the forward. (Mistral passes

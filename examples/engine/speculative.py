@@ -28,7 +28,7 @@ import torch
 
 import flashplan as fp
 
-from .hf_attention import HFConventions, Kind, StepContext, expected_call
+from .hf_attention import HFConventions, Kind, StepContext, planned_groups
 from .hf_models import DecoderOnly, adapter_for
 
 __all__ = ["SpeculativeRun", "draft_from", "greedy_decode", "speculative_decode"]
@@ -58,8 +58,7 @@ class _Model:
 
     def __post_init__(self) -> None:
         conv = HFConventions()
-        groups = {conv.group(Kind.SELF, expected_call(m)): None for m in self.adapter.bindings}
-        self.groups = tuple(groups)
+        self.groups = planned_groups(self.adapter.bindings, conv)[Kind.SELF]
         h = self.adapter.heads
         shape = (self.num_pages, 2, self.page_size, h.num_kv_heads, h.head_dim)
         caches = [torch.zeros(shape, dtype=h.kv_dtype) for _ in range(self.adapter.num_layers)]
@@ -75,12 +74,14 @@ class _Model:
         ).float()
 
 
-def _setup(adapter: DecoderOnly, prompts: list[list[int]], room: int, page_size: int):  # type: ignore[no-untyped-def]
-    """A model over a table of one row per request, each ``room`` tokens."""
+def _request_table(
+    prompts: list[list[int]], room: int, page_size: int, extra_pages: int = 0
+) -> fp.PageTable:
+    """One row per request, each ``room`` tokens of its own pages, in a pool with
+    ``extra_pages`` more (a tree's branch pages) after them."""
     width = -(-room // page_size)
     pages = torch.arange(len(prompts) * width, dtype=torch.int32).reshape(len(prompts), width)
-    table = fp.PageTable(pages, rows=np.arange(len(prompts)), num_pages=pages.numel())
-    return _Model(adapter, fp.ReferenceExecutor(), pages.numel(), page_size), table
+    return fp.PageTable(pages, rows=np.arange(len(prompts)), num_pages=pages.numel() + extra_pages)
 
 
 def _prefill(model: _Model, table: fp.PageTable, prompts: list[list[int]]) -> None:
@@ -94,7 +95,9 @@ def greedy_decode(
     target: DecoderOnly, prompts: list[list[int]], max_new: int, *, page_size: int = 16
 ) -> list[list[int]]:
     """The target alone, one token per step: each request's first ``max_new`` tokens."""
-    model, table = _setup(target, prompts, max(map(len, prompts)) + max_new + 1, page_size)
+    table = _request_table(prompts, max(map(len, prompts)) + max_new + 1, page_size)
+    assert table.num_pages is not None
+    model = _Model(target, fp.ReferenceExecutor(), table.num_pages, page_size)
     _prefill(model, table, prompts)
     cached = np.array([len(p) - 1 for p in prompts])
     pending = [p[-1] for p in prompts]
@@ -149,15 +152,15 @@ def speculative_decode(
     ``topk`` branches (the draft's ``topk`` best first tokens, each continued greedily by a
     multi-step draft decode over branch rows; see :func:`_draft_tree`)."""
     room = max(map(len, prompts)) + max_new + (topk + 1) * k + 2  # a verify: L + topk*k + 1
-    tgt, table = _setup(target, prompts, room, page_size)
     bs = len(prompts)
     # branch pages for a tree's draft decode: past the requests' rows in one pool
     per_branch = -(-(page_size - 1 + k) // page_size) + 1
-    pool = tgt.num_pages + bs * topk * per_branch
-    own = torch.arange(tgt.num_pages, pool, dtype=torch.int32).reshape(bs, topk, per_branch)
-    tgt = _Model(target, tgt.executor, pool, page_size)
+    table = _request_table(prompts, room, page_size, extra_pages=bs * topk * per_branch)
+    rows_end, pool = table.pages.numel(), table.num_pages
+    assert pool is not None
+    own = torch.arange(rows_end, pool, dtype=torch.int32).reshape(bs, topk, per_branch)
+    tgt = _Model(target, fp.ReferenceExecutor(), pool, page_size)
     drf = _Model(draft, fp.ReferenceExecutor(), pool, page_size)
-    table = fp.PageTable(table.pages, rows=table.rows, num_pages=pool)
     for m in (tgt, drf):
         _prefill(m, table, prompts)
     seqs = [list(p) for p in prompts]  # every token, the pending one last
