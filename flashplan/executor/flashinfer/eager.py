@@ -34,11 +34,15 @@ class EagerBuffers:
     owned: OwnedBuffers = attrs.field(init=False)
     bucket: GraphBucket | None = attrs.field(init=False, default=None)
     graph: bool = attrs.field(init=False, default=False)
-    fast_prefill: bool = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.owned = OwnedBuffers(self.settings.device, WrapperPool(grow=True))
-        self.fast_prefill = self.settings.fast_prefill
+
+    @property
+    def fast_prefill(self) -> bool:
+        """Paged prefill wrappers are re-planned through the compiled scheduler where the
+        settings allow."""
+        return self.settings.fast_prefill
 
     def admit(self, spec: PlanSpec) -> None:
         """Every plan fits."""
