@@ -32,9 +32,9 @@ def test_moves_on_the_gpu_equal_the_cpu_and_never_sync() -> None:
     own = torch.arange(200, 200 + bs * 2 * 2, dtype=torch.int32).reshape(bs, 2, 2)
     fp.compact_accepted(caches, cpu, prefix, tree, paths, page_size=ps)
     fp.copy_prefix_pages(caches, cpu, prefix, own, page_size=ps)
-    torch.cuda.synchronize()
-    with syncs_raise():
+    own_gpu = own.cuda()  # the upload is the test's, not the move's: outside the check
+    with syncs_raise():  # (which waits for the GPU first)
         fp.compact_accepted(on_gpu, gpu, prefix, tree, paths, page_size=ps)
-        fp.copy_prefix_pages(on_gpu, gpu, prefix, own.cuda(), page_size=ps)
+        fp.copy_prefix_pages(on_gpu, gpu, prefix, own_gpu, page_size=ps)
     for want, got in zip(caches, on_gpu, strict=True):
         assert torch.equal(got.cpu(), want)

@@ -57,12 +57,13 @@ def test_triton_fp8_write_equals_the_definition(
     scales = (
         (torch.tensor(ks, device=dev), torch.tensor(vs, device=dev)) if tensor_scales else (ks, vs)
     )
+    k_d, v_d, page_d, offset_d = (t.to(dev) for t in (k, v, page, offset))
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         write_kv(
-            got, k.to(dev), v.to(dev), page.to(dev), offset.to(dev), status=status,
-            k_scale=scales[0], v_scale=scales[1],
-        )  # fmt: skip
+            got, k_d, v_d, page_d, offset_d, status=status, k_scale=scales[0], v_scale=scales[1]
+        )
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert _same_bytes(got.cpu(), want)
