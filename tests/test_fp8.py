@@ -229,10 +229,31 @@ def test_scales_are_refused_where_they_do_not_belong() -> None:
         ex.run(fp.AttentionGroup.full(), q, None, None, cache)
 
 
-def test_the_flashinfer_translation_refuses_fp8_by_name() -> None:
-    from flashplan.executor.flashinfer.calls import check_runnable
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_flashinfer_translation_plans_fp8_on_fa2(kv_dtype: torch.dtype) -> None:
+    """Every call of an fp8 plan names the fp8 cache dtype; prefills run on FA2 even where
+    ``auto`` would pick FA3 (its kernels take q and KV of one dtype), an explicit FA3 is
+    refused by name, and a sink group folds its sinks (no sink-kernel wrapper)."""
+    from flashplan.executor.flashinfer import ExecutorPolicy
+    from flashplan.executor.flashinfer.calls import call_skeleton, check_runnable
 
-    heads = fp.HeadConfig(4, 2, 16, kv_dtype=torch.float8_e4m3fn)
-    spec = fp.plan(fp.BatchLayout.decode([5], page_size=4), heads)
-    with pytest.raises(fp.UnsupportedError, match="kv_dtype"):
+    heads = fp.HeadConfig(8, 2, 128, q_dtype=torch.bfloat16, kv_dtype=kv_dtype)
+    groups = (fp.AttentionGroup.full(), fp.AttentionGroup.full(sinks=True))
+    layouts = [
+        fp.BatchLayout.decode([5, 9], page_size=4, groups=groups),
+        fp.BatchLayout.extend([40, 9], [30, 0], page_size=4, groups=groups),
+    ]
+    for layout in layouts:
+        spec = fp.plan(layout, heads, extend_path="paged")
         check_runnable(spec)
+        calls = call_skeleton(spec, ExecutorPolicy(), sm90=True)
+        for gc in calls:
+            assert gc.paged is not None and gc.ragged is None
+            kwargs = gc.paged.as_dict()
+            assert kwargs["kv_data_type"] == kv_dtype
+            assert kwargs["q_data_type"] == torch.bfloat16
+            assert gc.paged.wrapper.backend == "fa2"
+            assert gc.paged.wrapper.sink is None
+        if spec.total_q > spec.batch_size:
+            with pytest.raises(fp.UnsupportedError, match="prefill_backend"):
+                call_skeleton(spec, ExecutorPolicy(prefill_backend="fa3"), sm90=True)

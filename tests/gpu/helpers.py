@@ -53,9 +53,13 @@ def run_both(
     extend_path: str = "auto",
     seed: int = 0,
     device: str = "cuda",
+    scales: tuple[float | torch.Tensor, float | torch.Tensor] | None = None,
 ) -> list[tuple[fp.AttentionGroup, float, float, float]]:
     """Run every group on ``executor`` and on the reference; per group
     (group, output rel err, finite-LSE max abs err, cache rel err).
+
+    ``scales``: an fp8 cache's ``(k_scale, v_scale)``, passed to both executors (new
+    K/V are then drawn in the queries' dtype, the cache in its fp8 format).
 
     Asserts that both executors agree on which queries see no key (LSE ``-inf``).
     """
@@ -75,13 +79,19 @@ def run_both(
         cache_ref = cache.clone()
         q = torch.randn(spec.total_q, hq, d, generator=gen, device=device).to(heads.q_dtype)
         rows = spec.total_encoder if group.cross_attention else spec.total_q
-        k = torch.randn(rows, hkv, d, generator=gen, device=device).to(heads.kv_dtype)
-        v = torch.randn(rows, hkv, d, generator=gen, device=device).to(heads.kv_dtype)
+        k = torch.randn(rows, hkv, d, generator=gen, device=device).to(heads.kv_input_dtype)
+        v = torch.randn(rows, hkv, d, generator=gen, device=device).to(heads.kv_input_dtype)
         sinks = None
         if group.sinks:  # sink logits around the scores' scale, so that they matter
             sinks = torch.randn(hq, generator=gen, device=device) * 3
-        out, lse = executor.run(group, q, k, v, cache, return_lse=True, sinks=sinks)
-        out_ref, lse_ref = ref.run(group, q, k, v, cache_ref, return_lse=True, sinks=sinks)
+        k_scale, v_scale = (None, None) if scales is None else scales
+        out, lse = executor.run(
+            group, q, k, v, cache, return_lse=True, sinks=sinks, k_scale=k_scale, v_scale=v_scale
+        )
+        out_ref, lse_ref = ref.run(
+            group, q, k, v, cache_ref, return_lse=True, sinks=sinks, k_scale=k_scale,
+            v_scale=v_scale,
+        )  # fmt: skip
         finite = torch.isfinite(lse_ref)
         assert torch.equal(torch.isfinite(lse), finite), (
             f"group {group.describe()}: queries that see no key differ "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -116,19 +117,21 @@ def _assert_same_state(fast: Any, full: Any, masks: tuple[Any, Any], where: str)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_fast_prefill_plan_equals_plan(page_size: int) -> None:
-    seed = stable_seed("fast prefill", page_size)
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_fast_prefill_plan_equals_plan(page_size: int, kv_dtype: torch.dtype) -> None:
+    heads = attrs.evolve(HEADS, kv_dtype=kv_dtype)
+    seed = stable_seed("fast prefill", page_size, str(kv_dtype))
     gen = torch.Generator(device=DEV).manual_seed(seed)
     policy = ExecutorPolicy(prefill_backend="fa2")
     fast = FlashInferExecutor(policy=policy, fast_plan=True)
     full = FlashInferExecutor(policy=policy, fast_plan=False)
     hq, hkv, d = HEADS.num_qo_heads, HEADS.num_kv_heads, HEADS.head_dim
     for step, layout in enumerate(_layouts(page_size, seed)):
-        spec = fp.plan(layout, HEADS, extend_path="paged")
+        spec = fp.plan(layout, heads, extend_path="paged")
         table = fp.PageTable.shuffled(spec.pages_needed, seed=step, device=DEV)
         assert table.num_pages is not None
         cache = torch.randn(table.num_pages, 2, page_size, hkv, d, generator=gen, device=DEV)
-        cache = cache.to(torch.bfloat16)
+        cache = cache.to(kv_dtype)
         q = torch.randn(spec.total_q, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
         outs = {}
         for name, ex in (("fast", fast), ("full", full)):

@@ -14,9 +14,8 @@ On a FlashInfer version not in the table every wrapper is planned through ``plan
 and :func:`check_version` warns (:class:`FlashInferVersionWarning`) once per process and
 version; on a Triton version not in it every launch goes through ``kernel[grid]``.
 
-The table also vouches for two behaviours of flashinfer 0.7.4 that flashplan works
-around (both checked against the installed flashinfer by ``tests/test_flashinfer_calls.py``;
-another version may have fixed either, and then the workarounds would misplace bits):
+The table also vouches for two behaviours of flashinfer 0.7.4 that flashplan works around
+(checked by ``tests/test_flashinfer_calls.py``; a fix would make the workarounds misplace bits):
 
 * **Packed mask offsets.** Given ``packed_custom_mask``, ``plan()`` computes each
   request's mask offset as a running sum of ``qo_len * kv_len`` — a count of bits —
@@ -46,6 +45,7 @@ import torch
 
 from flashplan.arrays import INT32_MAX
 from flashplan.kernels._triton import HAS_TRITON, triton, triton_mode
+from flashplan.layout.heads import FP8_DTYPES
 
 __all__ = [
     "SUPPORTED", "DecodeArrays", "DirectLaunch", "FlashInferVersionWarning",
@@ -285,7 +285,7 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 def replannable(wrapper: Any, kwargs: dict[str, Any]) -> bool:
     """Whether ``wrapper``'s last ``plan()`` took the path :func:`replan_prefill`
     re-creates: an eager FA2 wrapper running FlashInfer's own compiled module, without
-    per-token scales, with fp16 / bf16 queries and KV."""
+    per-token scales, with fp16 / bf16 queries and fp16 / bf16 / fp8 KV."""
     return (
         not wrapper.is_cuda_graph_enabled
         and getattr(wrapper, "_backend", None) == "fa2"
@@ -293,7 +293,7 @@ def replannable(wrapper: Any, kwargs: dict[str, Any]) -> bool:
         and getattr(wrapper, "_cached_module", None) is not None
         and not getattr(wrapper, "_use_token_head_sf", True)
         and kwargs.get("q_data_type") in _HALF_DTYPES
-        and kwargs.get("kv_data_type") in _HALF_DTYPES
+        and kwargs.get("kv_data_type") in (*_HALF_DTYPES, *FP8_DTYPES)
     )
 
 

@@ -44,14 +44,17 @@ def run_group(
     if args.writes:
         assert kv_cache is not None and k_new is not None and v_new is not None
         r = batch.write_region(group, window_pool)
+        fp8 = spec.heads.kv_is_fp8
         write_kv(
             kv_cache, k_new, v_new, batch.page[r.lo : r.hi], batch.offset[r.lo : r.hi],
-            status=status,
+            status=status, k_scale=args.k_scale if fp8 else None,
+            v_scale=args.v_scale if fp8 else None,
         )  # fmt: skip
     if q.shape[0] == 0:
         out = q.new_zeros(q.shape, dtype=spec.heads.out_dtype)
         lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
+
     # A sink group's sink joins its state once (the plan names one call): inside
     # FlashInfer's sink kernel where the paged call runs on it, else folded in the
     # merge of the group's two states, or in one pass over its one state.
@@ -64,11 +67,15 @@ def run_group(
         states.append(wrapper.run(q, k_new, v_new, return_lse=want_lse))
     if gc.paged is not None:
         wrapper = batch.planned[(args.index, "paged")]
+        q_paged, k_scale = (q, None) if not spec.heads.kv_is_fp8 else _fold_k_scale(q, args)
         if in_kernel:  # the sink wrapper's run(q, cache, sinks, sm_scale)
-            scale = group.scale_for(spec.heads.head_dim)
-            states.append(wrapper.run(q, kv_cache, sinks, scale, return_lse=want_lse))
+            scale = group.scale_for(spec.heads.head_dim) * (k_scale or 1.0)
+            state = wrapper.run(q_paged, kv_cache, sinks, scale, return_lse=want_lse)
         else:
-            states.append(wrapper.run(q, kv_cache, return_lse=want_lse))
+            state = wrapper.run(q_paged, kv_cache, k_scale=k_scale, return_lse=want_lse)
+        if spec.heads.kv_is_fp8:
+            _apply_v_scale(state[0] if want_lse else state, args.v_scale)
+        states.append(state)
     if gc.merges:
         (o_a, s_a), (o_b, s_b) = states
         out, lse = merge_state_triton(o_a, s_a, o_b, s_b, sinks=fold)
@@ -80,3 +87,22 @@ def run_group(
     else:
         return states[0][0] if want_lse else states[0]
     return (out, lse) if return_lse else out
+
+
+def _fold_k_scale(q: torch.Tensor, args: RunArgs) -> tuple[torch.Tensor, float | None]:
+    """An fp8 cache's ``k_scale`` where the kernel takes it: a number multiplies the
+    kernel's softmax scale (FlashInfer's ``k_scale`` argument, host arithmetic); a 0-d
+    tensor multiplies the queries on the device (``q * k_scale`` in the queries' dtype:
+    FlashInfer would multiply its host float by the tensor, which is a sync, and a
+    CUDA graph would keep the value of its capture). ``(q for the kernel, k_scale
+    for FlashInfer or None)``."""
+    if isinstance(args.k_scale, torch.Tensor):
+        return q * args.k_scale, None
+    return q, None if args.k_scale == 1.0 else args.k_scale
+
+
+def _apply_v_scale(out: torch.Tensor, v_scale: float | torch.Tensor) -> None:
+    """Multiply a paged call's output by an fp8 cache's ``v_scale`` in place (attention
+    is linear in V; the LSE does not depend on it)."""
+    if isinstance(v_scale, torch.Tensor) or v_scale != 1.0:
+        out.mul_(v_scale)
