@@ -22,6 +22,7 @@ bytes read + written, measured in the same run. Host: ``BatchLayout.decode`` +
     python3 benchmarks/bench_fp8.py [--json OUT.json] [--md OUT.md]
     python3 benchmarks/bench_fp8.py --probe-fa3   # does FA3 take bf16 q over an fp8 cache?
     python3 benchmarks/bench_fp8.py --probe-xqa   # FlashInfer's XQA decode on the same batch
+    python3 benchmarks/bench_fp8.py --probe-splits  # raw tensor-core decode, KV split settings
 
 ``--probe-fa3`` plans and runs FlashInfer's paged prefill wrapper with ``backend="fa3"``,
 bf16 queries and an e4m3 cache (a JIT build of minutes if it compiles at all) and prints
@@ -193,13 +194,62 @@ def probe_xqa() -> str:
     )
 
 
+def probe_splits() -> list[str]:
+    """Raw FlashInfer tensor-core decode of the benchmark's batch (bf16 and e4m3 caches)
+    under FlashInfer's KV-split settings and with sequential page ids: kernel ms, TB/s."""
+    import flashinfer
+
+    lines = []
+    for name in ("bf16", "e4m3"):
+        dtype = DTYPES[name]
+        heads = fp.HeadConfig(HQ, HKV, D, q_dtype=torch.bfloat16, kv_dtype=dtype)
+        spec = fp.plan(fp.BatchLayout.decode(np.full(BATCH, KV_LEN), page_size=PAGE), heads)
+        part = spec.group_plans[0].paged
+        assert part is not None
+        n = int(part.page_indptr[-1])
+        cache = torch.empty(n, 2, PAGE, HKV, D, dtype=dtype, device=DEV)
+        for i in range(0, n, 4096):
+            c = cache[i : i + 4096]
+            c.copy_(torch.randn(c.shape, device=DEV))
+        shuffled = torch.randperm(n, device=DEV).to(torch.int32)
+        sequential = torch.arange(n, device=DEV, dtype=torch.int32)
+        q = torch.randn(BATCH, HQ, D, device=DEV).to(torch.bfloat16)
+        pin = lambda a: torch.from_numpy(np.array(a, np.int32)).pin_memory()  # noqa: E731
+        ws = torch.zeros(256 << 20, dtype=torch.uint8, device=DEV)
+        read = BATCH * KV_LEN * 2 * HKV * D * cache.element_size()
+        variants: list[tuple[str, dict[str, object], torch.Tensor]] = [
+            ("default", {}, shuffled),
+            ("no split", {"disable_split_kv": True}, shuffled),
+            ("split 512", {"fixed_split_size": 512}, shuffled),
+            ("split 1024", {"fixed_split_size": 1024}, shuffled),
+            ("split 2048", {"fixed_split_size": 2048}, shuffled),
+            ("sequential pages", {}, sequential),
+        ]
+        for label, kwargs, ids in variants:
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                ws, "NHD", use_tensor_cores=True, backend="fa2"
+            )
+            w.plan(
+                pin(part.page_indptr), ids, pin(part.last_page_len), HQ, HKV, D, PAGE,
+                q_data_type=torch.bfloat16, kv_data_type=dtype, **kwargs,
+            )  # fmt: skip
+            ms = kernel_ms(lambda w=w: w.run(q, cache))
+            lines.append(f"{name} {label}: {ms:.3f} ms {read / ms / 1e9:.2f} TB/s")
+        torch.cuda.empty_cache()
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--md", type=Path)
     ap.add_argument("--probe-fa3", action="store_true")
     ap.add_argument("--probe-xqa", action="store_true")
+    ap.add_argument("--probe-splits", action="store_true")
     args = ap.parse_args()
+    if args.probe_splits:
+        print("\n".join(probe_splits()), flush=True)
+        return
     if args.probe_fa3:
         print(f"FA3, bf16 q over an e4m3 cache: {probe_fa3()}", flush=True)
     if args.probe_xqa:

@@ -439,8 +439,9 @@ class FlashInferExecutor:
         fold into the call's or the merged state on the device (a value-0 key of logit
         ``sinks[h]``, :func:`~flashplan.kernels.merge_state.fold_sinks_triton`). They
         are never passed to a kernel that ignores them. ``k_scale`` / ``v_scale``
-        are an fp8 cache's scales; this executor does not run fp8 caches yet (``apply``
-        refuses them), so they must be ``None``.
+        are an fp8 cache's per-tensor scales (a number: folded into the softmax scale on
+        the host; a 0-d float32 tensor: ``q * k_scale`` and ``out *= v_scale`` on the
+        device, read at each CUDA-graph replay); ``None`` for another cache.
 
         Raises:
             PlanMismatchError: the group was not planned, or a tensor's type, shape,
