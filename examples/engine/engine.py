@@ -8,6 +8,7 @@ bidirectional pass. See docs/guide-engine.md.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch
 
 import flashplan as fp
 
+from .graphs import DecodeGraphs
 from .hf_attention import HFConventions, Kind, StepContext, planned_groups
 from .hf_models import DecoderOnly, EncoderDecoder, EncoderOnly
 
@@ -120,6 +122,9 @@ class Engine:
             (``torch.float8_e4m3fn`` / ``torch.float8_e5m2``) stores K/V quantized with
             ``kv_scales`` (``docs/semantics.md``, "FP8 KV cache").
         kv_scales: an fp8 cache's ``(k_scale, v_scale)``, the same for every layer.
+        cuda_graphs: batch sizes of the CUDA-graph buckets captured at start-up (needs
+            the FlashInferExecutor and a decoder-only model): a step of decodes alone
+            replays the smallest bucket that holds it (:mod:`.graphs`); ``()``: none.
     """
 
     def __init__(
@@ -138,6 +143,7 @@ class Engine:
         eos_token_id: int | None = None,
         kv_dtype: torch.dtype | None = None,
         kv_scales: tuple[float, float] = (1.0, 1.0),
+        cuda_graphs: Sequence[int] = (),
     ) -> None:
         if getattr(adapter, "is_encoder_only", False):
             raise ValueError("an encoder-only model generates nothing: use embed()")
@@ -171,6 +177,19 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._next_id = 0
+        self.graphs: DecodeGraphs | None = None
+        self.replayed_steps = 0
+        #: host seconds of flashplan's part of decode-only steps (layout, plan, apply or
+        #: a bucket's replay planning) and how many such steps ran: benchmarks read them
+        self.decode_host_s, self.decode_steps = 0.0, 0
+        if cuda_graphs:
+            if not isinstance(adapter, DecoderOnly):
+                raise ValueError("CUDA graphs are for decoder-only models")
+            scratch = self.allocator.alloc(1)[0]  # the capture's writes; never a request's
+            self.graphs = DecodeGraphs(
+                adapter, executor, self.ctx, self.groups, h, cuda_graphs,
+                max_pages=self.table.shape[1], page_size=page_size, scratch_page=scratch,
+            )  # fmt: skip
 
     # -- requests ---------------------------------------------------------------------------
     def add(self, request: Request) -> Request:
@@ -233,10 +252,12 @@ class Engine:
                 encoder_cached=[r.encoder_cached for r in reqs],  # joining requests: False
             )
         kw = dict(page_size=self.page_size, groups=self.groups, **enc)
+        t0 = time.perf_counter()
         if all(n == 1 for _, n in batch):
             layout = fp.BatchLayout.decode(seq, **kw)
         else:
             layout = fp.BatchLayout.extend(seq, prefix, **kw)
+        host = time.perf_counter() - t0
         # 2. Pages: grow each row to what the layout needs, from the free list.
         for r, need in zip(reqs, layout.pages_needed.tolist(), strict=True):
             r.pages += self.allocator.alloc(need - len(r.pages))
@@ -245,19 +266,37 @@ class Engine:
         table = fp.PageTable(pages, rows=[r.row for r in reqs])
         # 3. Encoder pass for joining requests (its own plan; no cache).
         encoder_states = self._encode([r for r in reqs if not r.encoder_cached], pages)
-        # 4. Plan once, apply once, then every layer runs its group on this plan.
+        # 4. Plan once, apply once, then every layer runs its group on this plan (or
+        #    replay a captured decode step, which applies the plan to its bucket).
+        t0 = time.perf_counter()
         spec = fp.plan(layout, self.heads, extend_path=self.extend_path)
-        self.executor.apply(spec, table)
+        host += time.perf_counter() - t0
         ids = [t for r, n in batch for t in r.tokens[r.num_cached : r.num_cached + n]]
         last = spec.qo_indptr[1:] - 1  # each request's last new token
         keep = np.arange(spec.total_q) if self.keep_all_logits else last
-        logits = self.adapter.decode(
-            torch.tensor(ids, device=self.device),
-            self.executor.positions().long(),  # RoPE, built on the device from the plan
-            torch.from_numpy(keep).to(self.device, torch.int64),
-            self.ctx,
-            encoder_states,
-        )
+        bucket = None
+        if self.graphs is not None and layout.mode is fp.Mode.DECODE:
+            bucket = self.graphs.bucket_for(len(reqs))
+        if bucket is not None:
+            assert self.graphs is not None
+            replay = self.graphs.prepare(bucket, spec, table, ids)
+            host += self.graphs.last_apply_s
+            logits = replay()[: len(reqs)]
+            self.replayed_steps += 1
+        else:
+            t0 = time.perf_counter()
+            self.executor.apply(spec, table)
+            host += time.perf_counter() - t0
+            logits = self.adapter.decode(
+                torch.tensor(ids, device=self.device),
+                self.executor.positions().long(),  # RoPE, built on the device from the plan
+                torch.from_numpy(keep).to(self.device, torch.int64),
+                self.ctx,
+                encoder_states,
+            )
+        if layout.mode is fp.Mode.DECODE:
+            self.decode_host_s += host
+            self.decode_steps += 1
         # 5. Greedy sampling for requests whose last new token is their last known token.
         sample_rows = last if self.keep_all_logits else np.arange(len(reqs))
         sample = torch.as_tensor(sample_rows, dtype=torch.int64, device=self.device)

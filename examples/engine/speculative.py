@@ -31,7 +31,13 @@ import flashplan as fp
 from .hf_attention import HFConventions, Kind, StepContext, planned_groups
 from .hf_models import DecoderOnly, adapter_for
 
-__all__ = ["SpeculativeRun", "draft_from", "greedy_decode", "speculative_decode"]
+__all__ = [
+    "SpeculativeRun",
+    "draft_from",
+    "greedy_decode",
+    "make_executor",
+    "speculative_decode",
+]
 
 
 def draft_from(model: torch.nn.Module, num_layers: int = 1) -> DecoderOnly:
@@ -55,33 +61,53 @@ class _Model:
     page_size: int
     groups: tuple[fp.AttentionGroup, ...] = field(init=False)
     ctx: StepContext = field(init=False)
+    device: torch.device = field(init=False)
 
     def __post_init__(self) -> None:
         conv = HFConventions()
         self.groups = planned_groups(self.adapter.bindings, conv)[Kind.SELF]
         h = self.adapter.heads
+        self.device = self.adapter.model.device
         shape = (self.num_pages, 2, self.page_size, h.num_kv_heads, h.head_dim)
-        caches = [torch.zeros(shape, dtype=h.kv_dtype) for _ in range(self.adapter.num_layers)]
+        caches = [
+            torch.zeros(shape, dtype=h.kv_dtype, device=self.device)
+            for _ in range(self.adapter.num_layers)
+        ]
         self.ctx = StepContext(self.executor, self.adapter.bindings, caches, conv)
 
     def forward(self, layout: fp.BatchLayout, table: fp.PageTable, ids: list[int]) -> torch.Tensor:
         """Logits ``[total_q, vocab]`` of every new token of ``layout``."""
         spec = fp.plan(layout, self.adapter.heads, extend_path="paged")
         self.executor.apply(spec, table)
-        rows = torch.arange(spec.total_q)
+        rows = torch.arange(spec.total_q, device=self.device)
         return self.adapter.decode(
-            torch.tensor(ids), self.executor.positions().long(), rows, self.ctx
+            torch.tensor(ids, device=self.device), self.executor.positions().long(), rows, self.ctx
         ).float()
 
 
 def _request_table(
-    prompts: list[list[int]], room: int, page_size: int, extra_pages: int = 0
+    prompts: list[list[int]],
+    room: int,
+    page_size: int,
+    extra_pages: int = 0,
+    device: torch.device | None = None,
 ) -> fp.PageTable:
     """One row per request, each ``room`` tokens of its own pages, in a pool with
-    ``extra_pages`` more (a tree's branch pages) after them."""
+    ``extra_pages`` more (a tree's branch pages) after them; on ``device``."""
     width = -(-room // page_size)
     pages = torch.arange(len(prompts) * width, dtype=torch.int32).reshape(len(prompts), width)
-    return fp.PageTable(pages, rows=np.arange(len(prompts)), num_pages=pages.numel() + extra_pages)
+    return fp.PageTable(
+        pages.to(device), rows=np.arange(len(prompts)), num_pages=pages.numel() + extra_pages
+    )
+
+
+def make_executor(device: torch.device) -> fp.Executor:
+    """The reference executor on the CPU; FlashInfer (FA2 prefill) on CUDA."""
+    if device.type != "cuda":
+        return fp.ReferenceExecutor()
+    from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
+
+    return FlashInferExecutor(device, policy=ExecutorPolicy(prefill_backend="fa2"))
 
 
 def _prefill(model: _Model, table: fp.PageTable, prompts: list[list[int]]) -> None:
@@ -95,9 +121,10 @@ def greedy_decode(
     target: DecoderOnly, prompts: list[list[int]], max_new: int, *, page_size: int = 16
 ) -> list[list[int]]:
     """The target alone, one token per step: each request's first ``max_new`` tokens."""
-    table = _request_table(prompts, max(map(len, prompts)) + max_new + 1, page_size)
+    device = target.model.device
+    table = _request_table(prompts, max(map(len, prompts)) + max_new + 1, page_size, 0, device)
     assert table.num_pages is not None
-    model = _Model(target, fp.ReferenceExecutor(), table.num_pages, page_size)
+    model = _Model(target, make_executor(device), table.num_pages, page_size)
     _prefill(model, table, prompts)
     cached = np.array([len(p) - 1 for p in prompts])
     pending = [p[-1] for p in prompts]
@@ -155,12 +182,14 @@ def speculative_decode(
     bs = len(prompts)
     # branch pages for a tree's draft decode: past the requests' rows in one pool
     per_branch = -(-(page_size - 1 + k) // page_size) + 1
-    table = _request_table(prompts, room, page_size, extra_pages=bs * topk * per_branch)
+    device = target.model.device
+    table = _request_table(prompts, room, page_size, bs * topk * per_branch, device)
     rows_end, pool = table.pages.numel(), table.num_pages
     assert pool is not None
     own = torch.arange(rows_end, pool, dtype=torch.int32).reshape(bs, topk, per_branch)
-    tgt = _Model(target, fp.ReferenceExecutor(), pool, page_size)
-    drf = _Model(draft, fp.ReferenceExecutor(), pool, page_size)
+    own = own.to(device)
+    tgt = _Model(target, make_executor(device), pool, page_size)
+    drf = _Model(draft, make_executor(device), pool, page_size)
     for m in (tgt, drf):
         _prefill(m, table, prompts)
     seqs = [list(p) for p in prompts]  # every token, the pending one last
@@ -183,7 +212,7 @@ def speculative_decode(
         # 2. verify: the pending token and the tree, at L + depth
         layout = fp.BatchLayout.verify(cached, tree, page_size=page_size, groups=tgt.groups)
         ids = [t for s, d in zip(seqs, tokens.tolist(), strict=True) for t in (s[-1], *d)]
-        preds = tgt.forward(layout, table, ids).argmax(-1).view(bs, tree.num_tokens).numpy()
+        preds = tgt.forward(layout, table, ids).argmax(-1).view(bs, tree.num_tokens).cpu().numpy()
         # 3. accept: from the root, follow the child holding the target's prediction
         full = np.concatenate([np.full((bs, 1), -1), tokens], axis=1)  # token per node
         paths = [_greedy_path(tree.parents[i], full[i], preds[i]) for i in range(bs)]
@@ -253,10 +282,11 @@ def _draft_tree(  # type: ignore[no-untyped-def]
         for view in views:  # step s: each branch's s-th token in, its next token out
             ctx = dataclasses.replace(drf.ctx, executor=view)
             ids = branch[-1].reshape(-1)
-            logits = drf.adapter.decode(ids, view.positions().long(), torch.arange(len(ids)), ctx)
+            rows = torch.arange(len(ids), device=ids.device)
+            logits = drf.adapter.decode(ids, view.positions().long(), rows, ctx)
             branch.append(logits.argmax(-1).view(bs, topk))
     tokens = torch.stack(branch, dim=2).reshape(bs, topk * k)  # [bs, branch, depth]
-    return fp.DraftTree.eagle(bs, topk, k), tokens.numpy()
+    return fp.DraftTree.eagle(bs, topk, k), tokens.cpu().numpy()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,22 @@ CASES = [(name, 16, "auto") for name in DECODERS] + [
 
 @pytest.mark.parametrize(("name", "page_size", "extend_path"), CASES)
 def test_engine_on_flashinfer(name: str, page_size: int, extend_path: str) -> None:
+    _scenario(name, page_size, extend_path)
+
+
+@pytest.mark.parametrize(
+    ("name", "page_size"), [("llama", 16), ("gemma2", 1), ("gpt-oss", 16), ("llama4", 16)]
+)
+def test_engine_decode_steps_replayed_from_cuda_graphs(name: str, page_size: int) -> None:
+    """The same scenario with decode steps replayed from graph buckets of 2 and 4 rows
+    (windows and soft caps: gemma2; sinks: gpt-oss; chunks: llama4): parity with HF."""
+    engine = _scenario(name, page_size, "auto", cuda_graphs=(2, 4))
+    assert engine.replayed_steps > 0
+
+
+def _scenario(
+    name: str, page_size: int, extend_path: str, cuda_graphs: tuple[int, ...] = ()
+) -> Engine:
     from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 
     model = load_model(name, dtype=torch.bfloat16, device="cuda")
@@ -67,6 +83,7 @@ def test_engine_on_flashinfer(name: str, page_size: int, extend_path: str) -> No
         token_budget=16,
         extend_path=extend_path,
         keep_all_logits=True,
+        cuda_graphs=cuda_graphs,
     )
     reqs = make_requests(model.config.vocab_size, model.config.is_encoder_decoder, 6, 8, 0)
     for r in reqs:
@@ -86,6 +103,7 @@ def test_engine_on_flashinfer(name: str, page_size: int, extend_path: str) -> No
     assert parity.max_abs_diff <= REL_TOL * parity.max_ref_logit, parity.line()
     assert not parity.mismatches, parity.line()
     assert parity.ties <= parity.tokens // 4, parity.line()  # ties stay the exception
+    return engine
 
 
 def test_engine_step_loop_matches_reference_step_by_step() -> None:

@@ -1,0 +1,251 @@
+#!/usr/bin/env python3
+"""The example engine on a GPU against Hugging Face transformers (issue 29).
+
+A Llama-shaped model of about 1.5B parameters with random bf16 weights (16 layers,
+hidden 2048, 32 query / 8 KV heads x 128, MLP 8192, vocabulary 32000) decodes
+``--new`` tokens (greedy, no EOS) after prompts of ``--prompt`` random tokens, for each
+batch size:
+
+  engine eager    ``examples.engine.Engine`` on the FlashInferExecutor (FA2 prefill),
+                  every step eager (HF's modules, flashplan attention)
+  engine graphs   the same engine with ``cuda_graphs=(batch,)``: decode steps replayed
+                  from a CUDA graph captured at start-up
+  HF static       ``model.generate(..., cache_implementation="static")`` with sdpa
+                  attention, the same weights, the whole batch in one padded tensor
+  HF compiled     (``--hf-compile``) the same with ``torch.compile`` of the forward
+
+Figures: wall seconds of the whole run (prefill + decode, synchronized), generated
+tokens per second over it, decode-only tokens/s (the engine: the decode steps' wall
+time; HF: the run minus a ``max_new_tokens=1`` run), and for the engine the share of a
+decode step that is flashplan's host work (layout + plan + apply, or a bucket's replay
+planning; ``Engine.decode_host_s``). One warm-up run of each (shorter) first.
+
+``--parts spec``: speculative decoding at batch 1 (``examples.engine.speculative``,
+eager, FlashInfer): a chain of ``--k`` drafts from a draft model made of the target's
+first 2 layers (same vocabulary and embeddings), against the target's plain greedy
+decode; tokens equal, acceptance and speed-up reported.
+
+    python3 benchmarks/bench_engine.py [--batches 1,8,64] [--prompt 1024] [--new 128]
+        [--parts engine,hf,spec] [--hf-compile] [--md OUT.md] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from examples.engine.engine import Engine, Request
+from examples.engine.hf_attention import ATTN_IMPLEMENTATION
+from examples.engine.hf_models import adapter_for
+from examples.engine.run import make_executor
+from examples.engine.speculative import (
+    draft_from,
+    greedy_decode,
+    speculative_decode,
+)
+
+DEV = torch.device("cuda")
+PAGE = 16
+
+
+def config() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=4096, rope_theta=500000.0, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def build(attn: str) -> torch.nn.Module:
+    """The model with seeded random bf16 weights, made on the GPU."""
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = AutoModelForCausalLM.from_config(
+            config(), attn_implementation=attn, dtype=torch.bfloat16
+        )
+    return model.eval()
+
+
+def prompts(batch: int, length: int, seed: int = 1) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(3, config().vocab_size, (batch, length)).tolist()
+
+
+def run_engine(
+    model: torch.nn.Module, batch: int, prompt: int, new: int, graphs: bool
+) -> dict[str, float]:
+    """One engine run: wall s, decode wall s, decode steps, flashplan's decode host s."""
+    adapter = adapter_for(model)
+    width = -(-(prompt + new + 1) // PAGE)
+    engine = Engine(
+        adapter, make_executor(DEV), page_size=PAGE, num_pages=batch * width + 2,
+        max_running=batch, token_budget=min(16384, batch * prompt),
+        max_request_tokens=prompt + new + 1, cuda_graphs=(batch,) if graphs else (),
+    )  # fmt: skip
+    for p in prompts(batch, prompt):
+        engine.add(Request(p, new))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    decode_start = None
+    while engine.has_work():
+        before, start = engine.decode_steps, time.perf_counter()
+        assert engine.step() is not None
+        if engine.decode_steps > before and decode_start is None:
+            decode_start = start  # the first step of decodes alone
+    torch.cuda.synchronize()
+    end = time.perf_counter()
+    assert decode_start is not None
+    return {
+        "wall_s": end - t0,
+        "decode_s": end - decode_start,
+        "decode_steps": engine.decode_steps,
+        "host_s": engine.decode_host_s,
+        "replayed": engine.replayed_steps,
+    }
+
+
+def run_hf(model: torch.nn.Module, batch: int, prompt: int, new: int) -> float:
+    """Wall seconds of one ``generate`` with a static cache, greedy, exactly ``new`` tokens."""
+    ids = torch.tensor(prompts(batch, prompt), device=DEV)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+        do_sample=False, cache_implementation="static", pad_token_id=0,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert out.shape[1] == prompt + new
+    return time.perf_counter() - t0
+
+
+def bench_engine_and_hf(args: argparse.Namespace, parts: set[str]) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    fp_model = build(ATTN_IMPLEMENTATION) if "engine" in parts else None
+    hf_model = build("sdpa") if "hf" in parts else None
+    if hf_model is not None and args.hf_compile:
+        hf_model.forward = torch.compile(hf_model.forward, mode="reduce-overhead")
+    for batch in args.batches:
+        row: dict[str, object] = {"batch": batch}
+        tokens = batch * args.new
+        if fp_model is not None:
+            for graphs in (False, True):
+                run_engine(fp_model, batch, args.prompt, 8, graphs)  # warm-up
+                r = run_engine(fp_model, batch, args.prompt, args.new, graphs)
+                key = "graphs" if graphs else "eager"
+                row[f"{key}_tok_s"] = tokens / r["wall_s"]
+                row[f"{key}_decode_tok_s"] = batch * r["decode_steps"] / r["decode_s"]
+                step = r["decode_s"] / r["decode_steps"]
+                row[f"{key}_step_ms"] = step * 1e3
+                row[f"{key}_host_share"] = r["host_s"] / r["decode_steps"] / step
+                row[f"{key}_replayed"] = r["replayed"]
+                print(f"batch {batch} engine {key}: {r}", flush=True)
+        if hf_model is not None:
+            run_hf(hf_model, batch, args.prompt, 4)  # warm-up (and compile)
+            wall = run_hf(hf_model, batch, args.prompt, args.new)
+            prefill = run_hf(hf_model, batch, args.prompt, 1)
+            row["hf_tok_s"] = tokens / wall
+            row["hf_decode_tok_s"] = batch * (args.new - 1) / max(wall - prefill, 1e-9)
+            row["hf_step_ms"] = (wall - prefill) / (args.new - 1) * 1e3
+            print(f"batch {batch} HF: wall {wall:.3f} s, prefill {prefill:.3f} s", flush=True)
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_speculative(args: argparse.Namespace) -> dict[str, object]:
+    model = build(ATTN_IMPLEMENTATION)
+    target, draft = adapter_for(model), draft_from(model, num_layers=2)
+    ps = prompts(1, args.prompt, seed=2)
+    greedy_decode(target, ps, 4)  # warm-up
+    speculative_decode(target, draft, ps, 4, args.k)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    plain = greedy_decode(target, ps, args.new)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    spec = speculative_decode(target, draft, ps, args.new, args.k)
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return {
+        "plain_s": t1 - t0, "spec_s": t2 - t1, "speedup": (t1 - t0) / (t2 - t1),
+        "acceptance": spec.acceptance, "rounds": spec.rounds,
+        "tokens_equal": spec.tokens == plain,
+    }  # fmt: skip
+
+
+def table(rows: list[dict[str, object]], args: argparse.Namespace) -> list[str]:
+    f = lambda r, k, fmt: "" if k not in r else format(r[k], fmt)  # noqa: E731
+    lines = [
+        f"engine vs HF, {torch.cuda.get_device_name()}, Llama-shaped ~1.5B bf16 (16 layers, "
+        f"2048 hidden, 32/8 heads x 128), prompts {args.prompt}, {args.new} new tokens, "
+        f"page {PAGE}",
+        "",
+        "| batch | engine eager tok/s | engine graphs tok/s | HF static tok/s | graphs / HF "
+        "| eager / HF | decode tok/s eager / graphs / HF | step ms eager / graphs / HF "
+        "| flashplan host share eager / graphs |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = lambda k: (  # noqa: E731
+            f"{r[k] / r['hf_tok_s']:.2f}x" if k in r and "hf_tok_s" in r else ""
+        )
+        lines.append(
+            f"| {r['batch']} | {f(r, 'eager_tok_s', '.0f')} | {f(r, 'graphs_tok_s', '.0f')} "
+            f"| {f(r, 'hf_tok_s', '.0f')} | {ratio('graphs_tok_s')} | {ratio('eager_tok_s')} "
+            f"| {f(r, 'eager_decode_tok_s', '.0f')} / {f(r, 'graphs_decode_tok_s', '.0f')} / "
+            f"{f(r, 'hf_decode_tok_s', '.0f')} "
+            f"| {f(r, 'eager_step_ms', '.2f')} / {f(r, 'graphs_step_ms', '.2f')} / "
+            f"{f(r, 'hf_step_ms', '.2f')} "
+            f"| {f(r, 'eager_host_share', '.1%')} / {f(r, 'graphs_host_share', '.1%')} |"
+        )
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64])
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--parts", default="engine,hf,spec")
+    ap.add_argument("--hf-compile", action="store_true")
+    ap.add_argument("--md", type=Path)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    out: dict[str, object] = {}
+    lines: list[str] = []
+    if parts & {"engine", "hf"}:
+        rows = bench_engine_and_hf(args, parts)
+        out["rows"] = rows
+        lines += table(rows, args)
+    if "spec" in parts:
+        s = bench_speculative(args)
+        out["speculative"] = s
+        lines += [
+            "",
+            f"speculative decoding, batch 1, chain of {args.k} from a 2-layer draft: plain "
+            f"{s['plain_s']:.3f} s, speculative {s['spec_s']:.3f} s, speed-up "
+            f"{s['speedup']:.2f}x, acceptance {s['acceptance']:.2f}, tokens equal: "
+            f"{s['tokens_equal']}",
+        ]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if args.md:
+        args.md.write_text(text + "\n")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
