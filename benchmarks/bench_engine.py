@@ -27,6 +27,12 @@ decode; tokens equal, acceptance and speed-up reported.
 
     python3 benchmarks/bench_engine.py [--batches 1,8,64] [--prompt 1024] [--new 128]
         [--parts engine,hf,spec] [--hf-compile] [--md OUT.md] [--json OUT.json]
+    python3 benchmarks/bench_engine.py --tp 2 --parts none --batches 64   # 2 GPUs, NCCL
+
+``--tp N`` (issue 30): the model sharded over N GPUs (``examples.engine.tensor_parallel``,
+one process per GPU over NCCL), the engine with graphs at the largest batch, against the
+same engine on one GPU; and the time of a decode step's all-reduces (two per layer of
+``[batch, hidden]`` bf16) timed alone, as a share of the step.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from examples.engine.engine import Engine, Request
 from examples.engine.hf_attention import ATTN_IMPLEMENTATION
-from examples.engine.hf_models import adapter_for
+from examples.engine.hf_models import DecoderOnly, adapter_for
 from examples.engine.run import make_executor
 from examples.engine.speculative import (
     draft_from,
@@ -66,10 +72,10 @@ def config() -> LlamaConfig:
     )  # fmt: skip
 
 
-def build(attn: str) -> torch.nn.Module:
-    """The model with seeded random bf16 weights, made on the GPU."""
+def build(attn: str, device: torch.device | None = None) -> torch.nn.Module:
+    """The model with seeded random bf16 weights, made on ``device`` (default: GPU 0)."""
     torch.manual_seed(0)
-    with torch.device(DEV):
+    with torch.device(device or DEV):
         model = AutoModelForCausalLM.from_config(
             config(), attn_implementation=attn, dtype=torch.bfloat16
         )
@@ -82,13 +88,14 @@ def prompts(batch: int, length: int, seed: int = 1) -> list[list[int]]:
 
 
 def run_engine(
-    model: torch.nn.Module, batch: int, prompt: int, new: int, graphs: bool
+    model: torch.nn.Module | DecoderOnly, batch: int, prompt: int, new: int, graphs: bool
 ) -> dict[str, float]:
     """One engine run: wall s, decode wall s, decode steps, flashplan's decode host s."""
-    adapter = adapter_for(model)
+    adapter = model if isinstance(model, DecoderOnly) else adapter_for(model)
+    dev = adapter.model.device
     width = -(-(prompt + new + 1) // PAGE)
     engine = Engine(
-        adapter, make_executor(DEV), page_size=PAGE, num_pages=batch * width + 2,
+        adapter, make_executor(dev), page_size=PAGE, num_pages=batch * width + 2,
         max_running=batch, token_budget=min(16384, batch * prompt),
         max_request_tokens=prompt + new + 1, cuda_graphs=(batch,) if graphs else (),
     )  # fmt: skip
@@ -183,6 +190,68 @@ def bench_speculative(args: argparse.Namespace) -> dict[str, object]:
     }  # fmt: skip
 
 
+def tp_worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str) -> None:
+    """One rank of ``--tp``: the model sharded over ``world`` GPUs (NCCL), the engine with
+    graphs at ``args.batches[-1]``; rank 0 also times the step's all-reduces alone."""
+    import torch.distributed as dist
+
+    from examples.engine.tensor_parallel import shard_decoder_only
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        dev = torch.device("cuda", rank)
+        adapter = shard_decoder_only(adapter_for(build(ATTN_IMPLEMENTATION, dev)), rank, world)
+        batch = args.batches[-1]
+        run_engine(adapter, batch, args.prompt, 8, True)  # warm-up
+        r = run_engine(adapter, batch, args.prompt, args.new, True)
+        # the all-reduces of one decode step alone: two per layer of [batch, hidden] bf16
+        c = config()
+        x = torch.randn(batch, c.hidden_size, device=dev, dtype=torch.bfloat16)
+        for _ in range(10):
+            dist.all_reduce(x)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(20):
+            start.record()
+            for _ in range(2 * c.num_hidden_layers):
+                dist.all_reduce(x)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        if rank == 0:
+            r["all_reduce_ms"] = float(np.median(times))
+            torch.save(r, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_tp(args: argparse.Namespace) -> list[str]:
+    """``--tp N``: tokens/s of the engine (graphs) at the largest batch on N GPUs against
+    one GPU, and the all-reduce share of a decode step."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    batch = args.batches[-1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/tp.pt"
+        mp.spawn(tp_worker, args=(args.tp, f"{tmp}/rendezvous", args, out), nprocs=args.tp)
+        tp = torch.load(out)
+    model = build(ATTN_IMPLEMENTATION)
+    run_engine(model, batch, args.prompt, 8, True)
+    one = run_engine(model, batch, args.prompt, args.new, True)
+    tok = lambda r: batch * args.new / r["wall_s"]  # noqa: E731
+    step = tp["decode_s"] / tp["decode_steps"] * 1e3
+    return [
+        "",
+        f"tensor parallel, batch {batch}, graphs: {args.tp} GPUs {tok(tp):.0f} tok/s, 1 GPU "
+        f"{tok(one):.0f} tok/s ({tok(tp) / tok(one):.2f}x); decode step {step:.2f} ms on "
+        f"{args.tp} GPUs, of which all-reduces {tp['all_reduce_ms']:.2f} ms "
+        f"({tp['all_reduce_ms'] / step:.0%}, timed alone)",
+    ]
+
+
 def table(rows: list[dict[str, object]], args: argparse.Namespace) -> list[str]:
     f = lambda r, k, fmt: "" if k not in r else format(r[k], fmt)  # noqa: E731
     lines = [
@@ -219,6 +288,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--parts", default="engine,hf,spec")
     ap.add_argument("--hf-compile", action="store_true")
+    ap.add_argument("--tp", type=int, default=0, help="tensor-parallel GPUs (the --tp part)")
     ap.add_argument("--md", type=Path)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -229,6 +299,8 @@ def main() -> None:
         rows = bench_engine_and_hf(args, parts)
         out["rows"] = rows
         lines += table(rows, args)
+    if args.tp:
+        lines += bench_tp(args)
     if "spec" in parts:
         s = bench_speculative(args)
         out["speculative"] = s
