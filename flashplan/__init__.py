@@ -40,7 +40,9 @@ from flashplan.layout import (
     Mode,
     PageTable,
 )
+from flashplan.layout.shared_prefix import SharedPrefix, ShareLevel, check_shared_pages
 from flashplan.planning import ExtendPath, PlanSpec, materialize, plan, plan_steps
+from flashplan.planning.cascade import cascade_levels, cascade_pays
 
 #: The FlashInfer executor's public names, imported on first use (CUDA, Triton and
 #: flashinfer-python are needed to use them, not to import flashplan).
@@ -82,9 +84,14 @@ __all__ = [
     "PlanMismatchError",
     "PlanSpec",
     "ReferenceExecutor",
+    "ShareLevel",
+    "SharedPrefix",
     "UnsupportedError",
     "attention",
     "capture",
+    "cascade_levels",
+    "cascade_pays",
+    "check_shared_pages",
     "compact_accepted",
     "copy_prefix_pages",
     "materialize",

@@ -1,0 +1,172 @@
+"""Cascade levels of a batch with shared prefixes: which pages each level's kernel call
+reads for which queries, what is left to each request, and whether it pays.
+
+For a :class:`~flashplan.SharedPrefix` over a batch, level ``l``'s call treats each of
+its groups as one kernel request: the queries of all the group's members (their query
+rows, consecutive in the batch) attend — without a causal mask: every shared key precedes
+every query — to the group's whole shared pages that the level before it did not cover,
+read from the group's first member's page-table row. Each request's own call then reads
+its row from the first page no level covered. The states are merged by LSE (base 2):
+
+    out_i = Σ_parts 2^(lse_part - lse_i) · out_part,   lse_i = log2 Σ_parts 2^lse_part
+
+which is the attention over the union of the parts' keys because the parts partition the
+request's keys (:func:`cascade_levels`' invariant; ``tests/test_shared_prefix.py`` checks
+it and the merge against dense float64 attention). Page granularity: level ``l`` of a
+group covers pages ``[P_(l-1), P_l)`` with ``P_l = shared_len_l // page_size`` (``P_-1 =
+0``); a shared partial page is read by each member's own call.
+
+Status (issue 28): the planning math and its cost model. ``plan()`` and the executors do
+not use it yet.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from flashplan.arrays import array_key, readonly_when_unpickled, seal_inplace
+from flashplan.errors import FieldTypeError
+from flashplan.layout.batch import BatchLayout
+from flashplan.layout.heads import HeadConfig
+from flashplan.layout.shared_prefix import SharedPrefix
+from flashplan.lengths import PageSpans
+
+__all__ = ["CascadeLevel", "CascadePlan", "cascade_bytes", "cascade_levels", "cascade_pays"]
+
+IntArray = npt.NDArray[np.int32]
+
+
+@readonly_when_unpickled
+@attrs.frozen
+class CascadeLevel:
+    """One level's kernel call: one kernel request per group.
+
+    Attributes:
+        qo_indptr: int32 ``[groups + 1]``: group ``g``'s queries are the call's rows
+            ``qo_indptr[g] .. qo_indptr[g + 1] - 1``.
+        q_rows: int32 ``[qo_indptr[-1]]``: the batch query row of each of the call's rows
+            (its groups' members' rows, in batch order; requests in no group of the
+            level are not in the call, so an executor gathers ``q`` by these rows).
+        row_of: int32 ``[groups]``: the request whose page-table row the group's pages
+            are read from (its first member).
+        spans: the pages read per group (:class:`~flashplan.lengths.PageSpans` over row
+            tokens ``[P_(l-1) * page_size, P_l * page_size)``; empty where the level adds
+            no whole page).
+    """
+
+    qo_indptr: IntArray = attrs.field(eq=array_key)
+    q_rows: IntArray = attrs.field(eq=array_key)
+    row_of: IntArray = attrs.field(eq=array_key)
+    spans: PageSpans
+
+
+@readonly_when_unpickled
+@attrs.frozen
+class CascadePlan:
+    """The levels of a batch and each request's own part.
+
+    Attributes:
+        levels: one :class:`CascadeLevel` per level of the sharing, outermost first.
+        own: each request's own keys: row tokens ``[shared_pages * page_size,
+            seq_len)`` (:class:`~flashplan.lengths.PageSpans`; its innermost group's
+            whole shared pages left out).
+        shared_pages: int32 ``[bs]`` (pages): the leading pages of each request that the
+            levels read.
+    """
+
+    levels: tuple[CascadeLevel, ...]
+    own: PageSpans
+    shared_pages: IntArray = attrs.field(eq=array_key)
+
+
+def cascade_levels(layout: BatchLayout, shared: SharedPrefix) -> CascadePlan:
+    """The cascade levels of ``layout``'s self-attention keys under ``shared``.
+
+    Keys are counted in the layout's decoder rows (``decoder_start`` is added: an
+    encoder-decoder row keeps its encoder tokens first, which no level shares).
+
+    Raises:
+        LayoutError: ``shared`` does not fit the batch (:meth:`SharedPrefix.check_batch`).
+        FieldTypeError: arguments of the wrong record types.
+    """
+    if not isinstance(layout, BatchLayout):
+        raise FieldTypeError("layout", "must be a BatchLayout", value=type(layout).__name__)
+    if not isinstance(shared, SharedPrefix):
+        raise FieldTypeError("shared", "must be a SharedPrefix", value=type(shared).__name__)
+    bs, ps = layout.batch_size, layout.page_size
+    shared.check_batch(bs, layout.prefix_lens)
+    base = layout.decoder_start.astype(np.int64)
+    qo_indptr = np.concatenate([[0], np.cumsum(layout.seq_lens - layout.prefix_lens)])
+    covered = np.zeros(bs, dtype=np.int64)  # whole pages read by the levels so far
+    levels = []
+    for level in shared.levels:
+        first = level.first.astype(np.int64)
+        end = first + level.count
+        pages = level.shared_len.astype(np.int64) // ps
+        before = covered[first]  # the outer level's pages for this group (all members')
+        start_token = base[first] + before * ps
+        # a level that adds no whole page reads nothing (an empty span)
+        stop_token = np.maximum(base[first] + pages * ps, start_token)
+        sizes = qo_indptr[end] - qo_indptr[first]
+        rows = np.concatenate(
+            [np.arange(qo_indptr[f], qo_indptr[e]) for f, e in zip(first, end, strict=True)]
+            or [np.zeros(0, np.int64)]
+        )
+        levels.append(
+            CascadeLevel(
+                seal_inplace(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)),
+                seal_inplace(rows.astype(np.int32)),
+                seal_inplace(first.astype(np.int32)),
+                PageSpans.between(start_token, stop_token, ps),
+            )
+        )
+        for f, e, p in zip(first.tolist(), end.tolist(), pages.tolist(), strict=True):
+            covered[f:e] = p
+    own_first = base + covered * ps
+    own_end = base + layout.seq_lens
+    own = PageSpans.between(own_first, own_end, ps)
+    return CascadePlan(tuple(levels), own, seal_inplace(covered.astype(np.int32)))
+
+
+def cascade_bytes(layout: BatchLayout, shared: SharedPrefix, heads: HeadConfig) -> tuple[int, int]:
+    """KV bytes a batch's self-attention reads without and with cascade levels (every
+    request's keys once, against each group's shared pages once plus each request's own
+    keys): ``(plain, cascade)``."""
+    plan = cascade_levels(layout, shared)
+    per_token = 2 * heads.num_kv_heads * heads.head_dim * _itemsize(heads)
+    plain = int(layout.seq_lens.astype(np.int64).sum())
+    cascade = int(plan.own.kv_lens.astype(np.int64).sum()) + sum(
+        int(lv.spans.kv_lens.astype(np.int64).sum()) for lv in plan.levels
+    )
+    return plain * per_token, cascade * per_token
+
+
+def cascade_pays(
+    layout: BatchLayout,
+    shared: SharedPrefix,
+    heads: HeadConfig,
+    *,
+    bandwidth_bytes_per_us: float = 3.0e6,
+    overhead_us_per_level: float = 8.0,
+) -> bool:
+    """Whether cascade levels are expected to make the batch's attention faster: the KV
+    bytes they save, at ``bandwidth_bytes_per_us`` (an H100's copy bandwidth by
+    default), against one more kernel call and one LSE merge over the outputs per level
+    (``overhead_us_per_level``; the merge also reads and writes every output row).
+
+    A model for ``cascade="auto"``, to be calibrated by the shared-prefix benchmark;
+    nothing shared, or too little, is never worth a level.
+    """
+    plain, cascade = cascade_bytes(layout, shared, heads)
+    rows = int((layout.seq_lens - layout.prefix_lens).astype(np.int64).sum())
+    merge_bytes = 3 * rows * heads.num_qo_heads * heads.head_dim * 4 * shared.num_levels
+    saved_us = (plain - cascade - merge_bytes) / bandwidth_bytes_per_us
+    return saved_us > overhead_us_per_level * shared.num_levels
+
+
+def _itemsize(heads: HeadConfig) -> int:
+    import torch
+
+    return int(torch.empty((), dtype=heads.kv_dtype).element_size())

@@ -1,0 +1,264 @@
+"""Shared prefixes (issue 28, the planning side): the `SharedPrefix` record's checks, the
+cascade levels' invariants (every request's keys partitioned into its groups' shared
+pages and its own part), and the LSE merge of the levels against dense float64 attention
+computed straight from the layout, on page tables that keep the callers' promise."""
+
+from __future__ import annotations
+
+import doctest
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import flashplan as fp
+import flashplan.layout.shared_prefix as shared_prefix_module
+
+
+# ---------------------------------------------------------------------------- strategies
+@st.composite
+def batches(draw):  # type: ignore[no-untyped-def]
+    """A decode or extend batch, nested groups of consecutive requests, shared lengths
+    within every member's cached tokens."""
+    page_size = draw(st.sampled_from([1, 2, 4, 16]))
+    bs = draw(st.integers(2, 9))
+    prefix = np.array(draw(st.lists(st.integers(0, 70), min_size=bs, max_size=bs)))
+    decode = draw(st.booleans())
+    new = np.ones(bs, np.int64) if decode else np.array(
+        draw(st.lists(st.integers(1, 5), min_size=bs, max_size=bs))
+    )  # fmt: skip
+    levels = []
+    # outer level: a few groups of consecutive requests
+    cuts = sorted(set(draw(st.lists(st.integers(1, bs - 1), max_size=3))))
+    bounds = [0, *cuts, bs]
+    outer = [(a, b) for a, b in itertools.pairwise(bounds) if b - a >= 2]
+    outer = [g for g in outer if draw(st.booleans()) or g is outer[0]] if outer else []
+    outer_lens = []
+    for a, b in outer:
+        cap = int(prefix[a:b].min())
+        outer_lens.append(draw(st.integers(1, cap)) if cap >= 1 else 0)
+    outer = [g for g, n in zip(outer, outer_lens, strict=True) if n >= 1]
+    outer_lens = [n for n in outer_lens if n >= 1]
+    if outer:
+        levels.append(fp.ShareLevel.from_groups([range(a, b) for a, b in outer], outer_lens))
+        # an inner level: a sub-range of some outer groups, sharing more
+        inner, inner_lens = [], []
+        for (a, b), n in zip(outer, outer_lens, strict=True):
+            if b - a >= 2 and draw(st.booleans()):
+                lo = draw(st.integers(a, b - 2))
+                hi = draw(st.integers(lo + 2, b))
+                cap = int(prefix[lo:hi].min())
+                if cap > n:
+                    inner.append(range(lo, hi))
+                    inner_lens.append(draw(st.integers(n + 1, cap)))
+        if inner:
+            levels.append(fp.ShareLevel.from_groups(inner, inner_lens))
+    if decode:
+        layout = fp.BatchLayout.decode(prefix + 1, page_size=page_size)
+    else:
+        layout = fp.BatchLayout.extend(prefix + new, prefix, page_size=page_size)
+    shared = fp.SharedPrefix.nested(*levels) if levels else None
+    return layout, shared
+
+
+def _promised_table(layout: fp.BatchLayout, shared: fp.SharedPrefix, seed: int) -> np.ndarray:
+    """Page ids ``[bs, width]``: unique pages per request, except that every member of a
+    group holds its group's first member's whole shared pages (the callers' promise)."""
+    rng = np.random.default_rng(seed)
+    need = layout.pages_needed.astype(np.int64)
+    width = int(need.max())
+    ids = rng.permutation(layout.batch_size * width).reshape(layout.batch_size, width)
+    for level in shared.levels:
+        for f, c, n in zip(level.first, level.count, level.shared_len, strict=True):
+            pages = int(n) // layout.page_size
+            ids[f + 1 : f + c, :pages] = ids[f, :pages]
+    return ids
+
+
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, float]:
+    """float64 softmax attention of one query over keys; (out, base-2 LSE)."""
+    if k.shape[0] == 0:
+        return np.zeros_like(q), -math.inf
+    s = k @ q
+    m = s.max()
+    w = np.exp(s - m)
+    return (w @ v) / w.sum(), (m + math.log(w.sum())) / math.log(2)
+
+
+# -------------------------------------------------------------------------------- tests
+@given(batches())
+def test_levels_partition_every_requests_keys(case) -> None:  # type: ignore[no-untyped-def]
+    layout, shared = case
+    if shared is None:
+        return
+    cp = fp.cascade_levels(layout, shared)
+    ps = layout.page_size
+    for i in range(layout.batch_size):
+        spans = []
+        for lv, level in zip(cp.levels, shared.levels, strict=True):
+            g = level.group_of(layout.batch_size)[i]
+            if g < 0:
+                continue
+            s = lv.spans
+            if s.kv_lens[g]:
+                spans.append((int(s.first_token[g]), int(s.end_token[g])))
+        spans.append((int(cp.own.first_token[i]), int(cp.own.end_token[i])))
+        spans = [(a, b) for a, b in spans if b > a]
+        tokens = [t for a, b in sorted(spans) for t in range(a, b)]
+        assert tokens == list(range(int(layout.seq_lens[i]))), (i, spans)
+        # levels read whole pages only, and only cached tokens
+        for a, b in spans[:-1]:
+            assert a % ps == 0 and b % ps == 0 and b <= layout.prefix_lens[i]
+    # every query row of a group member is in its level's call, once
+    for lv, level in zip(cp.levels, shared.levels, strict=True):
+        members = np.concatenate(
+            [np.arange(f, f + c) for f, c in zip(level.first, level.count, strict=True)]
+        )
+        qo = np.concatenate([[0], np.cumsum(layout.seq_lens - layout.prefix_lens)])
+        want = np.concatenate([np.arange(qo[m], qo[m + 1]) for m in members])
+        assert lv.q_rows.tolist() == want.tolist()
+        assert lv.qo_indptr[-1] == lv.q_rows.shape[0]
+
+
+@given(batches(), st.integers(0, 2**16))
+def test_merged_levels_equal_dense_attention(case, seed: int) -> None:  # type: ignore[no-untyped-def]
+    """Each level's call over its representative's pages, each request's own call
+    (causal), merged by LSE: equal to dense causal attention of every query over its
+    request's row, in float64."""
+    layout, shared = case
+    if shared is None:
+        return
+    ps, d = layout.page_size, 8
+    ids = _promised_table(layout, shared, seed)
+    rng = np.random.default_rng(seed)
+    pool_k = rng.standard_normal((ids.max() + 1, ps, d))
+    pool_v = rng.standard_normal((ids.max() + 1, ps, d))
+
+    def row_tokens(i: int, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        t = np.arange(a, b)
+        pages = ids[i, t // ps]
+        return pool_k[pages, t % ps], pool_v[pages, t % ps]
+
+    cp = fp.cascade_levels(layout, shared)
+    qo = np.concatenate([[0], np.cumsum(layout.seq_lens - layout.prefix_lens)])
+    queries = rng.standard_normal((int(qo[-1]), d))
+    for i in range(layout.batch_size):
+        for r in range(int(qo[i]), int(qo[i + 1])):
+            pos = int(layout.prefix_lens[i]) + r - int(qo[i])
+            want, want_lse = _attend(queries[r], *row_tokens(i, 0, pos + 1))
+            parts = []
+            for lv, level in zip(cp.levels, shared.levels, strict=True):
+                g = level.group_of(layout.batch_size)[i]
+                if g >= 0:  # the level's call: the group's first member's row, no mask
+                    s = lv.spans
+                    rep = int(lv.row_of[g])
+                    first = int(s.start_page[g]) * ps
+                    parts.append(
+                        _attend(queries[r], *row_tokens(rep, first, first + int(s.kv_lens[g])))
+                    )
+            own = cp.own
+            a = int(own.first_token[i])
+            parts.append(_attend(queries[r], *row_tokens(i, a, pos + 1)))  # causal
+            lses = np.array([p[1] for p in parts])
+            lse = np.log2(np.sum(np.exp2(lses[np.isfinite(lses)])))
+            out = sum(np.exp2(p[1] - lse) * p[0] for p in parts if np.isfinite(p[1]))
+            np.testing.assert_allclose(out, want, rtol=1e-10, atol=1e-12)
+            assert abs(lse - want_lse) < 1e-9
+
+
+@given(batches(), st.integers(0, 2**16))
+def test_check_shared_pages_finds_a_broken_promise(case, seed: int) -> None:  # type: ignore[no-untyped-def]
+    layout, shared = case
+    if shared is None:
+        return
+    ids = _promised_table(layout, shared, seed)
+    rows = np.arange(layout.batch_size)
+    fp.check_shared_pages(shared, torch.from_numpy(ids.astype(np.int32)), rows, layout.page_size)
+    level = shared.levels[-1]
+    g = int(np.argmax(level.shared_len // layout.page_size))
+    n = int(level.shared_len[g]) // layout.page_size
+    if n == 0:
+        return
+    broken = ids.copy()
+    m = int(level.first[g]) + 1
+    broken[m, n - 1] = ids.max() + 1
+    with pytest.raises(fp.PageTableError) as err:
+        fp.check_shared_pages(
+            shared, torch.from_numpy(broken.astype(np.int32)), rows, layout.page_size
+        )
+    assert err.value.request == m and err.value.values["column"] == n - 1
+
+
+def test_levels_of_a_parallel_sampling_batch() -> None:
+    """64 requests in groups of 8 over a 2048-token prompt, 16 tokens each of their own:
+    one call per group over the 128 shared pages, each request's own call over 1 page."""
+    seq = np.full(64, 2048 + 16)
+    layout = fp.BatchLayout.decode(seq, page_size=16)
+    shared = fp.SharedPrefix.from_groups([range(8 * g, 8 * g + 8) for g in range(8)], [2048] * 8)
+    cp = fp.cascade_levels(layout, shared)
+    (lv,) = cp.levels
+    assert lv.qo_indptr.tolist() == list(range(0, 65, 8))
+    assert lv.spans.pages.lens.tolist() == [128] * 8
+    assert cp.own.start_page.tolist() == [128] * 64 and cp.own.kv_lens.tolist() == [16] * 64
+    heads = fp.HeadConfig(32, 8, 128)
+    plain, cascade = fp.planning.cascade.cascade_bytes(layout, shared, heads)
+    assert plain == 64 * 2064 * 2 * 8 * 128 * 2 and cascade == (8 * 2048 + 64 * 16) * 4096
+    assert fp.cascade_pays(layout, shared, heads)
+    # a shared page's worth of tokens is not worth a level
+    small = fp.SharedPrefix.from_groups([range(0, 2)], [16])
+    assert not fp.cascade_pays(layout, small, heads)
+
+
+@pytest.mark.parametrize(
+    ("make", "field", "values"),
+    [
+        (lambda: fp.SharedPrefix.from_groups([[0, 2]], [5]), "groups", {"group": 0}),
+        (lambda: fp.SharedPrefix.from_groups([[3]], [5]), "count", {"group": 0, "count": 1}),
+        (lambda: fp.SharedPrefix.from_groups([[0, 1], [1, 2]], [4, 4]), "first", {"group": 1}),
+        (lambda: fp.SharedPrefix.from_groups([[0, 1]], [0]), "shared_len", {"group": 0}),
+        (
+            lambda: fp.SharedPrefix.nested(
+                fp.ShareLevel.from_groups([[0, 1, 2]], [8]),
+                fp.ShareLevel.from_groups([[2, 3]], [12]),
+            ),
+            "levels",
+            {"level": 1, "group": 0},
+        ),
+        (
+            lambda: fp.SharedPrefix.nested(
+                fp.ShareLevel.from_groups([[0, 1, 2]], [8]),
+                fp.ShareLevel.from_groups([[0, 1]], [8]),
+            ),
+            "shared_len",
+            {"level": 1, "outer_shared_len": 8},
+        ),
+        (lambda: fp.SharedPrefix.nested(), "levels", {}),
+    ],
+)
+def test_bad_sharing_is_refused_by_name(make, field: str, values: dict) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(fp.LayoutError) as err:
+        make()
+    assert err.value.field == field
+    for k, v in values.items():
+        assert err.value.values.get(k, getattr(err.value, k, None)) == v, (k, err.value)
+
+
+def test_sharing_that_does_not_fit_the_batch_is_refused() -> None:
+    layout = fp.BatchLayout.decode([20, 20, 9], page_size=4)  # cached: 19, 19, 8
+    with pytest.raises(fp.LayoutError, match="past the batch") as err:
+        fp.cascade_levels(layout, fp.SharedPrefix.from_groups([[2, 3]], [4]))
+    assert err.value.values["count"] == 2
+    with pytest.raises(fp.LayoutError, match="cached") as err:
+        fp.cascade_levels(layout, fp.SharedPrefix.from_groups([[1, 2]], [12]))
+    assert err.value.request == 2 and err.value.values["prefix_len"] == 8
+    with pytest.raises(fp.FieldTypeError):
+        fp.cascade_levels(layout, [[0, 1]])  # type: ignore[arg-type]
+
+
+def test_docstring_examples_hold() -> None:
+    result = doctest.testmod(shared_prefix_module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
