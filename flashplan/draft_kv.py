@@ -95,7 +95,8 @@ def copy_prefix_pages(
     Raises:
         LayoutError: ``prefix_lens`` that is not one non-negative host integer per
             request.
-        PageTableError: caches or ``branch_pages`` of another shape or device.
+        PageTableError: caches or ``branch_pages`` of another shape or device, or a
+            partial last page past the request's table row (naming the request).
     """
     ps = as_int("page_size", page_size, minimum=1)
     bs = table.batch_size
@@ -117,6 +118,14 @@ def copy_prefix_pages(
     partial = np.flatnonzero(prefix % ps)
     if ps == 1 or not partial.size:
         return 0
+    width = int(table.pages.shape[1])
+    beyond = partial[prefix[partial] // ps >= width]
+    if beyond.size:
+        i = int(beyond[0])
+        raise PageTableError(
+            "prefix_lens", "the request's partial last page lies past its page-table row",
+            request=i, prefix_len=int(prefix[i]), page=int(prefix[i] // ps), row_pages=width,
+        )  # fmt: skip
     topk = int(branch_pages.shape[1])
     index = _on(dev, np.concatenate([table.rows[partial].astype(np.int64), prefix[partial] // ps,
                                      partial.astype(np.int64)]))  # fmt: skip

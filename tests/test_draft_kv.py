@@ -179,3 +179,17 @@ def test_junk_is_refused_before_any_write(prefix: object, paths: list[list[int]]
         fp.copy_prefix_pages(caches, table, prefix, own, page_size=4)
     except fp.FlashplanError:
         assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+
+
+def test_a_partial_page_past_the_row_is_refused_by_request() -> None:
+    """Found by the junk test: a prefix whose partial last page lies past the table row
+    (33 tokens of page 4 in an 8-page row) is a PageTableError naming the request."""
+    rng = np.random.default_rng(3)
+    table = _table(rng, 2, 8)
+    caches = _caches(rng, 4, table.num_pages)
+    before = [c.clone() for c in caches]
+    own = torch.arange(40, 48, dtype=torch.int32).reshape(2, 2, 2)
+    with pytest.raises(fp.PageTableError) as err:
+        fp.copy_prefix_pages(caches, table, [0, 33], own, page_size=4)
+    assert err.value.request == 1 and err.value.values["page"] == 8
+    assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
