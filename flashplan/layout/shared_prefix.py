@@ -139,9 +139,14 @@ class ShareLevel:
     def group_of(self, batch_size: int) -> npt.NDArray[np.int64]:
         """int64 ``[batch_size]``: each request's group in this level, or -1."""
         out = np.full(batch_size, -1, dtype=np.int64)
-        for g, (f, c) in enumerate(zip(self.first.tolist(), self.count.tolist(), strict=True)):
-            out[f : f + c] = g
+        out[self.members()] = np.repeat(np.arange(self.num_groups), self.count)
         return out
+
+    def members(self) -> npt.NDArray[np.int64]:
+        """int64 ``[sum(count)]``: every group's requests, group by group in batch order."""
+        count = self.count.astype(np.int64)
+        starts = np.repeat(self.first.astype(np.int64), count)
+        return starts + np.arange(starts.shape[0]) - np.repeat(np.cumsum(count) - count, count)
 
 
 @readonly_when_unpickled

@@ -110,9 +110,10 @@ def cascade_levels(layout: BatchLayout, shared: SharedPrefix) -> CascadePlan:
         # a level that adds no whole page reads nothing (an empty span)
         stop_token = np.maximum(base[first] + pages * ps, start_token)
         sizes = qo_indptr[end] - qo_indptr[first]
-        rows = np.concatenate(
-            [np.arange(qo_indptr[f], qo_indptr[e]) for f, e in zip(first, end, strict=True)]
-            or [np.zeros(0, np.int64)]
+        members = level.members()  # group by group, in batch order
+        lens = qo_indptr[members + 1] - qo_indptr[members]
+        rows = np.repeat(qo_indptr[members], lens) + (
+            np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
         )
         levels.append(
             CascadeLevel(
@@ -122,8 +123,7 @@ def cascade_levels(layout: BatchLayout, shared: SharedPrefix) -> CascadePlan:
                 PageSpans.between(start_token, stop_token, ps),
             )
         )
-        for f, e, p in zip(first.tolist(), end.tolist(), pages.tolist(), strict=True):
-            covered[f:e] = p
+        covered[members] = np.repeat(pages, level.count)
     own_first = base + covered * ps
     own_end = base + layout.seq_lens
     own = PageSpans.between(own_first, own_end, ps)
