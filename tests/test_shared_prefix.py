@@ -262,3 +262,64 @@ def test_sharing_that_does_not_fit_the_batch_is_refused() -> None:
 def test_docstring_examples_hold() -> None:
     result = doctest.testmod(shared_prefix_module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+@given(batches(), st.integers(0, 2**16))
+def test_reference_executor_runs_cascade_plans_as_plain_ones(case, seed: int) -> None:  # type: ignore[no-untyped-def]
+    """``plan(..., shared_prefix=, cascade="on")`` on the reference executor: outputs,
+    LSE and written cache equal the plan without levels (float64 math), new tokens
+    written in the same step."""
+    layout, shared = case
+    heads = fp.HeadConfig(4, 2, 8, q_dtype=torch.float32)
+    plans = [
+        fp.plan(layout, heads, extend_path="paged", shared_prefix=shared, cascade=c)
+        for c in ("off", "on")
+    ]
+    assert plans[0].cascade is None
+    if shared is None:
+        assert plans[1].cascade is None
+        return
+    assert plans[1].cascade is not None and plans[1].cascade.groups == (0,)
+    ids = _promised_table(layout, shared, seed)
+    table = fp.PageTable(
+        torch.from_numpy(ids.astype(np.int32)), np.arange(layout.batch_size), int(ids.max()) + 1
+    )
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(int(ids.max()) + 1, 2, layout.page_size, 2, 8, generator=gen)
+    total = plans[0].total_q
+    q, k, v = (torch.randn(total, h, 8, generator=gen) for h in (4, 2, 2))
+    results = []
+    for spec in plans:
+        ex = fp.ReferenceExecutor(compute_dtype=torch.float64)
+        ex.apply(spec, table)
+        c = cache.clone()
+        out, lse = ex.run(layout.groups[0], q, k, v, c, return_lse=True)
+        results.append((out, lse, c))
+    (o0, l0, c0), (o1, l1, c1) = results
+    assert torch.equal(c0, c1)
+    torch.testing.assert_close(o1, o0, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(l1, l0, rtol=1e-6, atol=1e-6)
+
+
+def test_cascade_choices() -> None:
+    """``auto`` records the levels where they pay, ``off`` never; groups that cannot run
+    on them (a window, sinks) plan without; the FlashInfer executor refuses the plan by
+    name; a bad choice is refused."""
+    from flashplan.executor.flashinfer.calls import check_runnable
+
+    heads = fp.HeadConfig(32, 8, 128)
+    groups = (fp.AttentionGroup.full(), fp.AttentionGroup.sliding(64))
+    layout = fp.BatchLayout.decode(np.full(64, 2064), page_size=16, groups=groups)
+    big = fp.SharedPrefix.from_groups([range(8 * g, 8 * g + 8) for g in range(8)], [2048] * 8)
+    small = fp.SharedPrefix.from_groups([range(0, 2)], [16])
+    auto = fp.plan(layout, heads, shared_prefix=big, cascade="auto")
+    assert auto.cascade is not None and auto.cascade.groups == (0,)  # not the window
+    assert fp.plan(layout, heads, shared_prefix=small, cascade="auto").cascade is None
+    assert fp.plan(layout, heads, shared_prefix=small, cascade="on").cascade is not None
+    assert fp.plan(layout, heads, shared_prefix=big).cascade is None  # "off" by default
+    with pytest.raises(fp.UnsupportedError, match="cascade"):
+        check_runnable(auto)
+    with pytest.raises(fp.LayoutError, match="cascade"):
+        fp.plan(layout, heads, shared_prefix=big, cascade="yes")
+    with pytest.raises(fp.FieldTypeError, match="shared_prefix"):
+        fp.plan(layout, heads, shared_prefix=[[0, 1]], cascade="on")  # type: ignore[arg-type]

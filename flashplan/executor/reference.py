@@ -44,6 +44,7 @@ from flashplan.executor.reference_calls import (
     PagedCall,
     Slots,
     call_rows,
+    cascade_calls,
     check_collisions,
     entries,
     entry_queries,
@@ -72,6 +73,8 @@ class _Applied:
     paged: dict[int, PagedCall]
     # group index -> (the call's entries' query rows, bool [n, max_q, max_q] visibility)
     ragged: dict[int, tuple[CallRows, torch.Tensor]]
+    # the calls of groups that run on cascade levels (levels, then the own parts)
+    cascade: dict[int, list[PagedCall]] = attrs.field(factory=dict)
 
 
 class ReferenceExecutor:
@@ -174,9 +177,14 @@ class ReferenceExecutor:
                     causal=gp.ragged.causal, window_left=gp.ragged.window_left,
                 )  # fmt: skip
                 ragged[index] = (call_rows(queries, dev), torch.from_numpy(seen).to(dev))
+        cascade: dict[int, list[PagedCall]] = {}
+        if spec.cascade is not None:
+            calls = cascade_calls(spec.cascade.levels, spec, table, table.pages.cpu(), dev)
+            cascade = dict.fromkeys(spec.cascade.groups, calls)
         self._applied = _Applied(
-            spec=spec, table=table, device=dev, writes=writes, paged=paged, ragged=ragged
-        )
+            spec=spec, table=table, device=dev, writes=writes, paged=paged, ragged=ragged,
+            cascade=cascade,
+        )  # fmt: skip
 
     def _gather(self, jobs: GatherJobs, table: PageTable) -> tuple[np.ndarray, np.ndarray]:
         """Run every gather job on the host: (page id, in-page offset) int64 ``[total]``."""
@@ -292,10 +300,12 @@ class ReferenceExecutor:
         call = applied.paged.get(args.index)
         window_pool = self.page_map is not None
         write = applied.writes[write_region(group, window_pool)] if args.writes else None
+        levels = applied.cascade.get(args.index)
         if kv_cache is not None:  # every check before the first write
             num_pages = int(kv_cache.shape[0])
-            if call is not None:
-                call.keys.check(num_pages, applied.table)
+            for c in [call] if levels is None else levels:
+                if c is not None:
+                    c.keys.check(num_pages, applied.table)
             if write is not None:
                 write[0].check(num_pages, applied.table)
         if write is not None and kv_cache is not None:
@@ -309,7 +319,12 @@ class ReferenceExecutor:
         scale = group.scale_for(spec.heads.head_dim)
         cap = group.logits_soft_cap
         states = []
-        if call is not None:
+        if levels is not None:  # the paged call as cascade levels and own parts
+            assert kv_cache is not None
+            for c in levels:
+                k, v = self._padded_keys(kv_cache, c, args, self.compute_dtype)
+                states.append(self._attend(q, k, v, c.visible, c.rows, scale, cap))
+        elif call is not None:
             assert kv_cache is not None
             k, v = self._padded_keys(kv_cache, call, args, self.compute_dtype)
             state = self._attend(q, k, v, call.visible, call.rows, scale, cap)

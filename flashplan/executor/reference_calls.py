@@ -14,7 +14,8 @@ from flashplan.errors import PageTableError
 from flashplan.executor.checks import first_shared_slot
 from flashplan.kernel_rules import kernel_visibility
 from flashplan.layout.page_table import PageTable
-from flashplan.lengths import Lengths
+from flashplan.lengths import Lengths, PageSpans
+from flashplan.planning.cascade import CascadePlan
 from flashplan.planning.spec import GroupPlan, PagedPart, PlanSpec
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "PagedCall",
     "Slots",
     "call_rows",
+    "cascade_calls",
     "check_collisions",
     "entries",
     "entry_queries",
@@ -96,6 +98,84 @@ def paged_call(
         max_kv=max_kv,
         rows=call_rows(queries, dev),
     )
+
+
+def cascade_calls(
+    cascade: CascadePlan, spec: PlanSpec, table: PageTable, pages: torch.Tensor, dev: torch.device
+) -> list[PagedCall]:
+    """The kernel calls of a group that runs on cascade levels: one per level (its groups
+    as entries: their members' query rows, the group's shared pages read from its first
+    member's row, every key visible), then each request's own call (causal, over its own
+    span). ``pages`` is the table's page ids on the host."""
+    rows = table.rows.astype(np.int64)
+    calls = []
+    for index, level in enumerate(cascade.levels):
+        sizes: npt.NDArray[np.int64] = np.diff(level.qo_indptr).astype(np.int64)
+        idx, valid = padded_rows(level.qo_indptr, int(sizes.max(initial=0)))
+        index_rows = np.where(valid, level.q_rows.astype(np.int64)[idx], 0)
+        entry_rows = CallRows(
+            torch.from_numpy(index_rows).to(dev), torch.from_numpy(valid).to(dev), valid
+        )
+        owner = level.row_of.astype(np.int64)
+        calls.append(
+            _span_call(
+                level.spans,
+                owner,
+                rows,
+                pages,
+                sizes,
+                entry_rows,
+                False,
+                dev,
+                f"reads for cascade level {index}",
+            )
+        )
+    own_rows = call_rows(spec.queries, dev)
+    request = np.arange(spec.batch_size, dtype=np.int64)
+    calls.append(
+        _span_call(
+            cascade.own,
+            request,
+            rows,
+            pages,
+            spec.qo_lens.astype(np.int64),
+            own_rows,
+            True,
+            dev,
+            "reads for the requests' own cascade parts",
+        )
+    )
+    return calls
+
+
+def _span_call(
+    spans: PageSpans,
+    owner: npt.NDArray[np.int64],
+    rows: npt.NDArray[np.int64],
+    pages: torch.Tensor,
+    qo_lens: npt.NDArray[np.int64],
+    entry_rows: CallRows,
+    causal: bool,
+    dev: torch.device,
+    what: str,
+) -> PagedCall:
+    """A paged call whose entry ``e`` reads ``spans``' keys ``e`` from request
+    ``owner[e]``'s table row (``spans`` in row tokens, whole pages from ``start_page``)."""
+    ps = spans.page_size
+    entry, c = entries(spans.kv_lens)
+    table_row = rows[owner[entry]]
+    column = spans.start_page.astype(np.int64)[entry] + c // ps
+    page = pages[torch.from_numpy(table_row), torch.from_numpy(column)].numpy().astype(np.int64)
+    keys = Slots(page.clip(0), c % ps, owner[entry], page < 0, what)
+    max_kv = int(spans.kv_lens.max(initial=0))
+    visible = kernel_visibility(
+        qo_lens, spans.kv_lens, entry_rows.shape[1], max_kv, causal=causal, window_left=-1
+    )
+    page_t, slot_t = keys.device(dev)
+    return PagedCall(
+        keys=keys, padded_index=torch.from_numpy(entry * max_kv + c).to(dev), page=page_t,
+        slot=slot_t, visible=torch.from_numpy(visible).to(dev), max_kv=max_kv, rows=entry_rows,
+    )  # fmt: skip
 
 
 @attrs.frozen(eq=False)

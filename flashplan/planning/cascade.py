@@ -16,8 +16,10 @@ it and the merge against dense float64 attention). Page granularity: level ``l``
 group covers pages ``[P_(l-1), P_l)`` with ``P_l = shared_len_l // page_size`` (``P_-1 =
 0``); a shared partial page is read by each member's own call.
 
-Status (issue 28): the planning math and its cost model. ``plan()`` and the executors do
-not use it yet.
+Status (issue 28): ``plan(layout, heads, shared_prefix=..., cascade="on" | "auto")``
+records the levels in :attr:`PlanSpec.cascade <flashplan.PlanSpec>` for the groups that can
+run on them; the reference executor runs them, the FlashInfer executor refuses such plans
+(``UnsupportedError`` naming ``cascade``) until its calls exist.
 """
 
 from __future__ import annotations
@@ -33,7 +35,14 @@ from flashplan.layout.heads import HeadConfig
 from flashplan.layout.shared_prefix import SharedPrefix
 from flashplan.lengths import PageSpans
 
-__all__ = ["CascadeLevel", "CascadePlan", "cascade_bytes", "cascade_levels", "cascade_pays"]
+__all__ = [
+    "Cascade",
+    "CascadeLevel",
+    "CascadePlan",
+    "cascade_bytes",
+    "cascade_levels",
+    "cascade_pays",
+]
 
 IntArray = npt.NDArray[np.int32]
 
@@ -79,6 +88,21 @@ class CascadePlan:
     levels: tuple[CascadeLevel, ...]
     own: PageSpans
     shared_pages: IntArray = attrs.field(eq=array_key)
+
+
+@attrs.frozen
+class Cascade:
+    """A plan's cascade (:attr:`PlanSpec.cascade <flashplan.PlanSpec>`): the levels, and
+    the groups (indices into ``spec.group_plans``) whose paged call runs as the levels
+    plus each request's own part instead.
+
+    Attributes:
+        levels: the levels and own parts (:func:`cascade_levels`).
+        groups: the group plans that run on them, in order.
+    """
+
+    levels: CascadePlan
+    groups: tuple[int, ...]
 
 
 def cascade_levels(layout: BatchLayout, shared: SharedPrefix) -> CascadePlan:

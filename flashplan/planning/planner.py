@@ -13,7 +13,9 @@ from flashplan.layout.batch import BatchLayout, Mode
 from flashplan.layout.draft_decode import DraftDecode
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
+from flashplan.layout.shared_prefix import SharedPrefix
 from flashplan.lengths import Lengths, PageSpans
+from flashplan.planning.cascade import Cascade, cascade_levels, cascade_pays
 from flashplan.planning.chunks import (
     chunk_decode_first,
     needs_position_mask,
@@ -62,6 +64,8 @@ def plan(
     *,
     extend_path: ExtendPath | str = ExtendPath.AUTO,
     chunked_extend: str = "split",
+    shared_prefix: SharedPrefix | None = None,
+    cascade: str = "off",
 ) -> PlanSpec:
     """Plan every attention group of ``layout`` for the given heads.
 
@@ -86,11 +90,21 @@ def plan(
             custom mask in every batch, the fixed shape a CUDA-graph extend bucket
             runs). Decode steps and verify batches are planned alike either way; a
             chunk that starts inside a page always takes the mask.
+        shared_prefix: which requests share leading tokens on the same pages
+            (:class:`~flashplan.SharedPrefix`; checked against the batch), or ``None``.
+        cascade: ``"off"`` (default), ``"on"`` or ``"auto"``: with ``shared_prefix``,
+            record the cascade levels (:attr:`PlanSpec.cascade`) for the groups that can
+            run on them — self groups without a window, chunks, sinks or mask on a
+            decode or paged-only extend path — always (``"on"``) or where
+            :func:`~flashplan.cascade_pays` expects them to pay (``"auto"``). Other
+            groups, verify and multi-item batches plan without levels.
 
     Raises:
         LayoutError: ``layout`` or ``heads`` is not the right record, ``extend_path``
             is not one of the three names, or ``"ragged"`` for a multi-item batch or a
-            position-masked group; ``chunked_extend`` is not ``"split"`` or ``"mask"``.
+            position-masked group; ``chunked_extend`` is not ``"split"`` or ``"mask"``;
+            ``cascade`` is not one of its three names; ``shared_prefix`` does not fit the
+            batch (:meth:`~flashplan.SharedPrefix.check_batch`).
     """
     if not isinstance(layout, BatchLayout):
         raise FieldTypeError("layout", "must be a BatchLayout", value=type(layout).__name__)
@@ -138,6 +152,53 @@ def plan(
             "extend_path", "verify batches run on the paged path", extend_path=choice.value
         )
 
+    if cascade not in ("off", "on", "auto"):
+        raise LayoutError("cascade", "must be 'off', 'on' or 'auto'", cascade=cascade)
+    if shared_prefix is not None and not isinstance(shared_prefix, SharedPrefix):
+        raise FieldTypeError(
+            "shared_prefix", "must be a SharedPrefix", value=type(shared_prefix).__name__
+        )
+    spec = _plan(layout, heads, choice, mask_chunks)
+    if shared_prefix is None or cascade == "off":
+        return spec
+    return _with_cascade(spec, layout, heads, shared_prefix, cascade == "auto")
+
+
+def _with_cascade(
+    spec: PlanSpec, layout: BatchLayout, heads: HeadConfig, shared: SharedPrefix, auto: bool
+) -> PlanSpec:
+    """``spec`` with its cascade levels for the groups that can run on them."""
+    levels = cascade_levels(layout, shared)  # checks the sharing against the batch
+    if layout.mode is Mode.VERIFY or layout.is_multi_item:
+        return spec
+    groups = tuple(i for i, gp in enumerate(spec.group_plans) if _cascades(gp))
+    if not groups or (auto and not cascade_pays(layout, shared, heads)):
+        return spec
+    return attrs.evolve(spec, cascade=Cascade(levels, groups))
+
+
+def _cascades(gp: GroupPlan) -> bool:
+    """Whether a group's paged call can run as cascade levels plus own parts: a self
+    group seeing every earlier key (no window, chunks or mask), sinks-free, on a decode
+    or paged-only path over the plan's requests."""
+    g = gp.group
+    return (
+        not g.cross_attention
+        and g.window_left < 0
+        and g.window_right < 0
+        and not g.has_chunks
+        and not g.sinks
+        and gp.path in (KernelPath.DECODE, KernelPath.PAGED)
+        and gp.virtual is None
+        and not gp.uses_custom_mask
+        and gp.items is None
+    )
+
+
+def _plan(
+    layout: BatchLayout, heads: HeadConfig, choice: ExtendPath, mask_chunks: bool
+) -> PlanSpec:
+    """The plan without cascade levels (arguments checked)."""
     if layout.mode is Mode.DECODE:
         return _plan_decode(layout, heads)
     if layout.draft is not None:  # every request adds the draft's N tokens (validated)

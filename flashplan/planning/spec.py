@@ -36,6 +36,7 @@ from flashplan.layout.batch import Mode
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
 from flashplan.lengths import Lengths
+from flashplan.planning.cascade import Cascade
 from flashplan.planning.parts import GroupPlan, KernelPath, PagedPart, RaggedPart, VirtualRequests
 from flashplan.planning.pictures import ascii_visibility
 from flashplan.planning.positions import PositionRuns
@@ -131,6 +132,8 @@ class PlanSpec:
             ``None`` without encoder: :attr:`encoder_indptr` indexes the rows.
         pages_needed: int32 ``[bs]`` (pages) each page-table row must hold.
         group_plans: one :class:`GroupPlan` per group of ``key.groups``, same order.
+        cascade: the shared-prefix levels some groups run on
+            (:class:`~flashplan.planning.cascade.Cascade`), or ``None``.
     """
 
     key: PlanKey
@@ -141,6 +144,7 @@ class PlanSpec:
     encoder: Lengths | None
     pages_needed: IntArray = attrs.field(eq=array_key)
     group_plans: tuple[GroupPlan, ...]
+    cascade: Cascade | None = None
 
     @classmethod
     def of(

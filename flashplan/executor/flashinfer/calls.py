@@ -120,9 +120,19 @@ def check_runnable(spec: PlanSpec, *, graph: bool = False) -> None:
     (one position-masked call per request), or runs eagerly. The executor refuses rather
     than run a different mask.
 
+    A plan with cascade levels (``plan(..., shared_prefix=..., cascade=...)``) is
+    refused too: this executor does not run them yet (the reference executor does).
+
     Raises:
-        UnsupportedError: naming the group.
+        UnsupportedError: naming the group, or ``cascade``.
     """
+    if spec.cascade is not None:
+        raise UnsupportedError(
+            "cascade",
+            "the FlashInfer executor does not run cascade levels yet: plan with "
+            "cascade='off', or run this plan on the ReferenceExecutor",
+            groups=spec.cascade.groups,
+        )
     if not graph:
         return
     for gp in spec.group_plans:
