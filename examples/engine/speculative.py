@@ -30,12 +30,12 @@ import flashplan as fp
 
 from .hf_attention import HFConventions, Kind, StepContext, planned_groups
 from .hf_models import DecoderOnly, adapter_for
+from .run import make_executor
 
 __all__ = [
     "SpeculativeRun",
     "draft_from",
     "greedy_decode",
-    "make_executor",
     "speculative_decode",
 ]
 
@@ -99,15 +99,6 @@ def _request_table(
     return fp.PageTable(
         pages.to(device), rows=np.arange(len(prompts)), num_pages=pages.numel() + extra_pages
     )
-
-
-def make_executor(device: torch.device) -> fp.Executor:
-    """The reference executor on the CPU; FlashInfer (FA2 prefill) on CUDA."""
-    if device.type != "cuda":
-        return fp.ReferenceExecutor()
-    from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
-
-    return FlashInferExecutor(device, policy=ExecutorPolicy(prefill_backend="fa2"))
 
 
 def _prefill(model: _Model, table: fp.PageTable, prompts: list[list[int]]) -> None:
