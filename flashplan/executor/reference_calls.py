@@ -68,9 +68,13 @@ def paged_call(
     region_offset: np.ndarray,
     dev: torch.device,
     what: str,
+    *,
+    rows: CallRows | None = None,
 ) -> PagedCall:
     """One paged kernel call over its entries (the plan's requests, or the group's
-    virtual requests, whose pages lie end to end in the call's gathered region)."""
+    virtual requests, whose pages lie end to end in the call's gathered region).
+    ``rows``: the entries' query rows when they are not ``queries``' own consecutive
+    spans (a cascade level's groups)."""
     call = part.call_spans
     ps = part.page_size
     entry, c = entries(call.kv_lens)
@@ -96,7 +100,7 @@ def paged_call(
         slot=slot_t,
         visible=torch.from_numpy(visible).to(dev),
         max_kv=max_kv,
-        rows=call_rows(queries, dev),
+        rows=call_rows(queries, dev) if rows is None else rows,
     )
 
 
@@ -107,75 +111,38 @@ def cascade_calls(
     as entries: their members' query rows, the group's shared pages read from its first
     member's row, every key visible), then each request's own call (causal, over its own
     span). ``pages`` is the table's page ids on the host."""
+    host = pages.numpy()
     rows = table.rows.astype(np.int64)
+
+    def call(
+        spans: PageSpans, owner: npt.NDArray[np.int64], causal: bool, queries: Lengths,
+        entry_rows: CallRows | None, what: str,
+    ) -> PagedCall:  # fmt: skip
+        # the call's pages, entry by entry, gathered from each owner's row on the host
+        entry, k = entries(spans.pages.lens)
+        region = host[rows[owner[entry]], spans.start_page.astype(np.int64)[entry] + k]
+        region = region.astype(np.int64)
+        part = PagedPart.over(spans, causal=causal, window_left=-1)
+        offset = np.where(region < 0, -1, 0)
+        return paged_call(part, queries, owner, region, offset, dev, what, rows=entry_rows)
+
     calls = []
     for index, level in enumerate(cascade.levels):
-        sizes: npt.NDArray[np.int64] = np.diff(level.qo_indptr).astype(np.int64)
+        sizes = np.diff(level.qo_indptr)
         idx, valid = padded_rows(level.qo_indptr, int(sizes.max(initial=0)))
         index_rows = np.where(valid, level.q_rows.astype(np.int64)[idx], 0)
         entry_rows = CallRows(
             torch.from_numpy(index_rows).to(dev), torch.from_numpy(valid).to(dev), valid
         )
+        queries = Lengths.from_lens(sizes, "qo_lens")
         owner = level.row_of.astype(np.int64)
         calls.append(
-            _span_call(
-                level.spans,
-                owner,
-                rows,
-                pages,
-                sizes,
-                entry_rows,
-                False,
-                dev,
-                f"reads for cascade level {index}",
-            )
+            call(level.spans, owner, False, queries, entry_rows, f"reads for cascade level {index}")
         )
-    own_rows = call_rows(spec.queries, dev)
     request = np.arange(spec.batch_size, dtype=np.int64)
-    calls.append(
-        _span_call(
-            cascade.own,
-            request,
-            rows,
-            pages,
-            spec.qo_lens.astype(np.int64),
-            own_rows,
-            True,
-            dev,
-            "reads for the requests' own cascade parts",
-        )
-    )
+    own = "reads for the requests' own cascade parts"
+    calls.append(call(cascade.own, request, True, spec.queries, None, own))
     return calls
-
-
-def _span_call(
-    spans: PageSpans,
-    owner: npt.NDArray[np.int64],
-    rows: npt.NDArray[np.int64],
-    pages: torch.Tensor,
-    qo_lens: npt.NDArray[np.int64],
-    entry_rows: CallRows,
-    causal: bool,
-    dev: torch.device,
-    what: str,
-) -> PagedCall:
-    """A paged call whose entry ``e`` reads ``spans``' keys ``e`` from request
-    ``owner[e]``'s table row (``spans`` in row tokens, whole pages from ``start_page``)."""
-    ps = spans.page_size
-    entry, c = entries(spans.kv_lens)
-    table_row = rows[owner[entry]]
-    column = spans.start_page.astype(np.int64)[entry] + c // ps
-    page = pages[torch.from_numpy(table_row), torch.from_numpy(column)].numpy().astype(np.int64)
-    keys = Slots(page.clip(0), c % ps, owner[entry], page < 0, what)
-    max_kv = int(spans.kv_lens.max(initial=0))
-    visible = kernel_visibility(
-        qo_lens, spans.kv_lens, entry_rows.shape[1], max_kv, causal=causal, window_left=-1
-    )
-    page_t, slot_t = keys.device(dev)
-    return PagedCall(
-        keys=keys, padded_index=torch.from_numpy(entry * max_kv + c).to(dev), page=page_t,
-        slot=slot_t, visible=torch.from_numpy(visible).to(dev), max_kv=max_kv, rows=entry_rows,
-    )  # fmt: skip
 
 
 @attrs.frozen(eq=False)
