@@ -54,6 +54,34 @@ FULL = fp.AttentionGroup.full()
 DTYPES = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
+def random_cache(
+    num_pages: int, dtype: torch.dtype, gen: torch.Generator | None = None
+) -> torch.Tensor:
+    """A ``[num_pages, 2, PAGE, HKV, D]`` cache of standard normal values in ``dtype``,
+    drawn in slices (no float32 copy of it all)."""
+    cache = torch.empty(num_pages, 2, PAGE, HKV, D, dtype=dtype, device=DEV)
+    for i in range(0, num_pages, 4096):
+        part = cache[i : i + 4096]
+        part.copy_(torch.randn(part.shape, generator=gen, device=DEV))
+    return cache
+
+
+def decode_batch(
+    dtype: torch.dtype,
+) -> tuple[fp.HeadConfig, np.ndarray, fp.PlanSpec, fp.PageTable, torch.Tensor, torch.Tensor]:
+    """The benchmark's decode batch with a ``dtype`` cache: ``(heads, lens, spec, table,
+    cache, q)``, the cache and bf16 queries drawn from one seeded generator."""
+    heads = fp.HeadConfig(HQ, HKV, D, q_dtype=torch.bfloat16, kv_dtype=dtype)
+    lens = np.full(BATCH, KV_LEN)
+    spec = fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), heads)
+    table = fp.PageTable.shuffled(spec.pages_needed, seed=1, device=DEV)
+    assert table.num_pages is not None
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    cache = random_cache(table.num_pages, dtype, gen)
+    q = torch.randn(BATCH, HQ, D, generator=gen, device=DEV).to(torch.bfloat16)
+    return heads, lens, spec, table, cache, q
+
+
 def copy_tb_s() -> float:
     """Device-to-device copy bandwidth (TB/s, bytes read + written) of 4 GiB."""
     src = torch.empty(1 << 32, dtype=torch.uint8, device=DEV)
@@ -67,17 +95,7 @@ def measure(name: str, tensor_cores: bool) -> dict[str, float | str]:
     import flashinfer
 
     dtype = DTYPES[name]
-    heads = fp.HeadConfig(HQ, HKV, D, q_dtype=torch.bfloat16, kv_dtype=dtype)
-    lens = np.full(BATCH, KV_LEN)
-    spec = fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), heads)
-    table = fp.PageTable.shuffled(spec.pages_needed, seed=1, device=DEV)
-    assert table.num_pages is not None
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    cache = torch.empty(table.num_pages, 2, PAGE, HKV, D, dtype=dtype, device=DEV)
-    for i in range(0, table.num_pages, 4096):  # randn in slices: no float32 copy of it all
-        part = cache[i : i + 4096]
-        part.copy_(torch.randn(part.shape, generator=gen, device=DEV))
-    q = torch.randn(BATCH, HQ, D, generator=gen, device=DEV).to(torch.bfloat16)
+    heads, lens, spec, table, cache, q = decode_batch(dtype)
     ex = FlashInferExecutor(policy=ExecutorPolicy(decode_tensor_cores=tensor_cores))
     ex.apply(spec, table)
     fp8 = name != "bf16"
@@ -160,17 +178,7 @@ def probe_xqa() -> str:
     against flashplan's (FA2, tensor cores)."""
     from flashinfer.decode import xqa_batch_decode_with_kv_cache
 
-    heads = fp.HeadConfig(HQ, HKV, D, q_dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
-    lens = np.full(BATCH, KV_LEN)
-    spec = fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), heads)
-    table = fp.PageTable.shuffled(spec.pages_needed, seed=1, device=DEV)
-    assert table.num_pages is not None
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    cache = torch.empty(table.num_pages, 2, PAGE, HKV, D, dtype=heads.kv_dtype, device=DEV)
-    for i in range(0, table.num_pages, 4096):
-        part = cache[i : i + 4096]
-        part.copy_(torch.randn(part.shape, generator=gen, device=DEV))
-    q = torch.randn(BATCH, HQ, D, generator=gen, device=DEV).to(torch.bfloat16)
+    _, _, spec, table, cache, q = decode_batch(torch.float8_e4m3fn)
     ex = FlashInferExecutor()
     ex.apply(spec, table)
     want = ex.run(FULL, q, None, None, cache, k_scale=0.37, v_scale=1.9)
@@ -207,10 +215,7 @@ def probe_splits() -> list[str]:
         part = spec.group_plans[0].paged
         assert part is not None
         n = int(part.page_indptr[-1])
-        cache = torch.empty(n, 2, PAGE, HKV, D, dtype=dtype, device=DEV)
-        for i in range(0, n, 4096):
-            c = cache[i : i + 4096]
-            c.copy_(torch.randn(c.shape, device=DEV))
+        cache = random_cache(n, dtype)
         shuffled = torch.randperm(n, device=DEV).to(torch.int32)
         sequential = torch.arange(n, device=DEV, dtype=torch.int32)
         q = torch.randn(BATCH, HQ, D, device=DEV).to(torch.bfloat16)
