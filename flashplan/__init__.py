@@ -40,7 +40,12 @@ from flashplan.layout import (
     Mode,
     PageTable,
 )
-from flashplan.layout.shared_prefix import SharedPrefix, ShareLevel, check_shared_pages
+from flashplan.layout.shared_prefix import (
+    SharedPrefix,
+    ShareLevel,
+    check_shared_pages,
+    share_pages,
+)
 from flashplan.planning import ExtendPath, PlanSpec, materialize, plan, plan_steps
 from flashplan.planning.cascade import cascade_levels, cascade_pays
 
@@ -97,6 +102,7 @@ __all__ = [
     "materialize",
     "plan",
     "plan_steps",
+    "share_pages",
 ]
 
 

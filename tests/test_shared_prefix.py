@@ -303,8 +303,8 @@ def test_reference_executor_runs_cascade_plans_as_plain_ones(case, seed: int) ->
 
 def test_cascade_choices() -> None:
     """``auto`` records the levels where they pay, ``off`` never; groups that cannot run
-    on them (a window, sinks) plan without; the FlashInfer executor refuses the plan by
-    name; a bad choice is refused."""
+    on them (a window, sinks) plan without; the FlashInfer executor runs the plan eagerly
+    and refuses it by name in a CUDA-graph bucket; a bad choice is refused."""
     from flashplan.executor.flashinfer.calls import check_runnable
 
     heads = fp.HeadConfig(32, 8, 128)
@@ -317,9 +317,147 @@ def test_cascade_choices() -> None:
     assert fp.plan(layout, heads, shared_prefix=small, cascade="auto").cascade is None
     assert fp.plan(layout, heads, shared_prefix=small, cascade="on").cascade is not None
     assert fp.plan(layout, heads, shared_prefix=big).cascade is None  # "off" by default
+    check_runnable(auto)  # eager FlashInfer runs the levels
     with pytest.raises(fp.UnsupportedError, match="cascade"):
-        check_runnable(auto)
+        check_runnable(auto, graph=True)  # a CUDA-graph bucket does not yet
     with pytest.raises(fp.LayoutError, match="cascade"):
         fp.plan(layout, heads, shared_prefix=big, cascade="yes")
     with pytest.raises(fp.FieldTypeError, match="shared_prefix"):
         fp.plan(layout, heads, shared_prefix=[[0, 1]], cascade="on")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------- the FlashInfer executor's calls
+def _emulated_call(
+    kw: dict, rows: np.ndarray, q: np.ndarray, pool_k: np.ndarray, pool_v: np.ndarray,
+    causal: bool,
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """What a FlashInfer paged call computes from its resolved ``plan()`` arguments, in
+    float64 (one head): kernel request ``r`` runs query rows ``rows[qo_indptr[r]:
+    qo_indptr[r + 1]]`` over the first ``(pages - 1) * page_size + last_page_len`` keys
+    of its pages (FlashInfer's formula), causal bottom-right aligned when asked."""
+    indptr = kw.get("paged_kv_indptr", kw.get("indptr"))
+    indices = kw.get("paged_kv_indices", kw.get("indices"))
+    last = kw.get("paged_kv_last_page_len", kw.get("last_page_len"))
+    qo = kw.get("qo_indptr", np.arange(indptr.shape[0]))  # decode: one row per request
+    ps, d = pool_k.shape[1], q.shape[1]
+    out, lse = np.zeros((rows.shape[0], d)), np.full(rows.shape[0], -math.inf)
+    for r in range(indptr.shape[0] - 1):
+        pages = indices[indptr[r] : indptr[r + 1]]
+        kv_len = max(len(pages) - 1, 0) * ps + int(last[r])
+        keys, vals = pool_k[pages].reshape(-1, d)[:kv_len], pool_v[pages].reshape(-1, d)[:kv_len]
+        n = qo[r + 1] - qo[r]
+        for j in range(n):
+            seen = kv_len - n + j + 1 if causal else kv_len
+            out[qo[r] + j], lse[qo[r] + j] = _attend(q[rows[qo[r] + j]], keys[:seen], vals[:seen])
+    return out, lse
+
+
+def _merge(
+    a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    (oa, sa), (ob, sb) = a, b
+    s = np.logaddexp2(sa, sb)
+    wa = np.where(np.isinf(sa), 0.0, np.exp2(sa - np.where(np.isinf(s), 0.0, s)))
+    wb = np.where(np.isinf(sb), 0.0, np.exp2(sb - np.where(np.isinf(s), 0.0, s)))
+    return wa[:, None] * oa + wb[:, None] * ob, s
+
+
+@given(batches(), st.integers(0, 2**16), st.booleans())
+def test_flashinfer_cascade_calls_compute_dense_attention(case, seed: int, tc: bool) -> None:  # type: ignore[no-untyped-def]
+    """The FlashInfer executor's calls of a cascade plan, emulated on the CPU from their
+    resolved ``plan()`` arguments and the gathered page ids (the gather job table run
+    on the host): the own call (causal) and every level's call (non-causal, its groups'
+    members' rows — gathered by ``q_rows`` only where a level leaves rows out), merged
+    by LSE as ``run`` merges them, equal dense float64 attention over each request's row.
+    Every call binds to FlashInfer's ``plan()``; the staged KV lengths are FlashInfer's."""
+    import inspect
+
+    import flashinfer
+
+    from flashplan.executor.flashinfer import ExecutorPolicy, translate
+    from flashplan.executor.flashinfer.calls import DeviceIndices, HostArray, WrapperKind
+    from flashplan.executor.gathers import gather_jobs, is_pages_region
+
+    layout, shared = case
+    if shared is None:
+        return
+    heads = fp.HeadConfig(4, 2, 64)
+    spec = fp.plan(layout, heads, extend_path="paged", shared_prefix=shared, cascade="on")
+    tr = translate(spec, ExecutorPolicy(decode_tensor_cores=tc), sm90=False)
+    (gc,) = tr.calls
+    inputs = tr.inputs
+    assert len(gc.levels) == shared.num_levels == len(inputs.level_spans)
+    ids = _promised_table(layout, shared, seed)
+    rows_of = np.arange(layout.batch_size)
+    jobs = gather_jobs(spec, rows_of, spans=inputs.spans, level_spans=inputs.level_spans)
+    gathered = np.full(jobs.total, -1)
+    for r, f, c, dst, div in zip(*jobs.columns()[:5], strict=True):
+        if div == 1:
+            gathered[dst : dst + c] = ids[r, f : f + c]
+    plan_fn = flashinfer.BatchPrefillWithPagedKVCacheWrapper.plan
+
+    def resolved(call):  # type: ignore[no-untyped-def]
+        kw = {}
+        for name, value in call.kwargs:
+            if isinstance(value, HostArray):
+                value = inputs.host[value.name]
+            elif isinstance(value, DeviceIndices):
+                region = jobs.region(value.region)
+                assert is_pages_region(region.name)
+                value = gathered[region.lo : region.hi]
+            kw[name] = value
+        return kw
+
+    rng = np.random.default_rng(seed)
+    ps, d = layout.page_size, 8
+    pool_k = rng.standard_normal((ids.max() + 1, ps, d))
+    pool_v = rng.standard_normal((ids.max() + 1, ps, d))
+    q = rng.standard_normal((spec.total_q, d))
+    all_rows = np.arange(spec.total_q)
+    assert gc.paged is not None
+    state = _emulated_call(resolved(gc.paged), all_rows, q, pool_k, pool_v, causal=True)
+    for k, call in enumerate(gc.levels):
+        assert call.wrapper.kind is WrapperKind.PAGED_PREFILL and call.wrapper.level == k
+        inspect.signature(plan_fn).bind(None, **call.as_dict())
+        kw = resolved(call)
+        assert kw["causal"] is False and kw["window_left"] == -1
+        fi_kv = (
+            np.maximum(np.diff(kw["paged_kv_indptr"]) - 1, 0) * ps + kw["paged_kv_last_page_len"]
+        )
+        assert fi_kv.tolist() == inputs.host[f"l{k}.kv_lens"].tolist()
+        assert inputs.ints[f"l{k}.max_kv_len"] == int(fi_kv.max(initial=0))
+        partial = f"l{k}.q_rows" in inputs.host
+        rows = inputs.host[f"l{k}.q_rows"] if partial else all_rows
+        assert int(kw["qo_indptr"][-1]) == rows.shape[0]
+        assert partial == (rows.shape[0] != spec.total_q)
+        o_l, s_l = _emulated_call(kw, rows, q, pool_k, pool_v, causal=False)
+        o, s = _merge((state[0][rows], state[1][rows]), (o_l, s_l))
+        state[0][rows], state[1][rows] = o, s
+    qo = spec.qo_indptr
+    for i in range(layout.batch_size):
+        keys = pool_k[ids[i]].reshape(-1, d)
+        vals = pool_v[ids[i]].reshape(-1, d)
+        for j in range(int(qo[i + 1] - qo[i])):
+            seen = int(layout.prefix_lens[i]) + j + 1
+            want_o, want_s = _attend(q[qo[i] + j], keys[:seen], vals[:seen])
+            np.testing.assert_allclose(state[0][qo[i] + j], want_o, rtol=1e-9, atol=1e-9)
+            assert state[1][qo[i] + j] == pytest.approx(want_s, rel=1e-9, abs=1e-9)
+
+
+@given(batches(), st.integers(0, 2**16))
+def test_share_pages_keeps_the_promise(case, seed: int) -> None:  # type: ignore[no-untyped-def]
+    """``share_pages`` over a shuffled table: the promise holds, and only the members'
+    whole shared pages changed."""
+    layout, shared = case
+    if shared is None:
+        return
+    table = fp.PageTable.shuffled(layout.pages_needed, seed=seed)
+    ps = layout.page_size
+    pages = fp.share_pages(shared, table.pages, table.rows, ps)
+    fp.check_shared_pages(shared, pages, table.rows, ps)
+    changed = (pages != table.pages).numpy()
+    allowed = np.zeros_like(changed)
+    for level in shared.levels:
+        for f, c, n in zip(level.first, level.count, level.shared_len, strict=True):
+            allowed[table.rows[f + 1 : f + c], : int(n) // ps] = True
+    assert not (changed & ~allowed).any()

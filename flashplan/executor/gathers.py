@@ -11,6 +11,8 @@ of each purpose:
 
 * ``"pages/<g>"``: the page ids (FlashInfer's ``kv_indices``) of group ``g``'s paged
   call, in request order (``page_indptr`` offsets within the region);
+* ``"pages/l<l>"``: the shared pages of cascade level ``l``'s groups, in group order
+  (each read from its first member's row: :func:`gather_jobs`' ``level_spans``);
 * ``"write"``: the write slots of the new tokens of self groups in the full pool;
 * ``"write/window"``: the same slots mapped into the sliding-window pool (only with a
   page map and a windowed group): windowed groups write there;
@@ -42,6 +44,7 @@ __all__ = [
     "gather_jobs",
     "gather_jobs_steps",
     "is_pages_region",
+    "level_pages_region",
     "pages_region",
     "write_region",
 ]
@@ -174,6 +177,11 @@ def pages_region(group_index: int) -> str:
     return f"pages/{group_index}"
 
 
+def level_pages_region(level: int) -> str:
+    """Name of the region holding cascade level ``level``'s shared page ids."""
+    return f"pages/l{level}"
+
+
 def write_region(group: AttentionGroup, window_pool: bool) -> str:
     """The region of ``group``'s write slots: the encoder tokens' for a cross group; the
     window pool's for a group kept there (``window_pool``: the executor has a page map);
@@ -197,6 +205,7 @@ def gather_jobs(
     window_pool: bool = False,
     spans: Mapping[int, tuple[IntArray, IntArray]] | None = None,
     encoder_writes: bool = True,
+    level_spans: Sequence[tuple[IntArray, IntArray]] = (),
 ) -> GatherJobs:
     """The gather jobs of ``spec`` for a table whose request ``i`` sits in ``rows[i]``.
 
@@ -209,9 +218,17 @@ def gather_jobs(
             paged call's own span (an executor's quirk workaround).
         encoder_writes: gather the encoder tokens' write slots (a CUDA-graph bucket,
             which writes no encoder K/V, leaves them out).
+        level_spans: per cascade level, ``(start_page, num_pages)``, int32 ``[bs]``:
+            the pages each request's row gives the level (a group's shared pages at
+            its first member, nothing at the others), gathered into region
+            ``"pages/l<level>"`` after the groups' regions.
     """
     r32 = np.asarray(rows, dtype=np.int32)
     parts = _job_parts(spec, window_pool, spans, encoder_writes)
+    at = sum(1 for p in parts if is_pages_region(p[0]))
+    parts[at:at] = [
+        (level_pages_region(k), start, num, 1, 0) for k, (start, num) in enumerate(level_spans)
+    ]
     return _job_table(parts, r32, spec.batch_size)
 
 

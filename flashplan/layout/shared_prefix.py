@@ -34,6 +34,7 @@ prefix_lens``: the shared tokens are cached, every query comes after them).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 
 import attrs
@@ -45,7 +46,7 @@ from flashplan.arrays import array_key, readonly_when_unpickled, seal_inplace
 from flashplan.errors import FieldTypeError, LayoutError, PageTableError
 from flashplan.layout.convert import as_int, as_lengths
 
-__all__ = ["ShareLevel", "SharedPrefix", "check_shared_pages"]
+__all__ = ["ShareLevel", "SharedPrefix", "check_shared_pages", "share_pages"]
 
 IntArray = npt.NDArray[np.int32]
 
@@ -283,3 +284,42 @@ def check_shared_pages(
                         "same page ids", request=m, level=i, group=g, column=col,
                         page=int(got[col]), first_member_page=int(want[col]),
                     )  # fmt: skip
+
+
+def share_pages(
+    shared: SharedPrefix,
+    pages: torch.Tensor,
+    rows: Sequence[int] | npt.NDArray[np.integer],
+    page_size: int,
+) -> torch.Tensor:
+    """A copy of ``pages`` that keeps the promise :func:`check_shared_pages` checks:
+    every member's whole shared pages replaced by its group's first member's, level by
+    level (outermost first), as an engine that forks samples from one prompt holds them.
+    The members' own pages beyond stay as they were. For tests, demos and benchmarks
+    (e.g. over :meth:`PageTable.shuffled <flashplan.PageTable.shuffled>`); runs on
+    ``pages``' device with index operations only (no read-back).
+
+    Args:
+        shared: the sharing.
+        pages: int32 ``[table_rows, max_pages]`` page ids (:attr:`PageTable.pages`).
+        rows: int ``[batch_size]``: each request's table row (:attr:`PageTable.rows`).
+        page_size: tokens per page.
+
+    Returns:
+        int32 ``[table_rows, max_pages]`` on ``pages``' device.
+    """
+    out = pages.clone()
+    r = np.asarray(rows, dtype=np.int64)
+    for level in shared.levels:
+        members = level.members().astype(np.int64)
+        count = level.count.astype(np.int64)
+        first = np.repeat(level.first.astype(np.int64), count)
+        whole = np.repeat(level.shared_len.astype(np.int64) // page_size, count)
+        col = np.arange(int(whole.max(initial=0)))
+        keep = col[None, :] < whole[:, None]
+        dst_row = np.broadcast_to(r[members][:, None], keep.shape)[keep]
+        src_row = np.broadcast_to(r[first][:, None], keep.shape)[keep]
+        cols = np.broadcast_to(col, keep.shape)[keep]
+        to = functools.partial(torch.tensor, device=pages.device)
+        out[to(dst_row), to(cols)] = out[to(src_row), to(cols)]
+    return out

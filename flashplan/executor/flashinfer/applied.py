@@ -35,6 +35,9 @@ class AppliedBatch:
         page: int32 device buffer of gathered page ids (regions: ``dplan.jobs``).
         offset: int32 device buffer of gathered in-page offsets (-1: no slot).
         positions: the device buffer ``positions()`` fills for this plan.
+        level_rows: per cascade level, int32 device ``[rows]``: the batch query row of
+            each of the level call's rows (a view of the staged ``l<k>.q_rows``), or
+            ``None`` where the level's call covers every row in batch order.
     """
 
     spec: PlanSpec
@@ -44,6 +47,7 @@ class AppliedBatch:
     page: torch.Tensor
     offset: torch.Tensor
     positions: DeviceBuffer
+    level_rows: tuple[torch.Tensor | None, ...] = ()
 
     def write_region(self, group: AttentionGroup, window_pool: bool) -> Region:
         """The gather region of ``group``'s write slots

@@ -26,6 +26,8 @@ from flashplan.executor.flashinfer.call_types import (
     ItemPositions,
     MaskRecipe,
 )
+from flashplan.lengths import PageSpans
+from flashplan.planning.cascade import CascadePlan
 from flashplan.planning.masks import CustomMask, PositionMask, TreeMask
 from flashplan.planning.spec import KernelPath, PagedPart, PlanSpec
 
@@ -83,6 +85,8 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
             int(np.maximum.reduce(spec.qo_lens)) if spec.batch_size else 0
         )
     elements: dict[str, int] = {}
+    cascade = spec.cascade
+    own = None if cascade is None else _own_part(cascade.levels.own)
     for gc in calls:
         gp = spec.group_plans[gc.group_index]
         index = gc.group_index
@@ -91,7 +95,8 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
             host[names.group_array(index, "qo_indptr")] = vq.indptr
             ints[names.group_int(index, "qo.total")] = vq.total
             ints[names.group_int(index, "qo.max_len")] = vq.max_len
-        part = gp.paged
+        # a group on cascade levels: its paged call reads each request's own keys
+        part = own if gc.levels else gp.paged
         if part is None:
             continue
         # the gather reads each request's span; the kernel is planned over the call's
@@ -139,7 +144,46 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
                 arr: npt.NDArray[np.unsignedinteger] = getattr(items, _ITEM_ARRAYS[name])
                 host[value.name] = int32_words(arr)
                 elements[value.name] = int(arr.shape[0])
-    return CallInputs(host=host, spans=spans, masks=masks, ints=ints, elements=elements)
+    level_spans: tuple[tuple[IntArray, IntArray], ...] = ()
+    if cascade is not None and any(gc.levels for gc in calls):
+        level_spans = _level_inputs(cascade.levels, spec.total_q, host, ints)
+    return CallInputs(host, spans, masks, ints, elements, level_spans)
+
+
+def _own_part(own: PageSpans) -> PagedPart:
+    """The paged call over each request's own keys (a cascade group's): causal,
+    bottom-right aligned (the own keys end with the request's new tokens, which no level
+    shares), no window (a windowed group never runs on levels)."""
+    return PagedPart.over(own, causal=True, window_left=-1)
+
+
+def _level_inputs(
+    plan: CascadePlan, total_q: int, host: dict[str, IntArray], ints: dict[str, int]
+) -> tuple[tuple[IntArray, IntArray], ...]:
+    """Every cascade level's arrays into ``host`` and ``ints`` (``l<k>.*``); returns
+    each level's ``(start_page, num_pages)`` per request for the gather: a group's
+    shared pages at its first member's row, nothing at the other rows."""
+    out = []
+    bs = plan.own.kv_lens.shape[0]
+    for k, level in enumerate(plan.levels):
+        spans = level.spans
+        host[names.level_array(k, "qo_indptr")] = level.qo_indptr
+        host[names.level_array(k, "page_indptr")] = spans.pages.indptr
+        host[names.level_array(k, "last_page_len")] = spans.last_page_len
+        host[names.level_array(k, "kv_lens")] = spans.kv_lens
+        rows = int(level.qo_indptr[-1])
+        if rows != total_q:  # the level leaves some query rows out: gather by q_rows
+            host[names.level_array(k, "q_rows")] = level.q_rows
+        sizes = np.diff(level.qo_indptr)
+        ints[names.level_int(k, "qo.total")] = rows
+        ints[names.level_int(k, "qo.max_len")] = int(sizes.max(initial=0))
+        ints[names.level_int(k, "max_kv_len")] = spans.max_kv_len
+        start = np.zeros(bs, dtype=np.int32)
+        num = np.zeros(bs, dtype=np.int32)
+        start[level.row_of] = spans.start_page
+        num[level.row_of] = spans.pages.lens
+        out.append((seal_inplace(start), seal_inplace(num)))
+    return tuple(out)
 
 
 def int32_words(values: npt.NDArray[np.unsignedinteger]) -> IntArray:

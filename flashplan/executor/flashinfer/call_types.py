@@ -96,6 +96,8 @@ class WrapperKey:
     causal flag are compiled in at ``plan()`` time. ``sink``: the call applies its
     group's attention sinks in FlashInfer's sink kernel (:class:`SinkKernel`), so the
     wrapper is FlashInfer's sink wrapper of that kind (always tensor cores for decode).
+    ``level``: the cascade level whose shared pages the call reads (each level has its
+    own wrapper, planned once per batch); -1 for the group's own calls.
     """
 
     kind: WrapperKind
@@ -103,6 +105,7 @@ class WrapperKey:
     backend: str  # "fa2" / "fa3"; decode wrappers always "fa2" (never auto-routed)
     use_tensor_cores: bool  # decode only; False for prefill wrappers
     sink: SinkKernel | None = None
+    level: int = -1
 
     @property
     def class_name(self) -> str:
@@ -218,9 +221,13 @@ class GroupCalls:
     Attributes:
         group_index: position of the group in ``spec.group_plans``.
         path: kernel path of the group.
-        paged: the paged wrapper's plan call (decode or paged prefill), if any.
+        paged: the paged wrapper's plan call (decode or paged prefill), if any. In a
+            group that runs on cascade levels it reads each request's own keys only.
         ragged: the ragged prefill wrapper's plan call, if any.
         masked: whether the paged call carries a device-built custom mask.
+        levels: the group's cascade level calls, outermost first (non-causal paged
+            prefill calls over each level's shared pages, one kernel request per
+            sharing group; :mod:`~flashplan.planning.cascade`); empty without cascade.
     """
 
     group_index: int
@@ -228,6 +235,7 @@ class GroupCalls:
     paged: PlanCall | None
     ragged: PlanCall | None
     masked: bool = False
+    levels: tuple[PlanCall, ...] = ()
 
     @property
     def merges(self) -> bool:
@@ -270,6 +278,9 @@ class CallInputs:
         masks: per masked group, its :class:`MaskRecipe`.
         ints: the integers behind :class:`BatchInt` placeholders.
         elements: per :class:`StagedArray` name, its elements in its own dtype.
+        level_spans: per cascade level, the ``(start_page, num_pages)`` (int32
+            ``[bs]``) the device gathers from each request's row: a sharing group's
+            shared pages at its first member, none at the others.
     """
 
     host: Mapping[str, IntArray]
@@ -277,6 +288,7 @@ class CallInputs:
     masks: Mapping[int, MaskRecipe]
     ints: Mapping[str, int] = attrs.field(factory=dict)
     elements: Mapping[str, int] = attrs.field(factory=dict)
+    level_spans: tuple[tuple[IntArray, IntArray], ...] = ()
 
 
 @attrs.frozen(eq=False)

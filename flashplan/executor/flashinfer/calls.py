@@ -76,6 +76,7 @@ __all__ = [
     "Placeholder",
     "PlanCall",
     "SinkKernel",
+    "SkeletonKey",
     "StagedArray",
     "Translation",
     "WrapperKey",
@@ -93,20 +94,31 @@ __all__ = [
 ]
 
 
+#: What a call skeleton depends on besides the policy (:func:`skeleton_key`).
+SkeletonKey = tuple[
+    PlanKey, bool, tuple[bool, ...], tuple[bool, ...], tuple[bool, ...], tuple[int, ...], int
+]
+
+
 def skeleton_key(
     spec: PlanSpec, policy: ExecutorPolicy, batch_size: int | None = None
-) -> tuple[PlanKey, bool, tuple[bool, ...], tuple[bool, ...], tuple[bool, ...]]:
+) -> SkeletonKey:
     """What a skeleton depends on besides the policy: the plan's key, the decode kernel
     kind (a function of the batch size, or of ``batch_size`` when given: a CUDA-graph
     bucket's), which groups carry a custom mask, which carry multi-item tensors (in a
-    multi-item batch — ``key.multi_item`` — every self group's paged call) and which run
-    over virtual requests (chunked local attention across a chunk boundary)."""
+    multi-item batch — ``key.multi_item`` — every self group's paged call), which run
+    over virtual requests (chunked local attention across a chunk boundary), and which
+    run on cascade levels and how many levels there are."""
     bs = spec.batch_size if batch_size is None else batch_size
     tensor_cores = decode_uses_tensor_cores(spec.heads, policy, bs)
     masked = tuple(gp.uses_custom_mask for gp in spec.group_plans)
     items = tuple(gp.items is not None for gp in spec.group_plans)
     virtual = tuple(gp.virtual is not None for gp in spec.group_plans)
-    return spec.key, tensor_cores, masked, items, virtual
+    cascade = spec.cascade
+    if cascade is None:
+        return spec.key, tensor_cores, masked, items, virtual, (), 0
+    levels = len(cascade.levels.levels)
+    return spec.key, tensor_cores, masked, items, virtual, cascade.groups, levels
 
 
 def check_runnable(spec: PlanSpec, *, graph: bool = False) -> None:
@@ -120,21 +132,22 @@ def check_runnable(spec: PlanSpec, *, graph: bool = False) -> None:
     (one position-masked call per request), or runs eagerly. The executor refuses rather
     than run a different mask.
 
-    A plan with cascade levels (``plan(..., shared_prefix=..., cascade=...)``) is
-    refused too: this executor does not run them yet (the reference executor does).
+    A plan with cascade levels (``plan(..., shared_prefix=..., cascade=...)``) runs
+    eagerly; a CUDA-graph bucket refuses it (its fixed buffers have no room for the
+    levels' calls yet).
 
     Raises:
         UnsupportedError: naming the group, or ``cascade``.
     """
+    if not graph:
+        return
     if spec.cascade is not None:
         raise UnsupportedError(
             "cascade",
-            "the FlashInfer executor does not run cascade levels yet: plan with "
-            "cascade='off', or run this plan on the ReferenceExecutor",
+            "a CUDA-graph bucket does not run cascade levels yet: run this step eagerly, "
+            "or plan it with cascade='off'",
             groups=spec.cascade.groups,
         )
-    if not graph:
-        return
     for gp in spec.group_plans:
         if gp.virtual is not None:
             raise UnsupportedError(
@@ -165,7 +178,9 @@ def call_skeleton(
     Raises:
         UnsupportedError: the policy forces a kernel the heads cannot run.
     """
-    key, tensor_cores, masked, items, virtual = skeleton_key(spec, policy, batch_size)
+    key, tensor_cores, masked, items, virtual, cascaded, levels = skeleton_key(
+        spec, policy, batch_size
+    )
     heads = key.heads
     out = []
     for index, (group, gp) in enumerate(zip(key.groups, spec.group_plans, strict=True)):
@@ -243,8 +258,35 @@ def call_skeleton(
             ]
             args += split_kwargs(policy)
             ragged = PlanCall(wrapper, tuple(args + common))
-        out.append(GroupCalls(index, gp.path, paged, ragged, masked[index]))
+        level_calls: tuple[PlanCall, ...] = ()
+        if index in cascaded:
+            backend = prefill_backend(heads, policy, custom_mask=False, sm90=sm90)
+            level_calls = tuple(
+                PlanCall(
+                    WrapperKey(WrapperKind.PAGED_PREFILL, group, backend, False, level=k),
+                    tuple(_level_args(k, heads, key.page_size) + split_kwargs(policy) + common),
+                )
+                for k in range(levels)
+            )
+        out.append(GroupCalls(index, gp.path, paged, ragged, masked[index], level_calls))
     return tuple(out)
+
+
+def _level_args(level: int, heads: HeadConfig, page_size: int) -> list[tuple[str, Any]]:
+    """The ``plan()`` arguments of cascade level ``level``'s call: every sharing group
+    one kernel request (its members' query rows, its shared pages), no causal mask and
+    no window (every shared key precedes every query; windowed groups never run on
+    levels)."""
+    return [
+        ("qo_indptr", HostArray(names.level_array(level, "qo_indptr"))),
+        ("paged_kv_indptr", HostArray(names.level_array(level, "page_indptr"))),
+        ("paged_kv_indices", DeviceIndices(names.level_pages_region(level))),
+        ("paged_kv_last_page_len", HostArray(names.level_array(level, "last_page_len"))),
+        ("head_dim_qk", heads.head_dim),
+        ("page_size", page_size),
+        ("causal", False),
+        ("window_left", -1),
+    ]
 
 
 def sink_kernel(gp: GroupPlan, heads: HeadConfig, *, multi_item: bool) -> SinkKernel | None:

@@ -66,8 +66,9 @@ class EagerBuffers:
         """``spec``'s gather jobs, staged arrays and masks."""
         inputs = call_inputs(spec, calls)
         jobs = gather_jobs(
-            spec, table.rows, window_pool=self.settings.page_map is not None, spans=inputs.spans
-        )
+            spec, table.rows, window_pool=self.settings.page_map is not None, spans=inputs.spans,
+            level_spans=inputs.level_spans,
+        )  # fmt: skip
         return device_plan(
             calls, jobs, inputs.host, inputs.masks, ints=inputs.ints, elements=inputs.elements
         )

@@ -58,6 +58,7 @@ from flashplan.planning.spec import KernelPath, PlanSpec
 
 if TYPE_CHECKING:
     from flashplan.executor.flashinfer.bucket import GraphBucket
+    from flashplan.executor.flashinfer.buffers import StagedViews
     from flashplan.executor.flashinfer.policy import ExecutorPolicy
     from flashplan.executor.flashinfer.strategy import BuffersStrategy
     from flashplan.layout.page_table import PageTable
@@ -302,7 +303,9 @@ class FlashInferExecutor:
         stream = self._stream()
         planned = plan_calls(buffers, spec, calls, dplan, host, staged, page, masks, stream)
         slot.mark_read(stream)
-        self._batch = AppliedBatch(spec, dplan, table, planned, page, offset, owned.positions)
+        self._batch = AppliedBatch(
+            spec, dplan, table, planned, page, offset, owned.positions, _level_rows(spec, staged)
+        )
         self._positions = None
 
     def _check_plan(self, spec: PlanSpec, table: PageTable) -> None:
@@ -353,6 +356,11 @@ class FlashInferExecutor:
         for spec in specs:
             spec, table = check_apply_args(spec, table)
             self._check_plan(spec, table)
+            if spec.cascade is not None:
+                raise UnsupportedError(
+                    "specs", "apply_steps() plans steps without cascade levels: apply a "
+                    "cascade plan with apply()",
+                )  # fmt: skip
             calls = buffers.skeleton(spec)
             if any(gc.masked for gc in calls):
                 raise UnsupportedError("specs", "apply_steps() plans steps without custom masks")
@@ -466,3 +474,16 @@ class FlashInferExecutor:
             batch, args, group, q, k_new, v_new, kv_cache, return_lse=return_lse, sinks=sinks,
             status=self._buffers.owned.status, window_pool=window_pool,
         )  # fmt: skip
+
+
+def _level_rows(spec: PlanSpec, staged: StagedViews) -> tuple[torch.Tensor | None, ...]:
+    """Per cascade level, the staged device view of its query rows (``None`` where the
+    level's call covers every row in batch order, and nothing is staged)."""
+    cascade = spec.cascade
+    if cascade is None:
+        return ()
+    total = spec.total_q
+    return tuple(
+        None if int(level.qo_indptr[-1]) == total else staged[names.level_array(k, "q_rows")]
+        for k, level in enumerate(cascade.levels.levels)
+    )

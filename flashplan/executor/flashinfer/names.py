@@ -14,11 +14,17 @@ compared fast on the host path) of the form::
   ``qo_indptr`` and ``qo.*`` integers, ``max_kv_len`` (an integer);
 * a group's device-built mask ``g<i>.mask.<field>`` and multi-item tensors
   ``g<i>.items.<field>``;
+* cascade level ``l``'s call (shared by every group that runs on the levels)
+  ``l<l>.<field>``: ``qo_indptr`` (``[groups + 1]``), ``page_indptr``,
+  ``last_page_len``, ``kv_lens``, ``q_rows`` (the batch row of each of its query rows,
+  staged only where the level leaves some rows out) and the integers ``l<l>.qo.total``,
+  ``l<l>.qo.max_len`` and ``l<l>.max_kv_len``;
 * a multi-step draft's step ``k``: every name of that step under ``s<k>/``.
 
 Gather regions (:class:`~flashplan.executor.gathers.Region` names, shared with the
 reference executor and re-exported here from :mod:`~flashplan.executor.gathers`) are
-``pages/<group>``, ``write``, ``write/window`` and ``encoder``.
+``pages/<group>``, ``pages/l<level>`` (a cascade level's shared pages), ``write``,
+``write/window`` and ``encoder``.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from flashplan.executor.gathers import (
     WRITE,
     WRITE_WINDOW,
     is_pages_region,
+    level_pages_region,
     pages_region,
 )
 
@@ -42,6 +49,7 @@ __all__ = [
     "GroupArray",
     "ItemField",
     "ItemPart",
+    "LevelArray",
     "MaskField",
     "Parsed",
     "batch_int",
@@ -50,6 +58,9 @@ __all__ = [
     "is_pages_region",
     "item_name",
     "item_part",
+    "level_array",
+    "level_int",
+    "level_pages_region",
     "mask_name",
     "pages_region",
     "parse",
@@ -67,6 +78,8 @@ QO_INDPTR = "qo_indptr"
 GroupArray = Literal["page_indptr", "last_page_len", "kv_lens", "qo_indptr"]
 #: A group's batch integers.
 GroupInt = Literal["max_kv_len", "qo.total", "qo.max_len"]
+#: A cascade level's staged arrays.
+LevelArray = Literal["qo_indptr", "page_indptr", "last_page_len", "kv_lens", "q_rows"]
 #: The arrays of a device-built mask (threshold, tree or position mask).
 MaskField = Literal[
     "qo_lens", "kv_lens", "indptr", "first_visible", "row_offsets", "tail_start",
@@ -100,6 +113,16 @@ def group_array(group: int, field: GroupArray, prefix: str = "") -> str:
 def group_int(group: int, field: GroupInt, prefix: str = "") -> str:
     """Group ``group``'s batch integer ``field``."""
     return f"{prefix}g{group}.{field}"
+
+
+def level_array(level: int, field: LevelArray, prefix: str = "") -> str:
+    """Cascade level ``level``'s staged array ``field``."""
+    return f"{prefix}l{level}.{field}"
+
+
+def level_int(level: int, field: GroupInt, prefix: str = "") -> str:
+    """Cascade level ``level``'s batch integer ``field``."""
+    return f"{prefix}l{level}.{field}"
 
 
 def mask_name(group: int, field: MaskField, prefix: str = "") -> str:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flashplan.executor.flashinfer.wrapper_plans import level_part
 from flashplan.kernels.kv_write import write_kv
 from flashplan.kernels.merge_state import fold_sinks_triton, merge_state_triton
 
@@ -60,7 +61,7 @@ def run_group(
     # merge of the group's two states, or in one pass over its one state.
     in_kernel = gc.paged is not None and gc.paged.wrapper.sink is not None
     fold = None if in_kernel else sinks
-    want_lse = return_lse or gc.merges or fold is not None
+    want_lse = return_lse or gc.merges or fold is not None or bool(gc.levels)
     states = []
     if gc.ragged is not None:
         wrapper = batch.planned[(args.index, "ragged")]
@@ -76,6 +77,9 @@ def run_group(
         if spec.heads.kv_is_fp8:
             _apply_v_scale(state[0] if want_lse else state, args.v_scale)
         states.append(state)
+        if gc.levels:  # the own keys' state, merged with every level's
+            out, lse = _merge_levels(batch, args, q_paged, k_scale, kv_cache, state)
+            return (out, lse) if return_lse else out
     if gc.merges:
         (o_a, s_a), (o_b, s_b) = states
         out, lse = merge_state_triton(o_a, s_a, o_b, s_b, sinks=fold)
@@ -87,6 +91,39 @@ def run_group(
     else:
         return states[0][0] if want_lse else states[0]
     return (out, lse) if return_lse else out
+
+
+def _merge_levels(
+    batch: AppliedBatch,
+    args: RunArgs,
+    q: torch.Tensor,
+    k_scale: float | None,
+    kv_cache: torch.Tensor | None,
+    own: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cascade group's state: its own keys' ``own`` merged by LSE with each level's
+    call over the shared pages (outermost first). A level whose call leaves some query
+    rows out runs on the rows it has (gathered by its staged ``q_rows``) and its merge
+    is written back to them. The parts partition each request's keys
+    (:func:`~flashplan.planning.cascade.cascade_levels`), so the merge is the attention
+    over all of them."""
+    out, lse = own
+    fp8 = batch.spec.heads.kv_is_fp8
+    for k, rows in enumerate(batch.level_rows):
+        wrapper = batch.planned[(args.index, level_part(k))]
+        q_level = q if rows is None else q.index_select(0, rows)
+        o_level, s_level = wrapper.run(q_level, kv_cache, k_scale=k_scale, return_lse=True)
+        if fp8:
+            _apply_v_scale(o_level, args.v_scale)
+        if rows is None:
+            out, lse = merge_state_triton(out, lse, o_level, s_level)
+            continue
+        o_m, s_m = merge_state_triton(
+            out.index_select(0, rows), lse.index_select(0, rows), o_level, s_level
+        )
+        out.index_put_((rows,), o_m)
+        lse.index_put_((rows,), s_m)
+    return out, lse
 
 
 def _fold_k_scale(q: torch.Tensor, args: RunArgs) -> tuple[torch.Tensor, float | None]:

@@ -45,9 +45,9 @@ if TYPE_CHECKING:
     from flashplan.executor.flashinfer.strategy import BuffersStrategy
     from flashplan.planning.spec import PlanSpec
 
-__all__ = ["Planned", "bound_call", "call_plan", "plan_calls"]
+__all__ = ["Planned", "bound_call", "call_plan", "level_part", "plan_calls"]
 
-#: The planned wrapper of each call, by ``(group index, "paged" | "ragged")``.
+#: The planned wrapper of each call, by ``(group index, "paged" | "ragged" | "level<k>")``.
 Planned = dict[tuple[int, str], Any]
 
 #: torch dtypes of the staged views handed to plan() (the multi-item tensors).
@@ -73,11 +73,15 @@ def bound_call(
     decode: DecodeViews | None = None
     prefill: PrefillViews | None = None
     mask_indptr = None
-    max_kv = names.group_int(index, "max_kv_len", prefix)
+    level = call.wrapper.level
+    # a cascade level's call has its own arrays and integers (``l<k>.*``)
+    array = partial(names.group_array, index) if level < 0 else partial(names.level_array, level)
+    integer = partial(names.group_int, index) if level < 0 else partial(names.level_int, level)
+    max_kv = integer("max_kv_len", prefix)
     ints = (names.batch_int("qo.total", prefix), names.batch_int("qo.max_len", prefix), max_kv)
-    ind = names.group_array(index, "page_indptr", prefix)
-    last = names.group_array(index, "last_page_len", prefix)
-    kv = names.group_array(index, "kv_lens", prefix)
+    ind = array("page_indptr", prefix)
+    last = array("last_page_len", prefix)
+    kv = array("kv_lens", prefix)
     if call.wrapper.kind is WrapperKind.DECODE:
         if call.wrapper.use_tensor_cores:  # the scheduler's qo_indptr and KV lengths
             qo = prefix + names.QO_INDPTR
@@ -94,9 +98,8 @@ def bound_call(
                    host[kv], staged[kv])  # fmt: skip
         if any(isinstance(v, BuiltMask) for _, v in call.placeholders):
             mask_indptr = staged[names.mask_name(index, "indptr", prefix)]
-        if qo_name != names.QO_INDPTR:  # virtual requests: the group's own query integers
-            ints = (names.group_int(index, "qo.total", prefix),
-                    names.group_int(index, "qo.max_len", prefix), max_kv)  # fmt: skip
+        if qo_name != names.QO_INDPTR:  # virtual requests or a level: their own integers
+            ints = (integer("qo.total", prefix), integer("qo.max_len", prefix), max_kv)
     bound = BoundCall(host, kwargs, tuple(dynamic), decode, prefill, mask_indptr, ints)
     staged.memo.calls[memo_key] = bound
     return bound
@@ -170,7 +173,7 @@ def plan_calls(
 
     planned: Planned = {}
     for gc in calls:
-        for part, call in (("paged", gc.paged), ("ragged", gc.ragged)):
+        for part, call in _calls_of(gc):
             if call is None:
                 continue
             key, index = call.wrapper, gc.group_index
@@ -223,6 +226,19 @@ def plan_calls(
             owned.pool.mark_planned(held, stream)
             planned[(index, part)] = held.wrapper
     return planned
+
+
+def _calls_of(gc: GroupCalls) -> list[tuple[str, PlanCall | None]]:
+    """A group's calls by part name: ``"paged"``, ``"ragged"``, then its cascade levels'
+    (``"level<k>"``, :func:`level_part`)."""
+    parts: list[tuple[str, PlanCall | None]] = [("paged", gc.paged), ("ragged", gc.ragged)]
+    parts += [(level_part(k), call) for k, call in enumerate(gc.levels)]
+    return parts
+
+
+def level_part(level: int) -> str:
+    """The part name of cascade level ``level``'s call in :data:`Planned`."""
+    return f"level{level}"
 
 
 def call_plan(wrapper: Any, kwargs: dict[str, Any], workspace_bytes: int) -> None:

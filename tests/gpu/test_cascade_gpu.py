@@ -1,0 +1,178 @@
+"""Cascade levels on FlashInfer (issue 28): a plan with ``shared_prefix=`` and
+``cascade="on"`` run by the FlashInfer executor — one non-causal paged prefill call per
+level over each group's shared pages, each request's own call, merged by LSE — equals
+the reference executor's plain plan (no levels) on a table that keeps the sharing
+promise: outputs, LSE and the written cache. Decode (both decode kernels) and paged
+extend, page sizes 1 and 16, one level, groups, nested levels, levels that leave rows
+out, levels sharing less than a page (empty spans), bf16 and an fp8 cache; one executor
+over a sequence of cascade and plain batches against fresh executors; no syncs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import flashplan as fp
+from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
+
+from .helpers import rel_err, stable_seed, syncs_raise
+
+DEV = "cuda"
+#: bf16 kernels against the reference's float32: test_flashinfer_executor.py's bounds
+#: (each level's merge rounds the running output to bf16 once more).
+OUT_TOL, LSE_TOL = 1.5e-2, 5e-2
+
+
+def _sharing(kind: str, bs: int, prefix: np.ndarray) -> fp.SharedPrefix:
+    """A sharing of ``bs`` requests whose cached tokens are ``prefix``."""
+    if kind == "all":  # one prompt, bs samples
+        return fp.SharedPrefix.from_groups([range(bs)], [int(prefix.min())])
+    if kind == "groups":  # groups of 4 (the last may be shorter; a last one alone: none)
+        groups = [range(a, min(a + 4, bs)) for a in range(0, bs - 1, 4)]
+        return fp.SharedPrefix.from_groups(groups, [int(prefix[g].min()) for g in groups])
+    if kind == "nested":  # a system prompt for all, then pairs sharing more
+        pairs = [range(a, a + 2) for a in range(0, bs - 1, 2)]
+        outer = int(prefix.min()) // 3
+        return fp.SharedPrefix.nested(
+            fp.ShareLevel.from_groups([range(bs)], [outer]),
+            fp.ShareLevel.from_groups(pairs, [int(prefix[p].min()) for p in pairs]),
+        )
+    if kind == "partial":  # requests in no group; an inner level over some rows only
+        return fp.SharedPrefix.nested(
+            fp.ShareLevel.from_groups([range(1, bs - 1)], [int(prefix[1 : bs - 1].min()) // 2]),
+            fp.ShareLevel.from_groups([range(2, 4)], [int(prefix[2:4].min())]),
+        )
+    if kind == "short":  # pairs sharing less than a page at page 16: empty level spans
+        pairs = [range(a, a + 2) for a in range(0, bs - 1, 2)]
+        return fp.SharedPrefix.from_groups(pairs, [5] * len(pairs))
+    raise AssertionError(kind)
+
+
+def _batch(mode: str, bs: int, page_size: int, seed: int) -> fp.BatchLayout:
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(40, 400, bs)
+    if mode == "decode":
+        return fp.BatchLayout.decode(prefix + 1, page_size=page_size)
+    return fp.BatchLayout.extend(prefix + rng.integers(1, 40, bs), prefix, page_size=page_size)
+
+
+def _table(layout: fp.BatchLayout, shared: fp.SharedPrefix, seed: int) -> fp.PageTable:
+    table = fp.PageTable.shuffled(layout.pages_needed, seed=seed, device=DEV)
+    pages = fp.share_pages(shared, table.pages, table.rows, layout.page_size)
+    return fp.PageTable(pages, table.rows, table.num_pages)
+
+
+def _inputs(spec: fp.PlanSpec, table: fp.PageTable, heads: fp.HeadConfig, seed: int):  # type: ignore[no-untyped-def]
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    hq, hkv, d = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim
+    assert table.num_pages is not None
+    cache = torch.randn(table.num_pages, 2, spec.page_size, hkv, d, generator=gen, device=DEV)
+    q = torch.randn(spec.total_q, hq, d, generator=gen, device=DEV).to(heads.q_dtype)
+    k = torch.randn(spec.total_q, hkv, d, generator=gen, device=DEV).to(heads.kv_input_dtype)
+    v = torch.randn(spec.total_q, hkv, d, generator=gen, device=DEV).to(heads.kv_input_dtype)
+    return cache.to(heads.kv_dtype), q, k, v
+
+
+def _run(
+    executor: fp.Executor, spec: fp.PlanSpec, table: fp.PageTable, inputs, scales=(None, None)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    cache, q, k, v = inputs
+    cache = cache.clone()
+    executor.apply(spec, table)
+    out, lse = executor.run(
+        spec.key.groups[0], q, k, v, cache, return_lse=True, k_scale=scales[0], v_scale=scales[1]
+    )
+    return out, lse, cache
+
+
+def _check(got, want) -> None:  # type: ignore[no-untyped-def]
+    (out, lse, cache), (out_ref, lse_ref, cache_ref) = got, want
+    assert torch.isfinite(lse).all() and torch.isfinite(lse_ref).all()
+    assert rel_err(out, out_ref) <= OUT_TOL
+    assert float((lse - lse_ref).abs().max()) <= LSE_TOL
+    assert torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8))  # same writes
+
+
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("kind", ["all", "groups", "nested", "partial", "short"])
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_cascade_matches_plain_reference(mode: str, page_size: int, kind: str, tensor_cores: bool):
+    if mode == "extend" and tensor_cores:
+        pytest.skip("the decode kernel kind only matters for decode")
+    seed = stable_seed("cascade", mode, page_size, kind, tensor_cores)
+    layout = _batch(mode, 9, page_size, seed)
+    shared = _sharing(kind, 9, layout.prefix_lens)
+    heads = fp.HeadConfig(16, 4, 128, q_dtype=torch.bfloat16)
+    on = fp.plan(layout, heads, extend_path="paged", shared_prefix=shared, cascade="on")
+    off = fp.plan(layout, heads, extend_path="paged")
+    assert on.cascade is not None and off.cascade is None
+    table = _table(layout, shared, seed)
+    inputs = _inputs(on, table, heads, seed)
+    ex = FlashInferExecutor(policy=ExecutorPolicy(decode_tensor_cores=tensor_cores))
+    got = _run(ex, on, table, inputs)
+    assert len(ex.calls[0].levels) == shared.num_levels
+    _check(got, _run(fp.ReferenceExecutor(), off, table, inputs))
+    # and against FlashInfer's own plain plan of the same batch
+    plain = _run(FlashInferExecutor(), off, table, inputs)
+    assert rel_err(got[0], plain[0]) <= OUT_TOL
+
+
+@pytest.mark.parametrize("scales", ["number", "tensor"])
+def test_cascade_over_an_fp8_cache(scales: str):
+    seed = stable_seed("cascade fp8", scales)
+    layout = _batch("decode", 8, 16, seed)
+    shared = _sharing("nested", 8, layout.prefix_lens)
+    heads = fp.HeadConfig(16, 4, 128, q_dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
+    on = fp.plan(layout, heads, shared_prefix=shared, cascade="on")
+    off = fp.plan(layout, heads)
+    table = _table(layout, shared, seed)
+    inputs = _inputs(on, table, heads, seed)
+    pair = (0.37, 1.9)
+    sc = pair if scales == "number" else tuple(torch.tensor(s, device=DEV) for s in pair)
+    got = _run(FlashInferExecutor(), on, table, inputs, sc)
+    _check(got, _run(fp.ReferenceExecutor(), off, table, inputs, sc))
+
+
+def test_one_executor_over_cascade_and_plain_batches():
+    """One executor over a sequence of batches — cascade plans of 1 and 2 levels, plain
+    plans, decode and extend, growing and shrinking batch sizes — equals a fresh
+    executor per batch bit for bit, and the reference within tolerance."""
+    heads = fp.HeadConfig(16, 4, 128, q_dtype=torch.bfloat16)
+    kinds = ["all", None, "nested", "groups", "partial", None, "all", "nested"]
+    executor = FlashInferExecutor()
+    for step, kind in enumerate(kinds * 3):
+        seed = stable_seed("cascade sequence", step)
+        bs = 6 + (step * 5) % 11
+        mode = "decode" if step % 3 else "extend"
+        layout = _batch(mode, bs, 16, seed)
+        shared = _sharing(kind or "all", bs, layout.prefix_lens)
+        spec = fp.plan(
+            layout, heads, extend_path="paged", shared_prefix=shared,
+            cascade="off" if kind is None else "on",
+        )  # fmt: skip
+        table = _table(layout, shared, seed)
+        inputs = _inputs(spec, table, heads, seed)
+        got = _run(executor, spec, table, inputs)
+        fresh = _run(FlashInferExecutor(), spec, table, inputs)
+        for a, b in zip(got, fresh, strict=True):
+            assert torch.equal(a, b), (step, kind, mode, bs)
+        _check(got, _run(fp.ReferenceExecutor(), spec, table, inputs))
+
+
+def test_cascade_apply_and_run_never_sync():
+    heads = fp.HeadConfig(16, 4, 128, q_dtype=torch.bfloat16)
+    layout = _batch("decode", 8, 16, 5)
+    shared = _sharing("partial", 8, layout.prefix_lens)
+    spec = fp.plan(layout, heads, shared_prefix=shared, cascade="on")
+    table = _table(layout, shared, 5)
+    cache, q, k, v = _inputs(spec, table, heads, 5)
+    ex = FlashInferExecutor()
+    ex.apply(spec, table)  # compiles and loads the kernels
+    ex.run(layout.groups[0], q, k, v, cache)
+    with syncs_raise():
+        for _ in range(3):
+            ex.apply(spec, table)
+            ex.run(layout.groups[0], q, k, v, cache)
+    torch.cuda.synchronize()
