@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import flashplan as fp
 from flashplan import AttentionGroup, BatchLayout, HeadConfig, plan
 from flashplan.__main__ import main
 from flashplan.cli.demo import run_demo, tolerance_for
@@ -264,6 +265,9 @@ def test_explain_png(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str])
         (["--seq-lens", "5", "--delimiters", "1", "--window", "3"], "groups: a multi-item"),
         (["--seq-lens", "5", "--delimiters", "1", "--decode"], "item_delimiters: cannot be"),
         (["--seq-lens", "5", "--delimiters", "1,a"], "per-request delimiter lists"),
+        (["--seq-lens", "9,9", "--shared", "0-1"], "first-last:tokens"),
+        (["--seq-lens", "9,9", "--shared", "0-0:4"], "at least 2 requests"),
+        (["--seq-lens", "9,9", "--decode", "--shared", "0-1:9"], "shared_len"),
     ],
 )
 def test_bad_input_exits_2_with_message(
@@ -287,6 +291,38 @@ def test_main_without_command_and_help(capsys: pytest.CaptureFixture[str]) -> No
     assert "demo" in capsys.readouterr().err
     assert main(["--help"]) == 0
     assert "explain" in capsys.readouterr().out
+
+
+def test_explain_shared_prefix_levels(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _explain(
+        capsys, "--seq-lens", "40,44,50,36", "--decode", "--page-size", "4",
+        "--shared", "0-3:20; 1-2:33",
+    )  # fmt: skip
+    assert "group 0: query rows 0..3; pages 0..4 of request 0's row (tokens 0..19)" in out
+    assert "group 0: query rows 1..2; pages 5..7 of request 1's row (tokens 20..31)" in out
+    assert "request 2: tokens 32..49 (from page 8)" in out
+    assert "request 3: tokens 20..35 (from page 5)" in out
+    assert "check: the levels and own parts read each request's keys exactly once" in out
+
+
+def test_cascade_problem_finds_a_wrong_partition() -> None:
+    """The explain check is not vacuous: own parts moved by one page are found."""
+    import attrs
+
+    from flashplan.cli.cascade_text import cascade_problem
+    from flashplan.lengths import PageSpans
+
+    layout = fp.BatchLayout.decode([40, 44, 50, 36], page_size=4)
+    shared = fp.SharedPrefix.from_groups([range(4)], [20])
+    spec = fp.plan(layout, fp.HeadConfig(8, 2, 64), shared_prefix=shared, cascade="on")
+    assert spec.cascade is not None and cascade_problem(spec, layout) is None
+    own = spec.cascade.levels.own
+    moved = PageSpans.between(own.first_token + 4, own.end_token, 4)
+    levels = attrs.evolve(spec.cascade.levels, own=moved)
+    broken = attrs.evolve(spec, cascade=attrs.evolve(spec.cascade, levels=levels))
+    assert cascade_problem(broken, layout) == (
+        "request 0: the levels and its own part do not read each key once"
+    )
 
 
 # ---------------------------------------------------------------------------- render

@@ -9,9 +9,10 @@ prints the plan (:func:`flashplan.cli.render.describe_plan`) and, per group, a p
 the visibility rules (:func:`flashplan.oracle.visibility`: rows are queries with their
 absolute positions, columns are keys, ``#`` visible, ``.`` hidden). It then checks that
 the plan's kernel calls (:func:`flashplan.materialize`) show exactly those keys,
-and exits with 1 if they do not. ``--png FILE`` draws the same pictures with matplotlib,
-colouring each visible key by the kernel call that covers it (paged or ragged) and the
-keys a kernel reads but masks out.
+and exits with 1 if they do not. ``--shared LEVELS`` plans the batch with cascade levels
+and shows and checks them too (:mod:`flashplan.cli.cascade_text`). ``--png FILE`` draws
+the same pictures with matplotlib, colouring each visible key by the kernel call that
+covers it (paged or ragged) and the keys a kernel reads but masks out.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 import attrs
 import numpy as np
 
+from flashplan.cli.cascade_text import cascade_problem, describe_cascade, shared_prefix_arg
 from flashplan.cli.render import (
     COVER_NONE,
     COVER_PAGED,
@@ -37,6 +39,7 @@ from flashplan.layout.batch import BatchLayout
 from flashplan.layout.drafts import DraftTree
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
+from flashplan.layout.shared_prefix import SharedPrefix
 from flashplan.oracle import visibility
 from flashplan.planning.planner import plan
 from flashplan.planning.spec import PlanSpec
@@ -186,6 +189,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "e.g. '7,9,11,13;' for two requests, the second plain",
     )
     parser.add_argument(
+        "--shared",
+        type=shared_prefix_arg,
+        default=None,
+        metavar="LEVELS",
+        help="shared prefixes, planned with cascade levels: levels separated by ';', "
+        "groups by ',', each first-last:tokens (e.g. '0-3:20; 1-2:33')",
+    )
+    parser.add_argument(
         "--path",
         choices=("auto", "paged", "ragged"),
         default="auto",
@@ -322,9 +333,17 @@ def explain(
     extend_path: str = "auto",
     heads: HeadConfig = EXPLAIN_HEADS,
     max_cols: int = 80,
+    shared_prefix: SharedPrefix | None = None,
 ) -> tuple[str, bool]:
-    """The text ``explain`` prints for ``layout``, and whether every plan check passed."""
-    spec = plan(layout, heads, extend_path=extend_path)
+    """The text ``explain`` prints for ``layout``, and whether every plan check passed.
+
+    With ``shared_prefix`` the batch is planned with ``cascade="on"``, and the cascade
+    levels and own parts are shown and checked too
+    (:mod:`~flashplan.cli.cascade_text`)."""
+    spec = plan(
+        layout, heads, extend_path=extend_path, shared_prefix=shared_prefix,
+        cascade="off" if shared_prefix is None else "on",
+    )  # fmt: skip
     ok = True
     seq, pre = layout.seq_lens, layout.prefix_lens
     blocks = [
@@ -383,6 +402,18 @@ def explain(
             + "\n"
             + _indent(pictures, "  ")
             + f"\n  {verdict}"
+        )
+    if shared_prefix is not None:
+        problem = cascade_problem(spec, layout)
+        ok &= problem is None
+        blocks.append(
+            describe_cascade(spec)
+            + "\n  "
+            + (
+                "check: the levels and own parts read each request's keys exactly once"
+                if problem is None
+                else f"MISMATCH: {problem}"
+            )
         )
     return "\n\n".join(blocks), ok
 
@@ -491,7 +522,9 @@ def command(args: argparse.Namespace) -> int:
         FlashplanError: invalid layout (the caller reports it and exits with 2).
     """
     layout = build_layout(args)
-    text, ok = explain(layout, extend_path=args.path, max_cols=args.max_cols)
+    text, ok = explain(
+        layout, extend_path=args.path, max_cols=args.max_cols, shared_prefix=args.shared
+    )
     print(text)
     if args.png:
         spec = plan(layout, EXPLAIN_HEADS, extend_path=args.path)

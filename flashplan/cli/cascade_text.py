@@ -1,0 +1,134 @@
+"""``explain --shared``: a batch's shared prefixes as text, and the check that its cascade
+levels and own parts read each request's keys once.
+
+Example::
+
+    python -m flashplan explain --seq-lens 40,44,50,36 --decode --page-size 4 \\
+        --shared "0-3:20; 1-2:33"
+
+plans the batch with ``cascade="on"`` (:func:`flashplan.plan`) and prints, after the
+plan, every level's groups (members, shared tokens, the pages read from the first
+member's row, the call's query rows) and each request's own part, then checks that the
+parts partition each request's keys ``[0, seq_len)`` (or its decoder row's, after the
+encoder tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from flashplan.layout.batch import BatchLayout
+from flashplan.layout.shared_prefix import SharedPrefix, ShareLevel
+from flashplan.planning.cascade import CascadePlan
+from flashplan.planning.spec import PlanSpec
+
+__all__ = ["cascade_problem", "describe_cascade", "shared_prefix_arg"]
+
+
+def shared_prefix_arg(text: str) -> SharedPrefix:
+    """Parse ``--shared``: levels outermost first, separated by ``;``; each level's
+    groups separated by ``,``; a group ``first-last:tokens`` (requests ``first`` to
+    ``last`` inclusive share their first ``tokens`` tokens). ``"0-3:20; 1-2:33"``: all
+    four requests share 20 tokens, requests 1 and 2 share 33.
+
+    The record's own checks (group sizes, nesting) still apply when it is built.
+    """
+    levels = []
+    try:
+        for level_text in text.split(";"):
+            ranges, lens = [], []
+            for group in level_text.split(","):
+                span, tokens = group.split(":")
+                first, last = (int(x) for x in span.split("-"))
+                ranges.append(range(first, last + 1))
+                lens.append(int(tokens))
+            levels.append(ShareLevel.from_groups(ranges, lens))
+    except ValueError as exc:  # a LayoutError is a ValueError too: keep its message
+        raise argparse.ArgumentTypeError(
+            f"expected levels such as '0-3:20; 1-2:33' (';' between levels, ',' between "
+            f"groups, first-last:tokens each); got {text!r} ({exc})"
+        ) from None
+    return SharedPrefix.nested(*levels)
+
+
+def describe_cascade(spec: PlanSpec) -> str:
+    """The cascade block of ``explain``: levels, groups and own parts (token and page
+    ranges are a request's row tokens and page-table columns)."""
+    cascade = spec.cascade
+    if cascade is None:
+        return "cascade: none (no group of this plan can run on levels)"
+    plan = cascade.levels
+    ps = spec.page_size
+    lines = [f"cascade levels (group plans {list(cascade.groups)} run on them):"]
+    for k, level in enumerate(plan.levels):
+        spans = level.spans
+        lines.append(f"  level {k}: one non-causal call, {level.row_of.shape[0]} group(s)")
+        for g, owner in enumerate(level.row_of.tolist()):
+            rows = level.q_rows[level.qo_indptr[g] : level.qo_indptr[g + 1]]
+            first, end = int(spans.first_token[g]), int(spans.end_token[g])
+            pages = (
+                f"pages {first // ps}..{end // ps - 1} of request {owner}'s row "
+                f"(tokens {first}..{end - 1})"
+                if end > first
+                else "no whole page (nothing read)"
+            )
+            lines.append(f"    group {g}: query rows {_ranges(rows)}; {pages}")
+    lines.append("  own parts (each request's causal call):")
+    own = plan.own
+    for i in range(spec.batch_size):
+        lines.append(
+            f"    request {i}: tokens {int(own.first_token[i])}..{int(own.end_token[i]) - 1}"
+            f" (from page {int(own.start_page[i])})"
+        )
+    return "\n".join(lines)
+
+
+def cascade_problem(spec: PlanSpec, layout: BatchLayout) -> str | None:
+    """``None`` when the levels and own parts of ``spec`` read each request's keys (its
+    row tokens ``[decoder_start, decoder_start + seq_len)``) exactly once and every
+    level reads only whole cached pages; else what is wrong (naming the request)."""
+    cascade = spec.cascade
+    if cascade is None:
+        return None
+    plan: CascadePlan = cascade.levels
+    qo = spec.qo_indptr
+    ps = spec.page_size
+    for i in range(spec.batch_size):
+        rows = set(range(int(qo[i]), int(qo[i + 1])))
+        parts = []
+        for k, level in enumerate(plan.levels):
+            for g in range(level.row_of.shape[0]):
+                mine = set(level.q_rows[level.qo_indptr[g] : level.qo_indptr[g + 1]].tolist())
+                if not mine & rows:
+                    continue
+                if not rows <= mine:
+                    return f"request {i}: level {k} runs some of its query rows only"
+                a, b = int(level.spans.first_token[g]), int(level.spans.end_token[g])
+                if b > a and (a % ps or b % ps):
+                    return f"request {i}: level {k} reads a partial page"
+                parts.append((a, b))
+        parts.append((int(plan.own.first_token[i]), int(plan.own.end_token[i])))
+        start = int(layout.decoder_start[i])
+        tokens = sorted(t for a, b in parts for t in range(a, b))
+        if tokens != list(range(start, start + int(layout.seq_lens[i]))):
+            return f"request {i}: the levels and its own part do not read each key once"
+        level_ends = [b for a, b in parts[:-1] if b > a]
+        if level_ends and max(level_ends) > start + int(layout.prefix_lens[i]):
+            return f"request {i}: a level reads tokens it adds in this step"
+    return None
+
+
+def _ranges(values: np.ndarray) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0..2, 5"``."""
+    out: list[str] = []
+    items = values.tolist()
+    k = 0
+    while k < len(items):
+        j = k
+        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
+            j += 1
+        out.append(str(items[k]) if j == k else f"{items[k]}..{items[j]}")
+        k = j + 1
+    return ", ".join(out)
