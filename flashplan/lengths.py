@@ -214,6 +214,40 @@ class PageSpans:
         return cls._derived(first, end, ps, seal_inplace(start), seal_inplace(kv), field, None)
 
     @classmethod
+    def from_page_start(
+        cls,
+        start_page: object,
+        end_token: object,
+        page_size: object,
+        *,
+        base: object = None,
+        field: str = "pages",
+    ) -> PageSpans:
+        """Spans that start at a page boundary: row tokens ``[base + start_page *
+        page_size, base + end_token)`` (``base``: int ``[bs]`` row tokens before the
+        counted ones, e.g. an encoder's, or ``None`` for 0). What :meth:`between`
+        gives for those bounds, with less to derive (a cascade's own parts, every step).
+
+        Raises:
+            LayoutError: as :meth:`between`, or a negative ``start_page``.
+        """
+        ps = as_int("page_size", page_size, minimum=1)
+        start = int32_field("start_page", start_page)
+        end = int32_field("end_token", end_token)
+        same_length("paged", start, end)
+        if start.size and np.minimum.reduce(start) < 0:
+            i = int(np.flatnonzero(start < 0)[0])
+            raise LayoutError("start_page", "must be >= 0", request=i)
+        if base is not None:
+            row = np.asarray(base, dtype=np.int64)
+            return cls.between(start.astype(np.int64) * ps + row, end + row, ps, field=field)
+        first = start * constant_operand(ps)
+        kv = end - first
+        if kv.size and np.minimum.reduce(kv) <= 0:  # empty spans: no page, as between's
+            return cls.between(first, end, ps, field=field)
+        return cls._derived(seal_inplace(first), end, ps, start, seal_inplace(kv), field, None)
+
+    @classmethod
     def from_row_start(
         cls, end_token: object, page_size: object, *, field: str = "pages"
     ) -> PageSpans:

@@ -189,6 +189,16 @@ def test_page_spans_match_python_integers(bounds: list[tuple[int, int]], ps: int
     rows = PageSpans.from_row_start(end, ps)
     assert rows == PageSpans.between([0] * len(end), end, ps)
     _check_spans(rows)
+    starts = [f // ps for f in first]  # spans from a page boundary, with and without a base
+    at_page = PageSpans.from_page_start(starts, end, ps)
+    assert at_page == PageSpans.between([s * ps for s in starts], end, ps)
+    _check_spans(at_page)
+    base = [7 * k for k in range(len(end))]
+    moved = PageSpans.from_page_start(starts, end, ps, base=base)
+    assert moved == PageSpans.between(
+        [s * ps + b for s, b in zip(starts, base, strict=True)],
+        [e + b for e, b in zip(end, base, strict=True)], ps,
+    )  # fmt: skip
     tokens = np.array(end, dtype=np.int32)
     assert ceil_pages(tokens, ps).tolist() == [-(-t // ps) for t in end]
     pages, last = page_split(tokens, ps)

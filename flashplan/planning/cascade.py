@@ -24,6 +24,8 @@ run on them; the reference executor runs them, the FlashInfer executor refuses s
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import numpy as np
 import numpy.typing as npt
@@ -32,6 +34,7 @@ from flashplan.arrays import array_key, readonly_when_unpickled, seal_inplace
 from flashplan.errors import FieldTypeError
 from flashplan.layout.batch import BatchLayout
 from flashplan.layout.heads import HeadConfig
+from flashplan.layout.mode import Mode
 from flashplan.layout.shared_prefix import SharedPrefix
 from flashplan.lengths import PageSpans
 
@@ -111,6 +114,11 @@ def cascade_levels(layout: BatchLayout, shared: SharedPrefix) -> CascadePlan:
     Keys are counted in the layout's decoder rows (``decoder_start`` is added: an
     encoder-decoder row keeps its encoder tokens first, which no level shares).
 
+    Everything that depends on the sharing and the page size alone (members, pages,
+    the levels' spans of a decoder-only row) is computed once per ``(shared,
+    page_size)`` and kept (:func:`_sharing_of`); per batch only the checks against its
+    lengths, the query rows and the own parts are computed.
+
     Raises:
         LayoutError: ``shared`` does not fit the batch (:meth:`SharedPrefix.check_batch`).
         FieldTypeError: arguments of the wrong record types.
@@ -120,46 +128,104 @@ def cascade_levels(layout: BatchLayout, shared: SharedPrefix) -> CascadePlan:
     if not isinstance(shared, SharedPrefix):
         raise FieldTypeError("shared", "must be a SharedPrefix", value=type(shared).__name__)
     bs, ps = layout.batch_size, layout.page_size
-    shared.check_batch(bs, layout.prefix_lens)
-    base = layout.decoder_start.astype(np.int64)
-    qo_indptr = np.concatenate([[0], np.cumsum(layout.seq_lens - layout.prefix_lens)])
-    covered = np.zeros(bs, dtype=np.int64)  # whole pages read by the levels so far
+    sharing = _sharing_of(shared, ps)
+    prefix = layout.prefix_lens
+    if sharing.end > bs or (sharing.deepest > prefix[: sharing.end]).any():
+        shared.check_batch(bs, prefix)  # raises, naming the level, group and request
+    base = layout.decoder_start
+    row_base = bool(np.logical_or.reduce(base)) if bs else False
+    decode = layout.mode is Mode.DECODE
+    if not decode:
+        qo_indptr = np.concatenate([[0], np.cumsum(layout.seq_lens - layout.prefix_lens)])
+    levels = []
+    for level in sharing.levels:
+        if decode:  # one query row per request: the rows are the members
+            q_rows, qo = level.members32, level.count_indptr
+        else:
+            members = level.members
+            lens = qo_indptr[members + 1] - qo_indptr[members]
+            rows = np.repeat(qo_indptr[members], lens) + (
+                np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+            )
+            q_rows = seal_inplace(rows.astype(np.int32))
+            sizes = qo_indptr[level.ends] - qo_indptr[level.firsts]
+            qo = seal_inplace(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32))
+        spans = level.spans
+        if row_base:  # encoder tokens first in each row: the spans move with them
+            b = base[level.firsts]
+            spans = PageSpans.between(b + spans.first_token, b + spans.end_token, ps)
+        levels.append(CascadeLevel(qo, q_rows, level.row_of, spans))
+    covered = np.zeros(bs, dtype=np.int32)
+    covered[: sharing.end] = sharing.covered
+    seal_inplace(covered)
+    own = PageSpans.from_page_start(covered, layout.seq_lens, ps, base=base if row_base else None)
+    return CascadePlan(tuple(levels), own, covered)
+
+
+@attrs.frozen(eq=False)
+class _LevelArrays:
+    """One level's arrays that depend on the sharing and the page size alone."""
+
+    firsts: npt.NDArray[np.int64]  # [groups] first member
+    ends: npt.NDArray[np.int64]  # [groups] one past the last member
+    members: npt.NDArray[np.int64]  # [members] group by group
+    members32: IntArray  # the same, int32, sealed (a decode step's query rows)
+    count_indptr: IntArray  # int32 [groups + 1] (a decode step's qo_indptr)
+    row_of: IntArray  # int32 [groups], sealed
+    spans: PageSpans  # the groups' pages in a row without encoder tokens
+
+
+@attrs.frozen(eq=False)
+class _Sharing:
+    """The arrays of a sharing at one page size (:func:`_sharing_of`)."""
+
+    levels: tuple[_LevelArrays, ...]
+    end: int  # one past the last request in any group
+    deepest: npt.NDArray[np.int64]  # [end] tokens each request shares (0: none)
+    covered: IntArray  # int32 [end] whole pages the levels read for each request
+
+
+@functools.lru_cache(maxsize=64)
+def _sharing_of(shared: SharedPrefix, page_size: int) -> _Sharing:
+    """Everything of :func:`cascade_levels` that depends only on ``shared`` and the page
+    size, kept per value (a step loop plans the same sharing step after step)."""
+    end = max(int((lv.first.astype(np.int64) + lv.count).max(initial=0)) for lv in shared.levels)
+    covered = np.zeros(end, dtype=np.int64)
     levels = []
     for level in shared.levels:
-        first = level.first.astype(np.int64)
-        end = first + level.count
-        pages = level.shared_len.astype(np.int64) // ps
-        before = covered[first]  # the outer level's pages for this group (all members')
-        start_token = base[first] + before * ps
-        # a level that adds no whole page reads nothing (an empty span)
-        stop_token = np.maximum(base[first] + pages * ps, start_token)
-        sizes = qo_indptr[end] - qo_indptr[first]
-        members = level.members()  # group by group, in batch order
-        lens = qo_indptr[members + 1] - qo_indptr[members]
-        rows = np.repeat(qo_indptr[members], lens) + (
-            np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-        )
+        firsts = level.first.astype(np.int64)
+        count = level.count.astype(np.int64)
+        members = level.members()
+        pages = level.shared_len.astype(np.int64) // page_size
+        before = covered[firsts]  # the outer level's pages for this group (all members')
+        start_token = before * page_size
+        stop_token = np.maximum(pages * page_size, start_token)  # no whole page: empty
         levels.append(
-            CascadeLevel(
-                seal_inplace(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)),
-                seal_inplace(rows.astype(np.int32)),
-                seal_inplace(first.astype(np.int32)),
-                PageSpans.between(start_token, stop_token, ps),
+            _LevelArrays(
+                firsts, firsts + count, members, seal_inplace(members.astype(np.int32)),
+                seal_inplace(np.concatenate([[0], np.cumsum(count)]).astype(np.int32)),
+                seal_inplace(firsts.astype(np.int32)),
+                PageSpans.between(start_token, stop_token, page_size),
             )
-        )
-        covered[members] = np.repeat(pages, level.count)
-    own_first = base + covered * ps
-    own_end = base + layout.seq_lens
-    own = PageSpans.between(own_first, own_end, ps)
-    return CascadePlan(tuple(levels), own, seal_inplace(covered.astype(np.int32)))
+        )  # fmt: skip
+        covered[members] = np.repeat(pages, count)
+    deepest = shared.deepest_tokens(end)
+    return _Sharing(tuple(levels), end, deepest, seal_inplace(covered.astype(np.int32)))
 
 
-def cascade_bytes(layout: BatchLayout, shared: SharedPrefix, heads: HeadConfig) -> tuple[int, int]:
+def cascade_bytes(
+    layout: BatchLayout,
+    shared: SharedPrefix,
+    heads: HeadConfig,
+    *,
+    levels: CascadePlan | None = None,
+) -> tuple[int, int]:
     """KV bytes a batch's self-attention reads without and with cascade levels (every
     request's keys once, against each group's shared pages once plus each request's own
-    keys): ``(plain, cascade)``."""
-    plan = cascade_levels(layout, shared)
-    per_token = 2 * heads.num_kv_heads * heads.head_dim * _itemsize(heads)
+    keys): ``(plain, cascade)``. ``levels``: the batch's :func:`cascade_levels`, when
+    the caller has them."""
+    plan = cascade_levels(layout, shared) if levels is None else levels
+    per_token = 2 * heads.num_kv_heads * heads.head_dim * heads.kv_dtype.itemsize
     plain = int(layout.seq_lens.astype(np.int64).sum())
     cascade = int(plan.own.kv_lens.astype(np.int64).sum()) + sum(
         int(lv.spans.kv_lens.astype(np.int64).sum()) for lv in plan.levels
@@ -174,6 +240,7 @@ def cascade_pays(
     *,
     bandwidth_bytes_per_us: float = 3.0e6,
     overhead_us_per_level: float = 8.0,
+    levels: CascadePlan | None = None,
 ) -> bool:
     """Whether cascade levels are expected to make the batch's attention faster: the KV
     bytes they save, at ``bandwidth_bytes_per_us`` (an H100's copy bandwidth by
@@ -181,16 +248,11 @@ def cascade_pays(
     (``overhead_us_per_level``; the merge also reads and writes every output row).
 
     A model for ``cascade="auto"``, to be calibrated by the shared-prefix benchmark;
-    nothing shared, or too little, is never worth a level.
+    nothing shared, or too little, is never worth a level. ``levels``: the batch's
+    :func:`cascade_levels`, when the caller has them.
     """
-    plain, cascade = cascade_bytes(layout, shared, heads)
+    plain, cascade = cascade_bytes(layout, shared, heads, levels=levels)
     rows = int((layout.seq_lens - layout.prefix_lens).astype(np.int64).sum())
     merge_bytes = 3 * rows * heads.num_qo_heads * heads.head_dim * 4 * shared.num_levels
     saved_us = (plain - cascade - merge_bytes) / bandwidth_bytes_per_us
     return saved_us > overhead_us_per_level * shared.num_levels
-
-
-def _itemsize(heads: HeadConfig) -> int:
-    import torch
-
-    return int(torch.empty((), dtype=heads.kv_dtype).element_size())

@@ -172,7 +172,7 @@ def _with_cascade(
     if layout.mode is Mode.VERIFY or layout.is_multi_item:
         return spec
     groups = tuple(i for i, gp in enumerate(spec.group_plans) if _cascades(gp))
-    if not groups or (auto and not cascade_pays(layout, shared, heads)):
+    if not groups or (auto and not cascade_pays(layout, shared, heads, levels=levels)):
         return spec
     return attrs.evolve(spec, cascade=Cascade(levels, groups))
 
