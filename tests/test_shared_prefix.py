@@ -21,13 +21,21 @@ import flashplan.layout.shared_prefix as shared_prefix_module
 
 # ---------------------------------------------------------------------------- strategies
 @st.composite
-def batches(draw):  # type: ignore[no-untyped-def]
-    """A decode or extend batch, nested groups of consecutive requests, shared lengths
-    within every member's cached tokens."""
+def batches(draw, verify: bool = False):  # type: ignore[no-untyped-def]
+    """A decode or extend batch (or, with ``verify``, also a tree or chain verify),
+    nested groups of consecutive requests, shared lengths within every member's cached
+    tokens."""
     page_size = draw(st.sampled_from([1, 2, 4, 16]))
     bs = draw(st.integers(2, 9))
     prefix = np.array(draw(st.lists(st.integers(0, 70), min_size=bs, max_size=bs)))
-    decode = draw(st.booleans())
+    tree = None
+    if verify and draw(st.booleans()):
+        n = draw(st.integers(1, 5))
+        parents = np.full((bs, n), -1, dtype=np.int64)
+        for j in range(1, n):
+            parents[:, j] = draw(st.lists(st.integers(0, j - 1), min_size=bs, max_size=bs))
+        tree = fp.DraftTree.from_parents(parents)
+    decode = draw(st.booleans()) and tree is None
     new = np.ones(bs, np.int64) if decode else np.array(
         draw(st.lists(st.integers(1, 5), min_size=bs, max_size=bs))
     )  # fmt: skip
@@ -57,7 +65,9 @@ def batches(draw):  # type: ignore[no-untyped-def]
                     inner_lens.append(draw(st.integers(n + 1, cap)))
         if inner:
             levels.append(fp.ShareLevel.from_groups(inner, inner_lens))
-    if decode:
+    if tree is not None:
+        layout = fp.BatchLayout.verify(prefix, tree, page_size=page_size)
+    elif decode:
         layout = fp.BatchLayout.decode(prefix + 1, page_size=page_size)
     else:
         layout = fp.BatchLayout.extend(prefix + new, prefix, page_size=page_size)
@@ -264,11 +274,12 @@ def test_docstring_examples_hold() -> None:
     assert result.attempted > 0 and result.failed == 0
 
 
-@given(batches(), st.integers(0, 2**16))
+@given(batches(verify=True), st.integers(0, 2**16))
 def test_reference_executor_runs_cascade_plans_as_plain_ones(case, seed: int) -> None:  # type: ignore[no-untyped-def]
     """``plan(..., shared_prefix=, cascade="on")`` on the reference executor: outputs,
     LSE and written cache equal the plan without levels (float64 math), new tokens
-    written in the same step."""
+    written in the same step; decode, extend and tree or chain verify batches (a tree's
+    own calls run under the tree mask without the shared columns)."""
     layout, shared = case
     heads = fp.HeadConfig(4, 2, 8, q_dtype=torch.float32)
     plans = [
@@ -461,3 +472,36 @@ def test_share_pages_keeps_the_promise(case, seed: int) -> None:  # type: ignore
         for f, c, n in zip(level.first, level.count, level.shared_len, strict=True):
             allowed[table.rows[f + 1 : f + c], : int(n) // ps] = True
     assert not (changed & ~allowed).any()
+
+
+@given(batches(verify=True))
+def test_own_tree_mask_is_the_tree_mask_without_the_shared_columns(case) -> None:  # type: ignore[no-untyped-def]
+    """A tree verify's own mask, row by row, is the plain plan's tree mask with the
+    columns of the levels' pages cut off; those columns are all visible to every draft
+    token; the FlashInfer own call carries it (and is not causal)."""
+    from flashplan.executor.flashinfer import ExecutorPolicy, translate
+    from flashplan.executor.flashinfer.calls import BuiltMask
+
+    layout, shared = case
+    if shared is None or layout.draft is None:
+        return
+    heads = fp.HeadConfig(4, 2, 64)
+    plain = fp.plan(layout, heads)
+    on = fp.plan(layout, heads, shared_prefix=shared, cascade="on")
+    assert on.cascade is not None
+    mask = plain.group_plans[0].paged.mask
+    if layout.draft.is_chain:  # a chain is causal: no masks anywhere
+        assert mask is None and on.cascade.own_mask is None
+        return
+    own = on.cascade.own_mask
+    assert own is not None
+    ps = layout.page_size
+    start = plain.group_plans[0].paged.start_page
+    for i in range(layout.batch_size):
+        cut = (int(on.cascade.levels.own.start_page[i]) - int(start[i])) * ps
+        full = mask.dense(i)
+        assert full[:, :cut].all()
+        np.testing.assert_array_equal(own.dense(i), full[:, cut:])
+    (gc,) = translate(on, ExecutorPolicy(), sm90=False).calls
+    kw = gc.paged.as_dict()
+    assert kw["causal"] is False and kw["packed_custom_mask"] == BuiltMask(0)

@@ -179,7 +179,9 @@ class ReferenceExecutor:
                 ragged[index] = (call_rows(queries, dev), torch.from_numpy(seen).to(dev))
         cascade: dict[int, list[PagedCall]] = {}
         if spec.cascade is not None:
-            calls = cascade_calls(spec.cascade.levels, spec, table, table.pages.cpu(), dev)
+            calls = cascade_calls(
+                spec.cascade.levels, spec, table, table.pages.cpu(), dev, spec.cascade.own_mask
+            )
             cascade = dict.fromkeys(spec.cascade.groups, calls)
         self._applied = _Applied(
             spec=spec, table=table, device=dev, writes=writes, paged=paged, ragged=ragged,

@@ -16,6 +16,7 @@ from flashplan.kernel_rules import kernel_visibility
 from flashplan.layout.page_table import PageTable
 from flashplan.lengths import Lengths, PageSpans
 from flashplan.planning.cascade import CascadePlan
+from flashplan.planning.masks import TreeMask
 from flashplan.planning.spec import GroupPlan, PagedPart, PlanSpec
 
 __all__ = [
@@ -105,24 +106,31 @@ def paged_call(
 
 
 def cascade_calls(
-    cascade: CascadePlan, spec: PlanSpec, table: PageTable, pages: torch.Tensor, dev: torch.device
+    cascade: CascadePlan,
+    spec: PlanSpec,
+    table: PageTable,
+    pages: torch.Tensor,
+    dev: torch.device,
+    own_mask: TreeMask | None = None,
 ) -> list[PagedCall]:
     """The kernel calls of a group that runs on cascade levels: one per level (its groups
     as entries: their members' query rows, the group's shared pages read from its first
-    member's row, every key visible), then each request's own call (causal, over its own
-    span). ``pages`` is the table's page ids on the host."""
+    member's row, every key visible), then each request's own call over its own span:
+    causal, or under ``own_mask`` (a tree verify's, :attr:`Cascade.own_mask
+    <flashplan.planning.cascade.Cascade>`). ``pages`` is the table's page ids on the
+    host."""
     host = pages.numpy()
     rows = table.rows.astype(np.int64)
 
     def call(
         spans: PageSpans, owner: npt.NDArray[np.int64], causal: bool, queries: Lengths,
-        entry_rows: CallRows | None, what: str,
+        entry_rows: CallRows | None, what: str, mask: TreeMask | None = None,
     ) -> PagedCall:  # fmt: skip
         # the call's pages, entry by entry, gathered from each owner's row on the host
         entry, k = entries(spans.pages.lens)
         region = host[rows[owner[entry]], spans.start_page.astype(np.int64)[entry] + k]
         region = region.astype(np.int64)
-        part = PagedPart.over(spans, causal=causal, window_left=-1)
+        part = PagedPart.over(spans, causal=causal, window_left=-1, mask=mask)
         offset = np.where(region < 0, -1, 0)
         return paged_call(part, queries, owner, region, offset, dev, what, rows=entry_rows)
 
@@ -141,7 +149,8 @@ def cascade_calls(
         )
     request = np.arange(spec.batch_size, dtype=np.int64)
     own = "reads for the requests' own cascade parts"
-    calls.append(call(cascade.own, request, True, spec.queries, None, own))
+    causal = own_mask is None
+    calls.append(call(cascade.own, request, causal, spec.queries, None, own, own_mask))
     return calls
 
 

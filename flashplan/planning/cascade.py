@@ -37,6 +37,7 @@ from flashplan.layout.heads import HeadConfig
 from flashplan.layout.mode import Mode
 from flashplan.layout.shared_prefix import SharedPrefix
 from flashplan.lengths import PageSpans
+from flashplan.planning.masks import TreeMask
 
 __all__ = [
     "Cascade",
@@ -45,6 +46,7 @@ __all__ = [
     "cascade_bytes",
     "cascade_levels",
     "cascade_pays",
+    "own_tree_mask",
 ]
 
 IntArray = npt.NDArray[np.int32]
@@ -102,10 +104,29 @@ class Cascade:
     Attributes:
         levels: the levels and own parts (:func:`cascade_levels`).
         groups: the group plans that run on them, in order.
+        own_mask: a tree verify's mask over each request's own keys
+            (:func:`own_tree_mask`: the groups' tree mask without the columns the
+            levels read; every draft token sees every shared key), or ``None``: the own
+            calls are causal.
     """
 
     levels: CascadePlan
     groups: tuple[int, ...]
+    own_mask: TreeMask | None = None
+
+
+def own_tree_mask(mask: TreeMask, part_start_page: IntArray, own: PageSpans) -> TreeMask:
+    """A tree verify's :class:`~flashplan.planning.masks.TreeMask` over each request's
+    own keys: ``mask`` (over the keys of a call that starts at page
+    ``part_start_page``) with its first ``(own.start_page - part_start_page) *
+    page_size`` columns cut off — the pages the levels read, all of them visible to
+    every draft token of a windowless group. The draft columns stay in the own part
+    (a sharing never covers tokens the step adds)."""
+    shift = (own.start_page.astype(np.int64) - part_start_page) * own.page_size
+    return TreeMask(
+        mask.qo_lens, own.kv_lens, seal_inplace(mask.first_visible - shift), mask.row_offsets,
+        seal_inplace(mask.tail_start - shift), mask.tail_words,
+    )  # fmt: skip
 
 
 def cascade_levels(layout: BatchLayout, shared: SharedPrefix) -> CascadePlan:

@@ -15,7 +15,7 @@ from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
 from flashplan.layout.shared_prefix import SharedPrefix
 from flashplan.lengths import Lengths, PageSpans
-from flashplan.planning.cascade import Cascade, cascade_levels, cascade_pays
+from flashplan.planning.cascade import Cascade, cascade_levels, cascade_pays, own_tree_mask
 from flashplan.planning.chunks import (
     chunk_decode_first,
     needs_position_mask,
@@ -94,10 +94,11 @@ def plan(
             (:class:`~flashplan.SharedPrefix`; checked against the batch), or ``None``.
         cascade: ``"off"`` (default), ``"on"`` or ``"auto"``: with ``shared_prefix``,
             record the cascade levels (:attr:`PlanSpec.cascade`) for the groups that can
-            run on them — self groups without a window, chunks, sinks or mask on a
-            decode or paged-only extend path — always (``"on"``) or where
-            :func:`~flashplan.cascade_pays` expects them to pay (``"auto"``). Other
-            groups, verify and multi-item batches plan without levels.
+            run on them — self groups without a window, chunks, sinks or mask (a
+            verify's tree mask excepted) on a decode, paged-only extend or verify path
+            — always (``"on"``) or where :func:`~flashplan.cascade_pays` expects them
+            to pay (``"auto"``). Other groups, and multi-item batches, plan without
+            levels.
 
     Raises:
         LayoutError: ``layout`` or ``heads`` is not the right record, ``extend_path``
@@ -169,19 +170,28 @@ def _with_cascade(
 ) -> PlanSpec:
     """``spec`` with its cascade levels for the groups that can run on them."""
     levels = cascade_levels(layout, shared)  # checks the sharing against the batch
-    if layout.mode is Mode.VERIFY or layout.is_multi_item:
+    if layout.is_multi_item:
         return spec
     groups = tuple(i for i, gp in enumerate(spec.group_plans) if _cascades(gp))
     if not groups or (auto and not cascade_pays(layout, shared, heads, levels=levels)):
         return spec
-    return attrs.evolve(spec, cascade=Cascade(levels, groups))
+    # a tree verify: every such group has the same windowless tree mask (of its draft)
+    part = spec.group_plans[groups[0]].paged
+    assert part is not None
+    own_mask = None
+    if isinstance(part.mask, TreeMask):
+        own_mask = own_tree_mask(part.mask, part.start_page, levels.own)
+    return attrs.evolve(spec, cascade=Cascade(levels, groups, own_mask))
 
 
 def _cascades(gp: GroupPlan) -> bool:
     """Whether a group's paged call can run as cascade levels plus own parts: a self
-    group seeing every earlier key (no window, chunks or mask), sinks-free, on a decode
-    or paged-only path over the plan's requests."""
+    group seeing every earlier key (no window or chunks; no mask but a verify's tree),
+    sinks-free, on a decode or paged-only path over the plan's requests."""
     g = gp.group
+    tree_only = gp.paged is not None and gp.paged.position_mask is None and (
+        gp.paged.mask is None or isinstance(gp.paged.mask, TreeMask)
+    )  # fmt: skip
     return (
         not g.cross_attention
         and g.window_left < 0
@@ -190,7 +200,7 @@ def _cascades(gp: GroupPlan) -> bool:
         and not g.sinks
         and gp.path in (KernelPath.DECODE, KernelPath.PAGED)
         and gp.virtual is None
-        and not gp.uses_custom_mask
+        and tree_only
         and gp.items is None
     )
 

@@ -2,10 +2,11 @@
 ``cascade="on"`` run by the FlashInfer executor — one non-causal paged prefill call per
 level over each group's shared pages, each request's own call, merged by LSE — equals
 the reference executor's plain plan (no levels) on a table that keeps the sharing
-promise: outputs, LSE and the written cache. Decode (both decode kernels) and paged
-extend, page sizes 1 and 16, one level, groups, nested levels, levels that leave rows
-out, levels sharing less than a page (empty spans), bf16 and an fp8 cache; one executor
-over a sequence of cascade and plain batches against fresh executors; no syncs."""
+promise: outputs, LSE and the written cache. Decode (both decode kernels), paged extend
+and tree verify (the own call under the tree mask without the shared columns), page
+sizes 1 and 16, one level, groups, nested levels, levels that leave rows out, levels
+sharing less than a page (empty spans), bf16 and an fp8 cache; one executor over a
+sequence of cascade and plain batches against fresh executors; no syncs."""
 
 from __future__ import annotations
 
@@ -54,6 +55,13 @@ def _batch(mode: str, bs: int, page_size: int, seed: int) -> fp.BatchLayout:
     prefix = rng.integers(40, 400, bs)
     if mode == "decode":
         return fp.BatchLayout.decode(prefix + 1, page_size=page_size)
+    if mode == "verify":  # a tree of 6 draft tokens per request
+        parents = np.full((bs, 6), -1, dtype=np.int64)
+        for j in range(1, 6):
+            parents[:, j] = rng.integers(0, j, bs)
+        return fp.BatchLayout.verify(
+            prefix, fp.DraftTree.from_parents(parents), page_size=page_size
+        )
     return fp.BatchLayout.extend(prefix + rng.integers(1, 40, bs), prefix, page_size=page_size)
 
 
@@ -94,12 +102,12 @@ def _check(got, want) -> None:  # type: ignore[no-untyped-def]
     assert torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8))  # same writes
 
 
-@pytest.mark.parametrize("mode", ["decode", "extend"])
+@pytest.mark.parametrize("mode", ["decode", "extend", "verify"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("kind", ["all", "groups", "nested", "partial", "short"])
 @pytest.mark.parametrize("tensor_cores", [False, True])
 def test_cascade_matches_plain_reference(mode: str, page_size: int, kind: str, tensor_cores: bool):
-    if mode == "extend" and tensor_cores:
+    if mode != "decode" and tensor_cores:
         pytest.skip("the decode kernel kind only matters for decode")
     seed = stable_seed("cascade", mode, page_size, kind, tensor_cores)
     layout = _batch(mode, 9, page_size, seed)
@@ -137,7 +145,7 @@ def test_cascade_over_an_fp8_cache(scales: str):
 
 def test_one_executor_over_cascade_and_plain_batches():
     """One executor over a sequence of batches — cascade plans of 1 and 2 levels, plain
-    plans, decode and extend, growing and shrinking batch sizes — equals a fresh
+    plans, decode, extend and verify, growing and shrinking batch sizes — equals a fresh
     executor per batch bit for bit, and the reference within tolerance."""
     heads = fp.HeadConfig(16, 4, 128, q_dtype=torch.bfloat16)
     kinds = ["all", None, "nested", "groups", "partial", None, "all", "nested"]
@@ -145,7 +153,7 @@ def test_one_executor_over_cascade_and_plain_batches():
     for step, kind in enumerate(kinds * 3):
         seed = stable_seed("cascade sequence", step)
         bs = 6 + (step * 5) % 11
-        mode = "decode" if step % 3 else "extend"
+        mode = ("extend", "decode", "verify", "decode")[step % 4]
         layout = _batch(mode, bs, 16, seed)
         shared = _sharing(kind or "all", bs, layout.prefix_lens)
         spec = fp.plan(

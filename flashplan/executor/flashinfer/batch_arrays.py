@@ -86,7 +86,7 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
         )
     elements: dict[str, int] = {}
     cascade = spec.cascade
-    own = None if cascade is None else _own_part(cascade.levels.own)
+    own = None if cascade is None else _own_part(cascade.levels.own, cascade.own_mask)
     for gc in calls:
         gp = spec.group_plans[gc.group_index]
         index = gc.group_index
@@ -150,11 +150,12 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
     return CallInputs(host, spans, masks, ints, elements, level_spans)
 
 
-def _own_part(own: PageSpans) -> PagedPart:
+def _own_part(own: PageSpans, mask: TreeMask | None) -> PagedPart:
     """The paged call over each request's own keys (a cascade group's): causal,
     bottom-right aligned (the own keys end with the request's new tokens, which no level
-    shares), no window (a windowed group never runs on levels)."""
-    return PagedPart.over(own, causal=True, window_left=-1)
+    shares), or under a tree verify's own mask; no window (a windowed group never runs
+    on levels)."""
+    return PagedPart.over(own, causal=mask is None, window_left=-1, mask=mask)
 
 
 def _level_inputs(
