@@ -260,7 +260,11 @@ def call_skeleton(
             ragged = PlanCall(wrapper, tuple(args + common))
         level_calls: tuple[PlanCall, ...] = ()
         if index in cascaded:
-            backend = prefill_backend(heads, policy, custom_mask=False, sm90=sm90)
+            # FA2 unless the policy forces FA3: a level's call then re-plans through the
+            # compiled scheduler every batch, as the own decode call does (a full FA3
+            # plan() would cost more host time than the level saves on a decode step)
+            backend = "fa3" if policy.prefill_backend == "fa3" else "fa2"
+            prefill_backend(heads, policy, custom_mask=False, sm90=sm90)  # its refusals
             level_calls = tuple(
                 PlanCall(
                     WrapperKey(WrapperKind.PAGED_PREFILL, group, backend, False, level=k),
