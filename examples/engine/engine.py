@@ -1,13 +1,16 @@
-"""A small continuous-batching engine: HF model, flashplan attention, paged KV, greedy decoding.
+"""A small continuous-batching engine: HF model, flashplan attention, paged KV, sampling.
 
 Per step (:meth:`Engine.step`): admit -> layout -> plan -> apply -> model forward (attention
-through flashplan) -> sample -> free the pages of finished requests. Encoder-only models
+through flashplan) -> sample (greedy, or with a temperature) -> fork the samples of
+requests with ``n > 1`` -> free the pages of finished requests. A request's samples share
+its prompt's pages and are planned with shared-prefix (cascade) levels. Encoder-only models
 (EmbeddingGemma) have no step loop: :func:`embed` runs several prompts in one packed
-bidirectional pass. See docs/guide-engine.md.
+bidirectional pass. See docs/guide-engine.md ("Parallel sampling").
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -28,26 +31,55 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _on_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a 1-D ``dtype`` tensor on ``device``: from pinned memory,
+    non-blocking, on a GPU (no wait for the work queued before it)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request and its state in the engine.
 
     Attributes:
         prompt: decoder prompt token ids (at least one).
-        max_new_tokens: tokens to generate.
+        max_new_tokens: tokens to generate (per sample).
         encoder_prompt: encoder token ids (encoder-decoder models only).
-        rid: id given by :meth:`Engine.add`.
+        n: samples to generate from the prompt (parallel sampling; decoder-only models).
+            The prompt is prefilled once; when it is all cached, the engine forks ``n - 1``
+            child requests (:attr:`children`) that share its pages.
+        temperature: 0 for greedy decoding, else each token is drawn from
+            ``softmax(logits / temperature)``.
+        seed: seed of the sampling generator (``temperature > 0``): sample ``k`` of the
+            request (the request itself is sample 0) draws with a generator seeded
+            ``seed + k``, so a request with ``n = 1`` and seed ``seed + k`` draws what sample
+            ``k`` draws. ``None``: a seed drawn by :meth:`Engine.add` from torch's global
+            generator, recorded here.
+        rid: id given by :meth:`Engine.add` (children: given when they are forked).
         tokens: prompt + generated tokens (decoder).
         output: generated tokens.
         num_cached: decoder tokens whose K/V is in the cache (the layout's ``prefix_len``).
-        pages: KV page ids of the request's page-table row, in order (encoder pages first).
+        pages: KV page ids of the request's page-table row, in order (encoder pages first);
+            a forked family's first ``len(prompt) // page_size`` pages are the same ids.
         row: the request's page-table row, while running.
         encoder_cached: whether its encoder K/V has been written.
+        parent: the request a child was forked from (``None``: not a child).
+        sample: the sample's index in its family (0: the request that was added).
+        children: the samples forked from this request (``n - 1`` once forked).
+        generator: the sample's own random generator on the model's device
+            (``temperature > 0``), seeded ``seed`` (see above).
+        reserved_rows: page-table rows held for the children not forked yet.
     """
 
     prompt: list[int]
     max_new_tokens: int
     encoder_prompt: list[int] | None = None
+    n: int = 1
+    temperature: float = 0.0
+    seed: int | None = None
     rid: int = -1
     tokens: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
@@ -55,43 +87,101 @@ class Request:
     pages: list[int] = field(default_factory=list)
     row: int = -1
     encoder_cached: bool = False
+    parent: Request | None = field(default=None, repr=False)
+    sample: int = 0
+    children: list[Request] = field(default_factory=list, repr=False)
+    generator: torch.Generator | None = field(default=None, repr=False)
+    reserved_rows: list[int] = field(default_factory=list, repr=False)
 
     @property
     def pending(self) -> int:
         """Tokens still to feed (no K/V yet): the prompt's rest, or 1 while decoding."""
         return len(self.tokens) - self.num_cached
 
+    @property
+    def samples(self) -> list[Request]:
+        """The family's samples, in order: this request, then the children forked from it."""
+        return [self, *self.children]
+
+    @property
+    def unforked(self) -> int:
+        """Children still to fork (``n - 1`` until the prompt is all in, then 0)."""
+        return 0 if self.parent is not None else self.n - 1 - len(self.children)
+
     def worst_case_pages(self, page_size: int) -> int:
         """Pages of the row at the end: encoder pages + decoder tokens (pages)."""
         enc = _cdiv(len(self.encoder_prompt or ()), page_size)
         return enc + _cdiv(len(self.prompt) + self.max_new_tokens, page_size)
 
+    def shared_pages(self, page_size: int) -> int:
+        """Whole prompt pages a forked family shares (a partial last page is each
+        sample's own copy)."""
+        return len(self.prompt) // page_size
+
+    def pages_to_come(self, page_size: int) -> int:
+        """Pages this request (and its children not forked yet) may still take from the
+        free list: the rest of its own row, and per child to fork its row's worst case
+        but the shared prompt pages. At admission: ``n * own + shared`` pages with
+        ``own = worst_case_pages - shared_pages``."""
+        own = self.worst_case_pages(page_size) - self.shared_pages(page_size)
+        return self.worst_case_pages(page_size) - len(self.pages) + self.unforked * own
+
 
 class PageAllocator:
-    """A free list of KV page ids: pages are taken from its end and given back to it."""
+    """A free list of KV page ids and how many rows hold each page. Pages are taken from
+    the free list's end and handed out with one holder; :meth:`share` adds a holder (a
+    forked sample's row holding its parent's prompt pages) and :meth:`release` removes
+    one, giving back to the free list the pages whose last holder released them.
+
+    Attributes:
+        free: page ids not held by any row (the next one handed out last).
+        holders: int32 ``[num_pages]``: rows holding each page (0: free, or never used).
+        ever_used: page ids ever handed out.
+        reused: pages handed out again after a request gave them back.
+        handed_out: pages taken from the free list in all (shared pages count once).
+    """
 
     def __init__(self, num_pages: int) -> None:
         self.free: list[int] = list(range(num_pages - 1, -1, -1))  # hands out 0, 1, 2, ...
+        self.holders = np.zeros(num_pages, np.int32)
         self.ever_used: set[int] = set()
-        self.reused = 0  # pages handed out again after a request gave them back
+        self.reused = 0
+        self.handed_out = 0
 
     def alloc(self, n: int) -> list[int]:
         if n > len(self.free):
             raise RuntimeError(f"out of KV pages: need {n}, {len(self.free)} free")
         pages = [self.free.pop() for _ in range(n)]
+        self.holders[pages] = 1
         self.reused += sum(p in self.ever_used for p in pages)
         self.ever_used.update(pages)
+        self.handed_out += n
         return pages
 
+    def share(self, pages: list[int]) -> list[int]:
+        """One more holder of ``pages`` (held pages, distinct); returns them."""
+        if len(set(pages)) != len(pages) or not (self.holders[pages] > 0).all():
+            raise RuntimeError(f"can only share distinct held pages, got {pages}")
+        self.holders[pages] += 1
+        return list(pages)
+
     def release(self, pages: list[int]) -> None:
-        self.free.extend(reversed(pages))
+        """One holder less of each of ``pages`` (distinct): those left with none are free."""
+        if len(set(pages)) != len(pages) or not (self.holders[pages] > 0).all():
+            raise RuntimeError(f"can only release distinct held pages, got {pages}")
+        self.holders[pages] -= 1
+        self.free.extend(p for p in reversed(pages) if self.holders[p] == 0)
 
 
 @dataclass
 class StepOutput:
     """What one step computed. ``batch`` lists (request, new tokens) in batch order; ``logits``
     row ``j`` belongs to ``owners[j]`` at decoder position ``positions[j]``; ``sampled`` maps
-    request id -> the token sampled this step."""
+    request id -> the token sampled this step (children forked this step included, though
+    not in ``batch``: they drew from their parent's row). ``table`` is the step's page table
+    (a copy of the engine's, on the model's device; its rows are ``batch``'s) and
+    ``shared_prefix`` the sharing it was planned with (``None``: no family of samples
+    decoding together); ``spec.cascade`` says whether the plan runs levels for it."""
 
     batch: list[tuple[Request, int]]
     layout: fp.BatchLayout
@@ -101,6 +191,9 @@ class StepOutput:
     positions: list[int]
     sampled: dict[int, int]
     finished: list[Request]
+    table: fp.PageTable | None = None
+    shared_prefix: fp.SharedPrefix | None = None
+    forked: list[Request] = field(default_factory=list)
 
 
 class Engine:
@@ -124,7 +217,11 @@ class Engine:
         kv_scales: an fp8 cache's ``(k_scale, v_scale)``, the same for every layer.
         cuda_graphs: batch sizes of the CUDA-graph buckets captured at start-up (needs
             the FlashInferExecutor and a decoder-only model): a step of decodes alone
-            replays the smallest bucket that holds it (:mod:`.graphs`); ``()``: none.
+            replays the smallest bucket that holds it (:mod:`.graphs`), unless its plan
+            has cascade levels (a bucket refuses them: that step runs eagerly); ``()``: none.
+        cascade: ``fp.plan``'s ``cascade`` for the steps where samples of one request
+            decode together (``"off"``, ``"on"`` or ``"auto"``): their shared prompt
+            pages are read once per family (see docs/guide-shared-prefix.md).
     """
 
     def __init__(
@@ -144,7 +241,10 @@ class Engine:
         kv_dtype: torch.dtype | None = None,
         kv_scales: tuple[float, float] = (1.0, 1.0),
         cuda_graphs: Sequence[int] = (),
+        cascade: str = "auto",
     ) -> None:
+        if cascade not in ("off", "on", "auto"):
+            raise ValueError(f"cascade must be 'off', 'on' or 'auto', not {cascade!r}")
         if getattr(adapter, "is_encoder_only", False):
             raise ValueError("an encoder-only model generates nothing: use embed()")
         limit = adapter.max_tokens
@@ -156,8 +256,9 @@ class Engine:
         self.page_size, self.token_budget, self.extend_path = page_size, token_budget, extend_path
         self.max_request_tokens = max_request_tokens
         self.keep_all_logits, self.eos = keep_all_logits, eos_token_id
+        self.cascade = cascade
         model = adapter.model
-        self.device = model.device
+        self.device: torch.device = next(model.parameters()).device
         # One group per kind of attention layer, planned before the forward from the modules.
         groups = planned_groups(adapter.bindings, conventions)
         self.groups = (*groups[Kind.SELF], *groups[Kind.CROSS])
@@ -179,6 +280,9 @@ class Engine:
         self._next_id = 0
         self.graphs: DecodeGraphs | None = None
         self.replayed_steps = 0
+        #: steps whose plan had cascade levels (samples of a request decoding together)
+        self.cascade_steps = 0
+        self._last_sharing: tuple[object, fp.SharedPrefix] | None = None
         #: host seconds of flashplan's part of decode-only steps (layout, plan, apply or
         #: a bucket's replay planning) and how many such steps ran: benchmarks read them
         self.decode_host_s, self.decode_steps = 0.0, 0
@@ -193,47 +297,164 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
     def add(self, request: Request) -> Request:
-        """Queue a request; it is admitted when a row and its worst-case pages are free."""
+        """Queue a request; it is admitted when rows for its ``n`` samples and their
+        worst-case pages are free."""
         if not request.prompt or request.max_new_tokens < 1:
             raise ValueError("a request needs a prompt and at least one token to generate")
         if (request.encoder_prompt is not None) != self.adapter.is_encoder_decoder:
             raise ValueError("encoder_prompt is needed by, and only by, encoder-decoder models")
+        if not 1 <= request.n <= self.table.shape[0]:
+            raise ValueError(f"n must be 1 to max_running ({self.table.shape[0]}) samples")
+        if request.n > 1 and self.adapter.is_encoder_decoder:
+            raise ValueError("parallel sampling (n > 1) is for decoder-only models")
+        if not request.temperature >= 0.0:
+            raise ValueError("temperature must be >= 0 (0: greedy)")
         tokens = len(request.encoder_prompt or ()) + len(request.prompt) + request.max_new_tokens
         too_long = tokens > self.max_request_tokens
         if too_long or request.worst_case_pages(self.page_size) > self.table.shape[1]:
             raise ValueError("request longer than max_request_tokens")
         request.rid, self._next_id = self._next_id, self._next_id + 1
         request.tokens = list(request.prompt)
+        if request.temperature > 0:
+            if request.seed is None:  # recorded, so that the run can be repeated
+                request.seed = int(torch.randint(2**62, ()).item())
+            request.generator = self._generator(request.seed)
         self.waiting.append(request)
         return request
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _generator(self, seed: int) -> torch.Generator:
+        """A random generator on the model's device, seeded ``seed``."""
+        return torch.Generator(device=self.device).manual_seed(seed)
+
     def _uncommitted_pages(self) -> int:
-        """Free pages not promised to running requests' future tokens."""
-        promised = sum(r.worst_case_pages(self.page_size) - len(r.pages) for r in self.running)
+        """Free pages not promised to running requests' future tokens (and their samples')."""
+        promised = sum(r.pages_to_come(self.page_size) for r in self.running)
         return len(self.allocator.free) - promised
 
     def _schedule(self) -> list[tuple[Request, int]]:
         """This step's (request, new tokens): every decode, then prompt chunks in arrival
-        order within the token budget, admitting waiting requests while rows and pages last."""
+        order within the token budget, admitting waiting requests while rows and pages last
+        (a row and the worst-case pages for each of a request's ``n`` samples)."""
         batch = [(r, 1) for r in self.running if r.pending == 1]
         budget = self.token_budget - len(batch)
         for r in self.running:
             if r.pending > 1 and budget > 0:
                 batch.append((r, min(r.pending, budget)))
                 budget -= batch[-1][1]
-        while self.waiting and budget > 0 and self.free_rows:
+        while self.waiting and budget > 0 and len(self.free_rows) >= self.waiting[0].n:
             r = self.waiting[0]
-            if r.worst_case_pages(self.page_size) > self._uncommitted_pages():
+            if r.pages_to_come(self.page_size) > self._uncommitted_pages():
                 break
             self.waiting.popleft()
             r.row = self.free_rows.pop()
+            r.reserved_rows = [self.free_rows.pop() for _ in range(r.n - 1)]
             self.running.append(r)
             batch.append((r, min(r.pending, budget)))
             budget -= batch[-1][1]
         return batch
+
+    def _shared_prefix(self, batch: list[tuple[Request, int]]) -> fp.SharedPrefix | None:
+        """The sharing of this step's batch: each run of consecutive decodes of one forked
+        family (at least 2 of its samples) is a group sharing the family's prompt (its
+        whole pages are the same ids in every member's row). A prompt shorter than a page
+        shares no whole page, hence no group. ``None`` when there is no group."""
+
+        def family(entry: tuple[Request, int]) -> Request | None:
+            r, n = entry
+            root = r.parent or r
+            decoding = n == 1 and r.num_cached >= len(root.prompt)
+            forked = root.n > 1 and not root.unforked
+            whole = root.shared_pages(self.page_size) > 0
+            return root if decoding and forked and whole else None
+
+        groups: list[range] = []
+        shared_lens: list[int] = []
+        start = 0
+        for root, run in itertools.groupby(batch, key=family):
+            size = sum(1 for _ in run)
+            if root is not None and size >= 2:
+                groups.append(range(start, start + size))
+                shared_lens.append(len(root.prompt))
+            start += size
+        if not groups:
+            return None
+        # the same families step after step: one record (and flashplan's per-sharing
+        # arrays, kept per value) while they do not change
+        key = (tuple((g.start, g.stop) for g in groups), tuple(shared_lens))
+        if self._last_sharing is None or self._last_sharing[0] != key:
+            level = fp.ShareLevel.from_ranges(
+                [g.start for g in groups], [len(g) for g in groups], shared_lens
+            )
+            self._last_sharing = (key, fp.SharedPrefix.nested(level))
+        return self._last_sharing[1]
+
+    def _fork(self, parent: Request, pages: torch.Tensor) -> list[Request]:
+        """Fork ``parent``'s ``n - 1`` samples, its prompt all cached (this step wrote its
+        last tokens): each child holds the parent's whole prompt pages (shared: one more
+        holder each) and a fresh copy of its partial last page (every layer's cache), on a
+        row reserved at admission; the children follow the parent in :attr:`running`.
+        ``pages`` is the step's page table on the device (the parent's row is complete)."""
+        ps, prompt_len = self.page_size, len(parent.prompt)
+        shared = parent.pages[: parent.shared_pages(ps)]
+        children = []
+        for k in range(1, parent.n):
+            child = Request(
+                parent.prompt, parent.max_new_tokens, n=1, temperature=parent.temperature,
+                seed=None if parent.seed is None else parent.seed + k,
+            )  # fmt: skip
+            child.rid, self._next_id = self._next_id, self._next_id + 1
+            child.parent, child.sample = parent, k
+            child.tokens, child.num_cached = list(parent.prompt), prompt_len
+            child.encoder_cached = True  # decoder-only: no encoder
+            child.row = parent.reserved_rows.pop()
+            child.pages = self.allocator.share(shared)
+            if prompt_len % ps:  # the partial last page: its own copy
+                child.pages += self.allocator.alloc(1)
+            if child.seed is not None and child.temperature > 0:
+                child.generator = self._generator(child.seed)
+            self.table[child.row, : len(child.pages)] = child.pages
+            children.append(child)
+        if prompt_len % ps:
+            copies = torch.tensor(
+                [[[c.pages[-1]] for c in children]], dtype=torch.int32, device=self.device
+            )  # [1 request, n - 1 branches, 1 page]
+            # an fp8 cache is copied as bytes (index_copy_ has no fp8 kernel on the CPU)
+            caches = [
+                c.view(torch.uint8) if c.element_size() == 1 else c for c in self.ctx.kv_caches
+            ]
+            fp.copy_prefix_pages(
+                caches, fp.PageTable(pages, rows=[parent.row]), [prompt_len], copies,
+                page_size=ps,
+            )  # fmt: skip
+        parent.children = children
+        at = self.running.index(parent) + 1
+        self.running[at:at] = children
+        return children
+
+    def _sample(self, logits: torch.Tensor, rows: list[int], samplers: list[Request]) -> list[int]:
+        """The next token of each of ``samplers`` from logits row ``rows[i]`` (of
+        ``logits``, ``[rows, vocab]``): the argmax at temperature 0, else a draw from
+        ``softmax(logits / temperature)`` (float32) with the sampler's generator. The
+        returned ``.tolist()`` is the step's one device -> host read."""
+        if not samplers:
+            return []
+        picked = logits[_on_device(rows, torch.int64, self.device)]  # [samplers, vocab]
+        greedy = picked.argmax(-1)
+        if all(r.temperature == 0 for r in samplers):
+            return greedy.tolist()
+        temps = [r.temperature or 1.0 for r in samplers]  # (1.0: a greedy row, unused)
+        temp = _on_device(temps, torch.float32, self.device)
+        probs = torch.softmax(picked.float() / temp[:, None], dim=-1)
+        tokens = [
+            torch.multinomial(probs[i], 1, generator=r.generator)
+            if r.temperature > 0
+            else greedy[i : i + 1]
+            for i, r in enumerate(samplers)
+        ]
+        return torch.cat(tokens).tolist()
 
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> StepOutput | None:
@@ -262,21 +483,27 @@ class Engine:
         for r, need in zip(reqs, layout.pages_needed.tolist(), strict=True):
             r.pages += self.allocator.alloc(need - len(r.pages))
             self.table[r.row, : len(r.pages)] = r.pages
-        pages = torch.from_numpy(self.table).to(self.device)
+        pages = torch.tensor(self.table, device=self.device)  # a copy: the step keeps it
         table = fp.PageTable(pages, rows=[r.row for r in reqs])
         # 3. Encoder pass for joining requests (its own plan; no cache).
         encoder_states = self._encode([r for r in reqs if not r.encoder_cached], pages)
-        # 4. Plan once, apply once, then every layer runs its group on this plan (or
+        # 4. Plan once (with cascade levels where samples of one request decode
+        #    together), apply once, then every layer runs its group on this plan (or
         #    replay a captured decode step, which applies the plan to its bucket).
         t0 = time.perf_counter()
-        spec = fp.plan(layout, self.heads, extend_path=self.extend_path)
+        shared = self._shared_prefix(batch)
+        spec = fp.plan(
+            layout, self.heads, extend_path=self.extend_path, shared_prefix=shared,
+            cascade=self.cascade,
+        )  # fmt: skip
         host += time.perf_counter() - t0
+        self.cascade_steps += spec.cascade is not None
         ids = [t for r, n in batch for t in r.tokens[r.num_cached : r.num_cached + n]]
         last = spec.qo_indptr[1:] - 1  # each request's last new token
         keep = np.arange(spec.total_q) if self.keep_all_logits else last
         bucket = None
-        if self.graphs is not None and layout.mode is fp.Mode.DECODE:
-            bucket = self.graphs.bucket_for(len(reqs))
+        if self.graphs is not None and layout.mode is fp.Mode.DECODE and spec.cascade is None:
+            bucket = self.graphs.bucket_for(len(reqs))  # (a bucket refuses cascade plans)
         if bucket is not None:
             assert self.graphs is not None
             replay = self.graphs.prepare(bucket, spec, table, ids)
@@ -297,29 +524,45 @@ class Engine:
         if layout.mode is fp.Mode.DECODE:
             self.decode_host_s += host
             self.decode_steps += 1
-        # 5. Greedy sampling for requests whose last new token is their last known token.
-        sample_rows = last if self.keep_all_logits else np.arange(len(reqs))
-        sample = torch.as_tensor(sample_rows, dtype=torch.int64, device=self.device)
-        next_tokens = logits[sample].argmax(-1).tolist()  # the step's one device -> host read
-        sampled, finished = {}, []
-        for (r, n), token in zip(batch, next_tokens, strict=True):
+        # 5. Sampling, for requests whose last new token is their last known token; a
+        #    request with n > 1 whose prompt is now all in forks its samples first, and
+        #    each draws its first token from the parent's logits row.
+        logits_row = last if self.keep_all_logits else np.arange(len(reqs))
+        samplers: list[Request] = []
+        rows: list[int] = []
+        forked: list[Request] = []
+        for j, (r, n) in enumerate(batch):
+            if r.num_cached + n < len(r.tokens):  # still feeding its prompt
+                continue
+            family = [r, *self._fork(r, pages)] if r.unforked else [r]
+            forked += family[1:]
+            samplers += family
+            rows += [int(logits_row[j])] * len(family)
+        next_tokens = self._sample(logits, rows, samplers)
+        for r, n in batch:
             r.num_cached += n
             r.encoder_cached = True
-            if r.pending == 0:  # the prompt is all in: this token is generated
-                r.tokens.append(token)
-                r.output.append(token)
-                sampled[r.rid] = token
-                if len(r.output) >= r.max_new_tokens or token == self.eos:
-                    finished.append(r)
-        # 6. Finished requests give their pages and row back.
+        sampled, finished = {}, []
+        for r, token in zip(samplers, next_tokens, strict=True):
+            r.tokens.append(token)
+            r.output.append(token)
+            sampled[r.rid] = token
+            if len(r.output) >= r.max_new_tokens or token == self.eos:
+                finished.append(r)
+        # 6. Finished requests give their pages (the last holder of a shared page frees
+        #    it) and row back.
         for r in finished:
+            assert not r.reserved_rows, "a request finishes after forking its samples"
             self.allocator.release(r.pages)
             self.table[r.row] = -1
             self.free_rows.append(r.row)
             self.running.remove(r)
         owners = [reqs[int(i)] for i in np.searchsorted(spec.qo_indptr, keep, side="right") - 1]
         positions = spec.positions[keep].tolist()
-        return StepOutput(batch, layout, spec, logits, owners, positions, sampled, finished)
+        return StepOutput(
+            batch, layout, spec, logits, owners, positions, sampled, finished, table, shared,
+            forked,
+        )  # fmt: skip
 
     def _encode(self, joining: list[Request], pages: torch.Tensor) -> torch.Tensor | None:
         """Encoder output ``[1, n, d_model]`` of the joining requests (batch order), or
@@ -378,7 +621,7 @@ def embed(
     table = np.full((len(lens), max(need)), -1, np.int32)
     for row, n in enumerate(need):
         table[row, :n] = [free.pop() for _ in range(n)]
-    device = adapter.model.device
+    device = next(adapter.model.parameters()).device
     h = adapter.heads
     scratch = torch.zeros(
         (sum(need), 2, page_size, h.num_kv_heads, h.head_dim), dtype=h.kv_dtype, device=device

@@ -8,6 +8,8 @@ Examples (from the repository root)::
   python examples/engine/run.py --model llama4                # chunked attention
   python examples/engine/run.py --model embeddinggemma        # encoder-only: one packed pass
   python examples/engine/run.py --model llama --kv-dtype fp8_e4m3  # fp8 KV cache, bf16 model
+  python examples/engine/run.py --model llama --n 3 --temperature 0.8 --cascade on
+                                                              # 3 samples per prompt, shared
   python examples/engine/run.py --model gemma2 --device cuda  # FlashInferExecutor, bf16
   python examples/engine/run.py --model path/to/checkpoint    # from_pretrained, real weights
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,19 +71,32 @@ def make_executor(device: torch.device, prefill_backend: str = "fa2") -> fp.Exec
 
 
 def make_requests(
-    vocab: int, encoder_decoder: bool, n: int, max_new_tokens: int, seed: int
+    vocab: int,
+    encoder_decoder: bool,
+    n: int,
+    max_new_tokens: int,
+    seed: int,
+    *,
+    samples: int = 1,
+    temperature: float = 0.0,
 ) -> list[Request]:
-    """``n`` requests with prompts of 1 to 40 tokens (long ones get chunked)."""
+    """``n`` requests with prompts of 1 to 40 tokens (long ones get chunked), each asking
+    for ``samples`` samples at ``temperature``. Request ``i`` gets the sampling seed
+    ``10_000 * seed + samples * i`` (its sample ``k``: that plus ``k``), so no two samples
+    of a run share a seed."""
     rng = np.random.default_rng(seed)
     lens = [5, 37, 12, 1, 23, 3, 40, 9][:n] + list(rng.integers(1, 41, max(0, n - 8)))
     reqs = []
     for i, length in enumerate(lens):
         prompt = rng.integers(3, vocab, int(length)).tolist()
         new = max_new_tokens - i % 3
+        source = None
         if encoder_decoder:  # the source to the encoder; a decoder prefix after BART's start 2
-            reqs.append(Request([2, *prompt[: length // 2]], new, encoder_prompt=prompt))
-        else:
-            reqs.append(Request(prompt, new))
+            prompt, source = [2, *prompt[: length // 2]], prompt
+        sample_seed = 10_000 * seed + samples * i
+        request = Request(prompt, new, encoder_prompt=source, n=samples)
+        request.temperature, request.seed = temperature, sample_seed
+        reqs.append(request)
     return reqs
 
 
@@ -124,6 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n", type=int, default=1, help="samples per request (parallel sampling)")
+    p.add_argument(
+        "--temperature", type=float, default=0.0,
+        help="sampling temperature (0: greedy); seeded from --seed, one generator per sample",
+    )  # fmt: skip
+    p.add_argument(
+        "--cascade", default="auto", choices=["off", "on", "auto"],
+        help="plan the decode steps of a request's samples with cascade levels over their "
+        "shared prompt pages: never, always or where flashplan expects a gain",
+    )  # fmt: skip
     p.add_argument(
         "--kv-dtype", default="model", choices=sorted(KV_DTYPES),
         help="KV cache dtype: the model's, or fp8 (K/V quantized with scale 1; the model runs "
@@ -139,26 +165,31 @@ def main(argv: list[str] | None = None) -> int:
     ref = reference_model(model)  # fp32, HF eager attention, same weights
     adapter = adapter_for(model)
     fp32 = dtype == torch.float32  # bf16: tolerance, and HF near-ties may pick either token
+    config: Any = model.config  # the model's PretrainedConfig
     if isinstance(adapter, EncoderOnly):  # no decoding: one packed pass of every prompt
-        reqs = make_requests(model.config.vocab_size, False, args.requests, 1, args.seed)
+        reqs = make_requests(config.vocab_size, False, args.requests, 1, args.seed)
         return run_embed(
             adapter, make_executor(device), ref, [r.prompt for r in reqs],
             page_size=args.page_size, extend_path=args.extend_path, fp32=fp32,
         )  # fmt: skip
+    encdec = bool(config.is_encoder_decoder)
+    if args.n > 1 and encdec:
+        p.error("--n > 1 (parallel sampling) needs a decoder-only model")
     engine = Engine(
         adapter,
         make_executor(device),
         page_size=args.page_size,
         num_pages=args.kv_tokens // args.page_size,
-        max_running=args.max_running,
+        max_running=max(args.max_running, args.n),  # rows for every sample of a request
         token_budget=args.token_budget,
         extend_path=args.extend_path,
         kv_dtype=kv_dtype,
+        cascade=args.cascade,
     )
-    encdec = bool(model.config.is_encoder_decoder)
     reqs = make_requests(
-        model.config.vocab_size, encdec, args.requests, args.max_new_tokens, args.seed
-    )
+        config.vocab_size, encdec, args.requests, args.max_new_tokens, args.seed,
+        samples=args.n, temperature=args.temperature,
+    )  # fmt: skip
     for r in reqs:
         engine.add(r)
     steps: list[StepOutput] = []
@@ -170,13 +201,26 @@ def main(argv: list[str] | None = None) -> int:
         if out.layout.encoder_cached is not None:  # requests joining: their encoder ran now
             joined = ~out.layout.encoder_cached
             work = [w + (" +encoder" if j else "") for w, j in zip(work, joined, strict=True)]
-        print(f"step {len(steps):2d} ({out.layout.mode.value}): {', '.join(work)}")
+        if out.forked:
+            work.append("forked " + " ".join(f"r{c.rid}" for c in out.forked))
+        cascade = " cascade" if out.spec.cascade is not None else ""
+        print(f"step {len(steps):2d} ({out.layout.mode.value}{cascade}): {', '.join(work)}")
     for r in reqs:
         src = f" (encoder {len(r.encoder_prompt)} tokens)" if r.encoder_prompt else ""
-        print(f"request {r.rid}: prompt {len(r.prompt)} tokens{src} -> {r.output}")
+        if r.n == 1:
+            print(f"request {r.rid}: prompt {len(r.prompt)} tokens{src} -> {r.output}")
+            continue
+        print(f"request {r.rid}: prompt {len(r.prompt)} tokens{src} -> {r.n} samples")
+        for s in r.samples:
+            seed = f", seed {s.seed}" if s.temperature > 0 else ""
+            print(f"  sample {s.sample} (r{s.rid}{seed}): {s.output}")
     print(f"KV pages handed out again after being freed: {engine.allocator.reused}")
+    print(f"steps planned with cascade levels: {engine.cascade_steps} of {len(steps)}")
     margin, rel = TOLERANCES["fp32" if fp32 else args.kv_dtype if kv_dtype else "bf16"]
-    parity = check_parity(ref, reqs, steps, tie_margin=margin)
+    # every sample's logits; its tokens only when greedy (a drawn token is not HF's argmax)
+    first_tokens = 0 if args.temperature > 0 else None
+    samples = [s for r in reqs for s in r.samples]
+    parity = check_parity(ref, samples, steps, first_tokens=first_tokens, tie_margin=margin)
     print(parity.line())
     atol = 1e-4 if fp32 else rel * parity.max_ref_logit
     ok = parity.ok(atol)
