@@ -99,6 +99,14 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, fl
     return (w @ v) / w.sum(), (m + math.log(w.sum())) / math.log(2)
 
 
+def _group_of(lv: fp.planning.cascade.CascadeLevel, qo: np.ndarray, i: int) -> int:
+    """The group of a level's call that runs request ``i``'s query rows, or -1."""
+    at = int(np.searchsorted(lv.q_rows, qo[i]))
+    if at < lv.q_rows.shape[0] and lv.q_rows[at] == qo[i]:
+        return int(np.searchsorted(lv.qo_indptr, at, side="right")) - 1
+    return -1
+
+
 # -------------------------------------------------------------------------------- tests
 @given(batches())
 def test_levels_partition_every_requests_keys(case) -> None:  # type: ignore[no-untyped-def]
@@ -107,31 +115,35 @@ def test_levels_partition_every_requests_keys(case) -> None:  # type: ignore[no-
         return
     cp = fp.cascade_levels(layout, shared)
     ps = layout.page_size
+    qo = np.concatenate([[0], np.cumsum(layout.seq_lens - layout.prefix_lens)])
+    deepest = shared.deepest_tokens(layout.batch_size)
     for i in range(layout.batch_size):
         spans = []
-        for lv, level in zip(cp.levels, shared.levels, strict=True):
-            g = level.group_of(layout.batch_size)[i]
-            if g < 0:
-                continue
-            s = lv.spans
-            if s.kv_lens[g]:
+        for lv in cp.levels:
+            g = _group_of(lv, qo, i)
+            if g >= 0:
+                s = lv.spans
+                assert s.kv_lens[g] > 0  # no kernel request reads nothing
                 spans.append((int(s.first_token[g]), int(s.end_token[g])))
         spans.append((int(cp.own.first_token[i]), int(cp.own.end_token[i])))
-        spans = [(a, b) for a, b in spans if b > a]
         tokens = [t for a, b in sorted(spans) for t in range(a, b)]
         assert tokens == list(range(int(layout.seq_lens[i]))), (i, spans)
-        # levels read whole pages only, and only cached tokens
+        # levels read whole pages only, only cached tokens, and every whole shared page
         for a, b in spans[:-1]:
             assert a % ps == 0 and b % ps == 0 and b <= layout.prefix_lens[i]
-    # every query row of a group member is in its level's call, once
-    for lv, level in zip(cp.levels, shared.levels, strict=True):
-        members = np.concatenate(
-            [np.arange(f, f + c) for f, c in zip(level.first, level.count, strict=True)]
-        )
-        qo = np.concatenate([[0], np.cumsum(layout.seq_lens - layout.prefix_lens)])
-        want = np.concatenate([np.arange(qo[m], qo[m + 1]) for m in members])
-        assert lv.q_rows.tolist() == want.tolist()
-        assert lv.qo_indptr[-1] == lv.q_rows.shape[0]
+        assert cp.own.first_token[i] == deepest[i] // ps * ps
+    # a group's call runs every query row of its members (consecutive requests from
+    # its first member), in batch order
+    for lv in cp.levels:
+        assert (np.diff(lv.q_rows) > 0).all() and lv.qo_indptr[-1] == lv.q_rows.shape[0]
+        owner = np.searchsorted(qo, lv.q_rows, side="right") - 1
+        for g in range(lv.row_of.shape[0]):
+            mine = owner[lv.qo_indptr[g] : lv.qo_indptr[g + 1]]
+            members = np.unique(mine)
+            assert members[0] == lv.row_of[g]
+            assert members.tolist() == list(range(members[0], members[-1] + 1))
+            want = np.concatenate([np.arange(qo[m], qo[m + 1]) for m in members])
+            assert lv.q_rows[lv.qo_indptr[g] : lv.qo_indptr[g + 1]].tolist() == want.tolist()
 
 
 @given(batches(), st.integers(0, 2**16))
@@ -161,8 +173,8 @@ def test_merged_levels_equal_dense_attention(case, seed: int) -> None:  # type: 
             pos = int(layout.prefix_lens[i]) + r - int(qo[i])
             want, want_lse = _attend(queries[r], *row_tokens(i, 0, pos + 1))
             parts = []
-            for lv, level in zip(cp.levels, shared.levels, strict=True):
-                g = level.group_of(layout.batch_size)[i]
+            for lv in cp.levels:
+                g = _group_of(lv, qo, i)
                 if g >= 0:  # the level's call: the group's first member's row, no mask
                     s = lv.spans
                     rep = int(lv.row_of[g])
@@ -290,7 +302,10 @@ def test_reference_executor_runs_cascade_plans_as_plain_ones(case, seed: int) ->
     if shared is None:
         assert plans[1].cascade is None
         return
-    assert plans[1].cascade is not None and plans[1].cascade.groups == (0,)
+    if plans[1].cascade is None:  # nothing shared a whole page
+        assert not fp.cascade_levels(layout, shared).levels
+        return
+    assert plans[1].cascade.groups == (0,)
     ids = _promised_table(layout, shared, seed)
     table = fp.PageTable(
         torch.from_numpy(ids.astype(np.int32)), np.arange(layout.batch_size), int(ids.max()) + 1
@@ -394,10 +409,12 @@ def test_flashinfer_cascade_calls_compute_dense_attention(case, seed: int, tc: b
         return
     heads = fp.HeadConfig(4, 2, 64)
     spec = fp.plan(layout, heads, extend_path="paged", shared_prefix=shared, cascade="on")
+    if spec.cascade is None:  # nothing shared a whole page
+        return
     tr = translate(spec, ExecutorPolicy(decode_tensor_cores=tc), sm90=False)
     (gc,) = tr.calls
     inputs = tr.inputs
-    assert len(gc.levels) == shared.num_levels == len(inputs.level_spans)
+    assert len(gc.levels) == len(spec.cascade.levels.levels) == len(inputs.level_spans) > 0
     ids = _promised_table(layout, shared, seed)
     rows_of = np.arange(layout.batch_size)
     jobs = gather_jobs(spec, rows_of, spans=inputs.spans, level_spans=inputs.level_spans)
@@ -488,7 +505,8 @@ def test_own_tree_mask_is_the_tree_mask_without_the_shared_columns(case) -> None
     heads = fp.HeadConfig(4, 2, 64)
     plain = fp.plan(layout, heads)
     on = fp.plan(layout, heads, shared_prefix=shared, cascade="on")
-    assert on.cascade is not None
+    if on.cascade is None:  # nothing shared a whole page
+        return
     mask = plain.group_plans[0].paged.mask
     if layout.draft.is_chain:  # a chain is causal: no masks anywhere
         assert mask is None and on.cascade.own_mask is None

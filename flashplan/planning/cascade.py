@@ -14,12 +14,12 @@ which is the attention over the union of the parts' keys because the parts parti
 request's keys (:func:`cascade_levels`' invariant; ``tests/test_shared_prefix.py`` checks
 it and the merge against dense float64 attention). Page granularity: level ``l`` of a
 group covers pages ``[P_(l-1), P_l)`` with ``P_l = shared_len_l // page_size`` (``P_-1 =
-0``); a shared partial page is read by each member's own call.
+0``); a shared partial page is read by each member's own call, and a group whose level
+adds no whole page has no kernel request in it.
 
-Status (issue 28): ``plan(layout, heads, shared_prefix=..., cascade="on" | "auto")``
-records the levels in :attr:`PlanSpec.cascade <flashplan.PlanSpec>` for the groups that can
-run on them; the reference executor runs them, the FlashInfer executor refuses such plans
-(``UnsupportedError`` naming ``cascade``) until its calls exist.
+``plan(layout, heads, shared_prefix=..., cascade="on" | "auto")`` records the levels in
+:attr:`PlanSpec.cascade <flashplan.PlanSpec>` for the groups that can run on them; both
+executors run them (the FlashInfer executor eagerly: a CUDA-graph bucket refuses them).
 """
 
 from __future__ import annotations
@@ -66,8 +66,7 @@ class CascadeLevel:
         row_of: int32 ``[groups]``: the request whose page-table row the group's pages
             are read from (its first member).
         spans: the pages read per group (:class:`~flashplan.lengths.PageSpans` over row
-            tokens ``[P_(l-1) * page_size, P_l * page_size)``; empty where the level adds
-            no whole page).
+            tokens ``[P_(l-1) * page_size, P_l * page_size)``, at least one page each).
     """
 
     qo_indptr: IntArray = attrs.field(eq=array_key)
@@ -82,7 +81,10 @@ class CascadePlan:
     """The levels of a batch and each request's own part.
 
     Attributes:
-        levels: one :class:`CascadeLevel` per level of the sharing, outermost first.
+        levels: one :class:`CascadeLevel` per level of the sharing, outermost first,
+            with the groups that add at least one whole page over the level before
+            (a group that adds none reads nothing and is left out, and a level left
+            without groups is left out too: no kernel request ever reads zero keys).
         own: each request's own keys: row tokens ``[shared_pages * page_size,
             seq_len)`` (:class:`~flashplan.lengths.PageSpans`; its innermost group's
             whole shared pages left out).
@@ -216,11 +218,18 @@ def _sharing_of(shared: SharedPrefix, page_size: int) -> _Sharing:
     for level in shared.levels:
         firsts = level.first.astype(np.int64)
         count = level.count.astype(np.int64)
-        members = level.members()
         pages = level.shared_len.astype(np.int64) // page_size
         before = covered[firsts]  # the outer level's pages for this group (all members')
+        adds = pages > before  # a group that adds no whole page has no call: left out
+        if not adds.all():
+            firsts, count, pages, before = firsts[adds], count[adds], pages[adds], before[adds]
+            if not firsts.size:
+                continue  # a level that adds no page anywhere: no call at all
+        members = np.repeat(firsts, count) + (
+            np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+        )
         start_token = before * page_size
-        stop_token = np.maximum(pages * page_size, start_token)  # no whole page: empty
+        stop_token = pages * page_size
         levels.append(
             _LevelArrays(
                 firsts, firsts + count, members, seal_inplace(members.astype(np.int32)),

@@ -170,7 +170,7 @@ def _with_cascade(
 ) -> PlanSpec:
     """``spec`` with its cascade levels for the groups that can run on them."""
     levels = cascade_levels(layout, shared)  # checks the sharing against the batch
-    if layout.is_multi_item:
+    if layout.is_multi_item or not levels.levels:  # (nothing shared a whole page)
         return spec
     groups = tuple(i for i, gp in enumerate(spec.group_plans) if _cascades(gp))
     if not groups or (auto and not cascade_pays(layout, shared, heads, levels=levels)):

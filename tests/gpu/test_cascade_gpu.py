@@ -4,8 +4,8 @@ level over each group's shared pages, each request's own call, merged by LSE —
 the reference executor's plain plan (no levels) on a table that keeps the sharing
 promise: outputs, LSE and the written cache. Decode (both decode kernels), paged extend
 and tree verify (the own call under the tree mask without the shared columns), page
-sizes 1 and 16, one level, groups, nested levels, levels that leave rows out, levels
-sharing less than a page (empty spans), bf16 and an fp8 cache; one executor over a
+sizes 1 and 16, one level, groups, nested levels, levels that leave rows out, groups
+sharing less than a page (no level then), bf16 and an fp8 cache; one executor over a
 sequence of cascade and plain batches against fresh executors; no syncs."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _sharing(kind: str, bs: int, prefix: np.ndarray) -> fp.SharedPrefix:
             fp.ShareLevel.from_groups([range(1, bs - 1)], [int(prefix[1 : bs - 1].min()) // 2]),
             fp.ShareLevel.from_groups([range(2, 4)], [int(prefix[2:4].min())]),
         )
-    if kind == "short":  # pairs sharing less than a page at page 16: empty level spans
+    if kind == "short":  # pairs sharing less than a page at page 16: no level
         pairs = [range(a, a + 2) for a in range(0, bs - 1, 2)]
         return fp.SharedPrefix.from_groups(pairs, [5] * len(pairs))
     raise AssertionError(kind)
@@ -115,12 +115,15 @@ def test_cascade_matches_plain_reference(mode: str, page_size: int, kind: str, t
     heads = fp.HeadConfig(16, 4, 128, q_dtype=torch.bfloat16)
     on = fp.plan(layout, heads, extend_path="paged", shared_prefix=shared, cascade="on")
     off = fp.plan(layout, heads, extend_path="paged")
-    assert on.cascade is not None and off.cascade is None
+    assert off.cascade is None
+    if on.cascade is None:  # less than a page shared: nothing for a level to read
+        assert kind == "short" and page_size > 5
+        return
     table = _table(layout, shared, seed)
     inputs = _inputs(on, table, heads, seed)
     ex = FlashInferExecutor(policy=ExecutorPolicy(decode_tensor_cores=tensor_cores))
     got = _run(ex, on, table, inputs)
-    assert len(ex.calls[0].levels) == shared.num_levels
+    assert len(ex.calls[0].levels) == len(on.cascade.levels.levels) > 0
     _check(got, _run(fp.ReferenceExecutor(), off, table, inputs))
     # and against FlashInfer's own plain plan of the same batch
     plain = _run(FlashInferExecutor(), off, table, inputs)
