@@ -9,7 +9,7 @@ aid, not a hot path.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -18,6 +18,9 @@ from flashplan.errors import PlanIntegrityError
 from flashplan.kernel_rules import MultiItemArgs, kernel_visibility
 from flashplan.layout.group import AttentionGroup
 from flashplan.planning.parts import GroupPlan
+
+if TYPE_CHECKING:
+    from flashplan.planning.cascade import Cascade
 
 
 class _Plan(Protocol):
@@ -30,6 +33,12 @@ class _Plan(Protocol):
     def page_size(self) -> int: ...
     @property
     def qo_lens(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def qo_indptr(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def group_plans(self) -> tuple[GroupPlan, ...]: ...
+    @property
+    def cascade(self) -> Cascade | None: ...
     def group_plan(self, group: AttentionGroup) -> GroupPlan: ...
 
 
@@ -65,6 +74,12 @@ def materialize(spec: _Plan, group: AttentionGroup) -> list[npt.NDArray[np.bool_
     Entry ``[j, k]`` is true when new token ``j`` of the request attends to key ``k``
     of the group's key space.
 
+    A group that runs on cascade levels (:attr:`PlanSpec.cascade
+    <flashplan.PlanSpec>`) is rebuilt from those calls instead of its paged call: each
+    level's call over its group's shared pages (every key visible; read from the group's
+    first member's row, which holds the same pages: the sharing's promise) and the
+    request's own call.
+
     Raises:
         PlanMismatchError: ``group`` was not planned.
         PlanIntegrityError: a kernel call would read a key outside the group's key
@@ -85,11 +100,16 @@ def materialize(spec: _Plan, group: AttentionGroup) -> list[npt.NDArray[np.bool_
     starts = np.cumsum(entry_q) - entry_q
     offset = starts - starts[np.searchsorted(req, req)]
     out = [np.zeros((int(qo[i]), int(gp.num_keys[i])), dtype=bool) for i in range(bs)]
+    cascade = spec.cascade
+    if cascade is not None and not any(gp is spec.group_plans[k] for k in cascade.groups):
+        cascade = None
     for v in range(req.shape[0]):
         i, e, row = int(req[v]), int(entry_q[v]), int(offset[v])
         k_total = int(gp.num_keys[i])
         parts: list[tuple[int, npt.NDArray[np.bool_]]] = []
-        if gp.paged is not None:
+        if cascade is not None:
+            parts += _cascade_calls(cascade, spec, i, int(gp.key_start[i]))
+        elif gp.paged is not None:
             p = gp.paged
             call = p.call_spans
             mask = p.dense_mask(v)
@@ -119,3 +139,27 @@ def materialize(spec: _Plan, group: AttentionGroup) -> list[npt.NDArray[np.bool_
                 raise PlanIntegrityError(f"request {i}: two kernel calls read the same key")
             pic[:, cols] |= sub
     return out
+
+
+def _cascade_calls(
+    cascade: Cascade, spec: _Plan, i: int, key_start: int
+) -> list[tuple[int, npt.NDArray[np.bool_]]]:
+    """Request ``i``'s calls on cascade levels: ``(first key, [qo_len, kv_len]
+    visibility)`` of each level's call its rows are in, then of its own call."""
+    ps = spec.page_size
+    e = int(spec.qo_lens[i])
+    first_row = int(spec.qo_indptr[i])
+    parts = []
+    for level in cascade.levels.levels:
+        at = int(np.searchsorted(level.q_rows, first_row))
+        if at == level.q_rows.shape[0] or level.q_rows[at] != first_row:
+            continue  # the request is in no group of this level
+        g = int(np.searchsorted(level.qo_indptr, at, side="right")) - 1
+        kv = int(level.spans.kv_lens[g])
+        first = int(level.spans.start_page[g]) * ps - key_start
+        parts.append((first, np.ones((e, kv), dtype=bool)))  # no mask: every key shows
+    own = cascade.levels.own
+    mask = None if cascade.own_mask is None else cascade.own_mask.dense(i)
+    seen = _one_call(e, int(own.kv_lens[i]), causal=mask is None, window_left=-1, mask=mask)
+    parts.append((int(own.start_page[i]) * ps - key_start, seen))
+    return parts
