@@ -137,6 +137,13 @@ def test_levels_partition_every_requests_keys(case) -> None:  # type: ignore[no-
     # its first member), in batch order
     for lv in cp.levels:
         assert (np.diff(lv.q_rows) > 0).all() and lv.qo_indptr[-1] == lv.q_rows.shape[0]
+        # the gather reads each group's pages from its first member's row, nothing else
+        want_start = np.zeros(layout.batch_size, np.int32)
+        want_pages = np.zeros(layout.batch_size, np.int32)
+        want_start[lv.row_of] = lv.spans.start_page
+        want_pages[lv.row_of] = lv.spans.pages.lens
+        assert lv.row_start_page.tolist() == want_start.tolist()
+        assert lv.row_pages.tolist() == want_pages.tolist()
         owner = np.searchsorted(qo, lv.q_rows, side="right") - 1
         for g in range(lv.row_of.shape[0]):
             mine = owner[lv.qo_indptr[g] : lv.qo_indptr[g + 1]]

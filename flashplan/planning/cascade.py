@@ -67,12 +67,18 @@ class CascadeLevel:
             are read from (its first member).
         spans: the pages read per group (:class:`~flashplan.lengths.PageSpans` over row
             tokens ``[P_(l-1) * page_size, P_l * page_size)``, at least one page each).
+        row_start_page, row_pages: int32 ``[bs]`` (pages): per request, the first
+            page-table column and the pages the call reads from its row — its group's
+            shared pages at a group's first member, none elsewhere (an executor's
+            gather jobs, one per request as for every other call).
     """
 
     qo_indptr: IntArray = attrs.field(eq=array_key)
     q_rows: IntArray = attrs.field(eq=array_key)
     row_of: IntArray = attrs.field(eq=array_key)
     spans: PageSpans
+    row_start_page: IntArray = attrs.field(eq=array_key)
+    row_pages: IntArray = attrs.field(eq=array_key)
 
 
 @readonly_when_unpickled
@@ -162,6 +168,15 @@ def cascade_levels(layout: BatchLayout, shared: SharedPrefix) -> CascadePlan:
         qo_indptr = np.concatenate([[0], np.cumsum(layout.seq_lens - layout.prefix_lens)])
     levels = []
     for level in sharing.levels:
+        if decode and not row_base:  # the same call every step: kept per batch size
+            made = level.decode_levels.get(bs)
+            if made is None:
+                made = level.decode_levels[bs] = CascadeLevel(
+                    level.count_indptr, level.members32, level.row_of, level.spans,
+                    *_row_pages(bs, level.row_of, level.spans),
+                )  # fmt: skip
+            levels.append(made)
+            continue
         if decode:  # one query row per request: the rows are the members
             q_rows, qo = level.members32, level.count_indptr
         else:
@@ -177,7 +192,9 @@ def cascade_levels(layout: BatchLayout, shared: SharedPrefix) -> CascadePlan:
         if row_base:  # encoder tokens first in each row: the spans move with them
             b = base[level.firsts]
             spans = PageSpans.between(b + spans.first_token, b + spans.end_token, ps)
-        levels.append(CascadeLevel(qo, q_rows, level.row_of, spans))
+        levels.append(
+            CascadeLevel(qo, q_rows, level.row_of, spans, *_row_pages(bs, level.row_of, spans))
+        )
     covered = np.zeros(bs, dtype=np.int32)
     covered[: sharing.end] = sharing.covered
     seal_inplace(covered)
@@ -185,9 +202,19 @@ def cascade_levels(layout: BatchLayout, shared: SharedPrefix) -> CascadePlan:
     return CascadePlan(tuple(levels), own, covered)
 
 
+def _row_pages(bs: int, row_of: IntArray, spans: PageSpans) -> tuple[IntArray, IntArray]:
+    """:attr:`CascadeLevel.row_start_page` and ``row_pages`` of a batch of ``bs``."""
+    start = np.zeros(bs, dtype=np.int32)
+    num = np.zeros(bs, dtype=np.int32)
+    start[row_of] = spans.start_page
+    num[row_of] = spans.pages.lens
+    return seal_inplace(start), seal_inplace(num)
+
+
 @attrs.frozen(eq=False)
 class _LevelArrays:
-    """One level's arrays that depend on the sharing and the page size alone."""
+    """One level's arrays that depend on the sharing and the page size alone (and its
+    decode steps' :class:`CascadeLevel` per batch size, made on first use)."""
 
     firsts: npt.NDArray[np.int64]  # [groups] first member
     ends: npt.NDArray[np.int64]  # [groups] one past the last member
@@ -196,6 +223,7 @@ class _LevelArrays:
     count_indptr: IntArray  # int32 [groups + 1] (a decode step's qo_indptr)
     row_of: IntArray  # int32 [groups], sealed
     spans: PageSpans  # the groups' pages in a row without encoder tokens
+    decode_levels: dict[int, CascadeLevel] = attrs.field(factory=dict)
 
 
 @attrs.frozen(eq=False)

@@ -165,7 +165,6 @@ def _level_inputs(
     each level's ``(start_page, num_pages)`` per request for the gather: a group's
     shared pages at its first member's row, nothing at the other rows."""
     out = []
-    bs = plan.own.kv_lens.shape[0]
     for k, level in enumerate(plan.levels):
         spans = level.spans
         host[names.level_array(k, "qo_indptr")] = level.qo_indptr
@@ -179,11 +178,7 @@ def _level_inputs(
         ints[names.level_int(k, "qo.total")] = rows
         ints[names.level_int(k, "qo.max_len")] = int(sizes.max(initial=0))
         ints[names.level_int(k, "max_kv_len")] = spans.max_kv_len
-        start = np.zeros(bs, dtype=np.int32)
-        num = np.zeros(bs, dtype=np.int32)
-        start[level.row_of] = spans.start_page
-        num[level.row_of] = spans.pages.lens
-        out.append((seal_inplace(start), seal_inplace(num)))
+        out.append((level.row_start_page, level.row_pages))
     return tuple(out)
 
 
