@@ -194,6 +194,7 @@ class StepOutput:
     table: fp.PageTable | None = None
     shared_prefix: fp.SharedPrefix | None = None
     forked: list[Request] = field(default_factory=list)
+    replayed: bool = False  # the step was replayed from a CUDA-graph bucket
 
 
 class Engine:
@@ -561,7 +562,7 @@ class Engine:
         positions = spec.positions[keep].tolist()
         return StepOutput(
             batch, layout, spec, logits, owners, positions, sampled, finished, table, shared,
-            forked,
+            forked, bucket is not None,
         )  # fmt: skip
 
     def _encode(self, joining: list[Request], pages: torch.Tensor) -> torch.Tensor | None:
