@@ -10,9 +10,16 @@ batch size:
                   every step eager (HF's modules, flashplan attention)
   engine graphs   the same engine with ``cuda_graphs=(batch,)``: decode steps replayed
                   from a CUDA graph captured at start-up
-  HF static       ``model.generate(..., cache_implementation="static")`` with sdpa
-                  attention, the same weights, the whole batch in one padded tensor
-  HF compiled     (``--hf-compile``) the same with ``torch.compile`` of the forward
+  HF static       ``model.generate(..., cache_implementation="static",
+                  disable_compile=True)`` with sdpa attention, the same weights, the whole
+                  batch in one padded tensor: HF's eager forward over a static cache
+  HF compiled     (``--hf-compile``) the same without ``disable_compile``: transformers
+                  then compiles the decoding forward itself (``torch.compile``; its
+                  auto-compile for static caches on CUDA)
+
+Every variant runs once at full length first (warm-up: HF's compilation and the
+engine's graph capture are not timed). Run BF (before this) warmed HF up with 4 tokens
+only, and transformers' auto-compile, on by default, compiled during the timed run.
 
 Figures: wall seconds of the whole run (prefill + decode, synchronized), generated
 tokens per second over it, decode-only tokens/s (the engine: the decode steps' wall
@@ -121,14 +128,18 @@ def run_engine(
     }
 
 
-def run_hf(model: torch.nn.Module, batch: int, prompt: int, new: int) -> float:
-    """Wall seconds of one ``generate`` with a static cache, greedy, exactly ``new`` tokens."""
+def run_hf(
+    model: torch.nn.Module, batch: int, prompt: int, new: int, *, compiled: bool = False
+) -> float:
+    """Wall seconds of one ``generate`` with a static cache, greedy, exactly ``new``
+    tokens; ``compiled``: transformers' own auto-compile of the forward left on."""
     ids = torch.tensor(prompts(batch, prompt), device=DEV)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
         do_sample=False, cache_implementation="static", pad_token_id=0,
+        disable_compile=not compiled,
     )  # fmt: skip
     torch.cuda.synchronize()
     assert out.shape[1] == prompt + new
@@ -139,14 +150,12 @@ def bench_engine_and_hf(args: argparse.Namespace, parts: set[str]) -> list[dict[
     rows: list[dict[str, object]] = []
     fp_model = build(ATTN_IMPLEMENTATION) if "engine" in parts else None
     hf_model = build("sdpa") if "hf" in parts else None
-    if hf_model is not None and args.hf_compile:
-        hf_model.forward = torch.compile(hf_model.forward, mode="reduce-overhead")
     for batch in args.batches:
         row: dict[str, object] = {"batch": batch}
         tokens = batch * args.new
         if fp_model is not None:
             for graphs in (False, True):
-                run_engine(fp_model, batch, args.prompt, 8, graphs)  # warm-up
+                run_engine(fp_model, batch, args.prompt, args.new, graphs)  # warm-up
                 r = run_engine(fp_model, batch, args.prompt, args.new, graphs)
                 key = "graphs" if graphs else "eager"
                 row[f"{key}_tok_s"] = tokens / r["wall_s"]
@@ -156,14 +165,18 @@ def bench_engine_and_hf(args: argparse.Namespace, parts: set[str]) -> list[dict[
                 row[f"{key}_host_share"] = r["host_s"] / r["decode_steps"] / step
                 row[f"{key}_replayed"] = r["replayed"]
                 print(f"batch {batch} engine {key}: {r}", flush=True)
-        if hf_model is not None:
-            run_hf(hf_model, batch, args.prompt, 4)  # warm-up (and compile)
-            wall = run_hf(hf_model, batch, args.prompt, args.new)
-            prefill = run_hf(hf_model, batch, args.prompt, 1)
-            row["hf_tok_s"] = tokens / wall
-            row["hf_decode_tok_s"] = batch * (args.new - 1) / max(wall - prefill, 1e-9)
-            row["hf_step_ms"] = (wall - prefill) / (args.new - 1) * 1e3
-            print(f"batch {batch} HF: wall {wall:.3f} s, prefill {prefill:.3f} s", flush=True)
+        for compiled in (False, True) if hf_model is not None else ():
+            if compiled and not args.hf_compile:
+                continue
+            key = "hfc" if compiled else "hf"
+            run_hf(hf_model, batch, args.prompt, args.new, compiled=compiled)  # warm-up
+            run_hf(hf_model, batch, args.prompt, 1, compiled=compiled)
+            wall = run_hf(hf_model, batch, args.prompt, args.new, compiled=compiled)
+            prefill = run_hf(hf_model, batch, args.prompt, 1, compiled=compiled)
+            row[f"{key}_tok_s"] = tokens / wall
+            row[f"{key}_decode_tok_s"] = batch * (args.new - 1) / max(wall - prefill, 1e-9)
+            row[f"{key}_step_ms"] = (wall - prefill) / (args.new - 1) * 1e3
+            print(f"batch {batch} {key}: wall {wall:.3f} s, prefill {prefill:.3f} s", flush=True)
         rows.append(row)
         torch.cuda.empty_cache()
     return rows
@@ -261,12 +274,12 @@ def table(rows: list[dict[str, object]], args: argparse.Namespace) -> list[str]:
         "",
         "| batch | engine eager tok/s | engine graphs tok/s | HF static tok/s | graphs / HF "
         "| eager / HF | decode tok/s eager / graphs / HF | step ms eager / graphs / HF "
-        "| flashplan host share eager / graphs |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| flashplan host share eager / graphs | HF compiled tok/s | graphs / HF compiled |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        ratio = lambda k: (  # noqa: E731
-            f"{r[k] / r['hf_tok_s']:.2f}x" if k in r and "hf_tok_s" in r else ""
+        ratio = lambda k, base="hf_tok_s": (  # noqa: E731
+            f"{r[k] / r[base]:.2f}x" if k in r and base in r else ""
         )
         lines.append(
             f"| {r['batch']} | {f(r, 'eager_tok_s', '.0f')} | {f(r, 'graphs_tok_s', '.0f')} "
@@ -275,7 +288,8 @@ def table(rows: list[dict[str, object]], args: argparse.Namespace) -> list[str]:
             f"{f(r, 'hf_decode_tok_s', '.0f')} "
             f"| {f(r, 'eager_step_ms', '.2f')} / {f(r, 'graphs_step_ms', '.2f')} / "
             f"{f(r, 'hf_step_ms', '.2f')} "
-            f"| {f(r, 'eager_host_share', '.1%')} / {f(r, 'graphs_host_share', '.1%')} |"
+            f"| {f(r, 'eager_host_share', '.1%')} / {f(r, 'graphs_host_share', '.1%')} "
+            f"| {f(r, 'hfc_tok_s', '.0f')} | {ratio('graphs_tok_s', 'hfc_tok_s')} |"
         )
     return lines
 
