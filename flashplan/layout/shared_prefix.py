@@ -52,7 +52,7 @@ IntArray = npt.NDArray[np.int32]
 
 
 @readonly_when_unpickled
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class ShareLevel:
     """One level of sharing: groups of consecutive requests and the leading tokens each
     group shares. Build it with :meth:`from_groups` or :meth:`from_ranges`.
@@ -151,7 +151,7 @@ class ShareLevel:
 
 
 @readonly_when_unpickled
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class SharedPrefix:
     """Levels of sharing, outermost first (see the module docstring). Build it with
     :meth:`from_groups` (one level) or :meth:`nested`.

@@ -44,6 +44,7 @@ __all__ = [
     "CascadeLevel",
     "CascadePlan",
     "cascade_bytes",
+    "cascade_level_count",
     "cascade_levels",
     "cascade_pays",
     "own_tree_mask",
@@ -152,15 +153,8 @@ def cascade_levels(layout: BatchLayout, shared: SharedPrefix) -> CascadePlan:
         LayoutError: ``shared`` does not fit the batch (:meth:`SharedPrefix.check_batch`).
         FieldTypeError: arguments of the wrong record types.
     """
-    if not isinstance(layout, BatchLayout):
-        raise FieldTypeError("layout", "must be a BatchLayout", value=type(layout).__name__)
-    if not isinstance(shared, SharedPrefix):
-        raise FieldTypeError("shared", "must be a SharedPrefix", value=type(shared).__name__)
+    sharing = _checked_sharing(layout, shared)
     bs, ps = layout.batch_size, layout.page_size
-    sharing = _sharing_of(shared, ps)
-    prefix = layout.prefix_lens
-    if sharing.end > bs or (sharing.deepest > prefix[: sharing.end]).any():
-        shared.check_batch(bs, prefix)  # raises, naming the level, group and request
     base = layout.decoder_start
     row_base = bool(np.logical_or.reduce(base)) if bs else False
     decode = layout.mode is Mode.DECODE
@@ -200,6 +194,32 @@ def cascade_levels(layout: BatchLayout, shared: SharedPrefix) -> CascadePlan:
     seal_inplace(covered)
     own = PageSpans.from_page_start(covered, layout.seq_lens, ps, base=base if row_base else None)
     return CascadePlan(tuple(levels), own, covered)
+
+
+def cascade_level_count(layout: BatchLayout, shared: SharedPrefix) -> int:
+    """How many levels :func:`cascade_levels` gives the batch (the levels where some
+    group shares a whole page more than the level before; 0: nothing to run on levels),
+    with the same checks, at the cost of the checks alone (the planner asks this first).
+
+    Raises:
+        LayoutError: ``shared`` does not fit the batch (:meth:`SharedPrefix.check_batch`).
+        FieldTypeError: arguments of the wrong record types.
+    """
+    return len(_checked_sharing(layout, shared).levels)
+
+
+def _checked_sharing(layout: BatchLayout, shared: SharedPrefix) -> _Sharing:
+    """The sharing's arrays at the layout's page size, checked against the batch."""
+    if not isinstance(layout, BatchLayout):
+        raise FieldTypeError("layout", "must be a BatchLayout", value=type(layout).__name__)
+    if not isinstance(shared, SharedPrefix):
+        raise FieldTypeError("shared", "must be a SharedPrefix", value=type(shared).__name__)
+    bs = layout.batch_size
+    sharing = _sharing_of(shared, layout.page_size)
+    prefix = layout.prefix_lens
+    if sharing.end > bs or (sharing.deepest > prefix[: sharing.end]).any():
+        shared.check_batch(bs, prefix)  # raises, naming the level, group and request
+    return sharing
 
 
 def _row_pages(bs: int, row_of: IntArray, spans: PageSpans) -> tuple[IntArray, IntArray]:
@@ -296,21 +316,31 @@ def cascade_pays(
     shared: SharedPrefix,
     heads: HeadConfig,
     *,
-    bandwidth_bytes_per_us: float = 3.0e6,
-    overhead_us_per_level: float = 8.0,
+    bandwidth_bytes_per_us: float = 3.05e6,
+    shared_read_bytes_per_us: float = 8.0e6,
+    overhead_us_per_level: float = 65.0,
     levels: CascadePlan | None = None,
 ) -> bool:
-    """Whether cascade levels are expected to make the batch's attention faster: the KV
-    bytes they save, at ``bandwidth_bytes_per_us`` (an H100's copy bandwidth by
-    default), against one more kernel call and one LSE merge over the outputs per level
-    (``overhead_us_per_level``; the merge also reads and writes every output row).
+    """Whether cascade levels are expected to make the batch's attention faster (the
+    model of ``cascade="auto"``).
 
-    A model for ``cascade="auto"``, to be calibrated by the shared-prefix benchmark;
-    nothing shared, or too little, is never worth a level. ``levels``: the batch's
-    :func:`cascade_levels`, when the caller has them.
+    Without levels, the members of a group read the same physical pages, so much of
+    what a plain call reads comes from the L2 cache: its time is modelled as the larger
+    of its logical KV bytes at ``shared_read_bytes_per_us`` and its distinct bytes at
+    ``bandwidth_bytes_per_us``. With levels, every byte is read once, at the copy
+    bandwidth, plus ``overhead_us_per_level`` per level (the level's prefill call, which
+    runs few query rows over many keys, and the merge).
+
+    Calibrated on an H100 (run BE, ``benchmarks/bench_cascade.py``): the copy bandwidth
+    of issue 27's run (3.05 TB/s); plain calls over shared pages ran at 7.3-8.5 TB/s of
+    logical bytes; cascade calls took 52-84 µs per level beyond their bytes. Three
+    batches (64 x (8192 + 256) in one group, 256 in groups of 8 over 2048, and the same
+    with two levels) all pay, as measured (2.25x, 1.69x, 1.39x). Nothing shared, or too
+    little, never pays. ``levels``: the batch's :func:`cascade_levels`, when the caller
+    has them.
     """
-    plain, cascade = cascade_bytes(layout, shared, heads, levels=levels)
-    rows = int((layout.seq_lens - layout.prefix_lens).astype(np.int64).sum())
-    merge_bytes = 3 * rows * heads.num_qo_heads * heads.head_dim * 4 * shared.num_levels
-    saved_us = (plain - cascade - merge_bytes) / bandwidth_bytes_per_us
-    return saved_us > overhead_us_per_level * shared.num_levels
+    plan = cascade_levels(layout, shared) if levels is None else levels
+    plain, cascade = cascade_bytes(layout, shared, heads, levels=plan)
+    plain_us = max(plain / shared_read_bytes_per_us, cascade / bandwidth_bytes_per_us)
+    cascade_us = cascade / bandwidth_bytes_per_us + overhead_us_per_level * len(plan.levels)
+    return cascade_us < plain_us

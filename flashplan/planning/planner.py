@@ -15,7 +15,13 @@ from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
 from flashplan.layout.shared_prefix import SharedPrefix
 from flashplan.lengths import Lengths, PageSpans
-from flashplan.planning.cascade import Cascade, cascade_levels, cascade_pays, own_tree_mask
+from flashplan.planning.cascade import (
+    Cascade,
+    cascade_level_count,
+    cascade_levels,
+    cascade_pays,
+    own_tree_mask,
+)
 from flashplan.planning.chunks import (
     chunk_decode_first,
     needs_position_mask,
@@ -169,9 +175,10 @@ def _with_cascade(
     spec: PlanSpec, layout: BatchLayout, heads: HeadConfig, shared: SharedPrefix, auto: bool
 ) -> PlanSpec:
     """``spec`` with its cascade levels for the groups that can run on them."""
-    levels = cascade_levels(layout, shared)  # checks the sharing against the batch
-    if layout.is_multi_item or not levels.levels:  # (nothing shared a whole page)
+    # the checks first (a sharing of no whole page, or a multi-item batch: plain)
+    if not cascade_level_count(layout, shared) or layout.is_multi_item:
         return spec
+    levels = cascade_levels(layout, shared)
     groups = tuple(i for i, gp in enumerate(spec.group_plans) if _cascades(gp))
     if not groups or (auto and not cascade_pays(layout, shared, heads, levels=levels)):
         return spec
