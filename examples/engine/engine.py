@@ -363,6 +363,9 @@ class Engine:
         whole pages are the same ids in every member's row). A prompt shorter than a page
         shares no whole page, hence no group. ``None`` when there is no group."""
 
+        if not any(r.n > 1 or r.parent is not None for r, _ in batch):
+            return None  # no sampled family in the batch (the usual step): nothing to scan
+
         def family(entry: tuple[Request, int]) -> Request | None:
             r, n = entry
             root = r.parent or r
