@@ -46,6 +46,7 @@ __all__ = [
     "cascade_bytes",
     "cascade_level_count",
     "cascade_levels",
+    "cascade_levels_if_any",
     "cascade_pays",
     "own_tree_mask",
 ]
@@ -153,7 +154,18 @@ def cascade_levels(layout: BatchLayout, shared: SharedPrefix) -> CascadePlan:
         LayoutError: ``shared`` does not fit the batch (:meth:`SharedPrefix.check_batch`).
         FieldTypeError: arguments of the wrong record types.
     """
+    return _levels_of(layout, _checked_sharing(layout, shared))
+
+
+def cascade_levels_if_any(layout: BatchLayout, shared: SharedPrefix) -> CascadePlan | None:
+    """:func:`cascade_levels`, or ``None`` when the batch has no level (no group shares
+    a whole page): the planner's entry, which checks the sharing once."""
     sharing = _checked_sharing(layout, shared)
+    return _levels_of(layout, sharing) if sharing.levels else None
+
+
+def _levels_of(layout: BatchLayout, sharing: _Sharing) -> CascadePlan:
+    """The levels and own parts of ``layout`` under a checked sharing."""
     bs, ps = layout.batch_size, layout.page_size
     base = layout.decoder_start
     row_base = bool(np.logical_or.reduce(base)) if bs else False

@@ -17,8 +17,7 @@ from flashplan.layout.shared_prefix import SharedPrefix
 from flashplan.lengths import Lengths, PageSpans
 from flashplan.planning.cascade import (
     Cascade,
-    cascade_level_count,
-    cascade_levels,
+    cascade_levels_if_any,
     cascade_pays,
     own_tree_mask,
 )
@@ -175,10 +174,9 @@ def _with_cascade(
     spec: PlanSpec, layout: BatchLayout, heads: HeadConfig, shared: SharedPrefix, auto: bool
 ) -> PlanSpec:
     """``spec`` with its cascade levels for the groups that can run on them."""
-    # the checks first (a sharing of no whole page, or a multi-item batch: plain)
-    if not cascade_level_count(layout, shared) or layout.is_multi_item:
+    levels = cascade_levels_if_any(layout, shared)  # checks the sharing against the batch
+    if levels is None or layout.is_multi_item:  # no whole page shared, or multi-item
         return spec
-    levels = cascade_levels(layout, shared)
     groups = tuple(i for i, gp in enumerate(spec.group_plans) if _cascades(gp))
     if not groups or (auto and not cascade_pays(layout, shared, heads, levels=levels)):
         return spec
