@@ -72,7 +72,11 @@ def cases() -> dict[str, tuple[fp.BatchLayout, fp.SharedPrefix]]:
     }  # fmt: skip
 
 
-def measure(name: str, layout: fp.BatchLayout, shared: fp.SharedPrefix) -> dict[str, object]:
+def batch_inputs(
+    layout: fp.BatchLayout, shared: fp.SharedPrefix
+) -> tuple[fp.PageTable, fp.PageTable, torch.Tensor, torch.Tensor]:
+    """``(table with its own pages per request, table keeping the sharing promise,
+    bf16 cache [num_pages, 2, PAGE, HKV, D], bf16 decode queries [bs, HQ, D])``."""
     own_pages = fp.PageTable.shuffled(layout.pages_needed, seed=1, device=DEV)
     table = fp.PageTable(
         fp.share_pages(shared, own_pages.pages, own_pages.rows, PAGE),
@@ -85,6 +89,11 @@ def measure(name: str, layout: fp.BatchLayout, shared: fp.SharedPrefix) -> dict[
         table.num_pages, 2, PAGE, HKV, D, generator=gen, device=DEV, dtype=torch.bfloat16
     )
     q = torch.randn(layout.batch_size, HQ, D, generator=gen, device=DEV, dtype=torch.bfloat16)
+    return own_pages, table, cache, q
+
+
+def measure(name: str, layout: fp.BatchLayout, shared: fp.SharedPrefix) -> dict[str, object]:
+    own_pages, table, cache, q = batch_inputs(layout, shared)
     plain = fp.plan(layout, HEADS)
     auto = fp.plan(layout, HEADS, shared_prefix=shared, cascade="auto")
     on = fp.plan(layout, HEADS, shared_prefix=shared, cascade="on")

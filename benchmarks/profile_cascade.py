@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _timing import host_us, kernel_ms
-from bench_cascade import DEV, FULL, HEADS, HKV, HQ, PAGE, D, cases
+from bench_cascade import FULL, HEADS, batch_inputs, cases
 
 import flashplan as fp
 from flashplan.executor.flashinfer import FlashInferExecutor
@@ -39,18 +39,7 @@ from flashplan.kernels.merge_state import merge_state_triton
 
 
 def profile(name: str, layout: fp.BatchLayout, shared: fp.SharedPrefix) -> list[str]:
-    own_pages = fp.PageTable.shuffled(layout.pages_needed, seed=1, device=DEV)
-    table = fp.PageTable(
-        fp.share_pages(shared, own_pages.pages, own_pages.rows, PAGE),
-        own_pages.rows,
-        own_pages.num_pages,
-    )
-    assert table.num_pages is not None
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    cache = torch.randn(
-        table.num_pages, 2, PAGE, HKV, D, generator=gen, device=DEV, dtype=torch.bfloat16
-    )
-    q = torch.randn(layout.batch_size, HQ, D, generator=gen, device=DEV, dtype=torch.bfloat16)
+    _, table, cache, q = batch_inputs(layout, shared)
     on = fp.plan(layout, HEADS, shared_prefix=shared, cascade="on")
     plain = fp.plan(layout, HEADS)
     assert on.cascade is not None
