@@ -124,6 +124,10 @@ def run_engine(
         "decode_s": end - decode_start,
         "decode_steps": engine.decode_steps,
         "host_s": engine.decode_host_s,
+        # µs per decode step of each part of flashplan's host work
+        "host_parts_us": {
+            k: v / max(engine.decode_steps, 1) * 1e6 for k, v in engine.decode_host_parts.items()
+        },
         "replayed": engine.replayed_steps,
     }
 
@@ -163,6 +167,7 @@ def bench_engine_and_hf(args: argparse.Namespace, parts: set[str]) -> list[dict[
                 step = r["decode_s"] / r["decode_steps"]
                 row[f"{key}_step_ms"] = step * 1e3
                 row[f"{key}_host_share"] = r["host_s"] / r["decode_steps"] / step
+                row[f"{key}_host_parts_us"] = r["host_parts_us"]
                 row[f"{key}_replayed"] = r["replayed"]
                 print(f"batch {batch} engine {key}: {r}", flush=True)
         for compiled in (False, True) if hf_model is not None else ():

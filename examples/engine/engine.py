@@ -287,6 +287,9 @@ class Engine:
         #: host seconds of flashplan's part of decode-only steps (layout, plan, apply or
         #: a bucket's replay planning) and how many such steps ran: benchmarks read them
         self.decode_host_s, self.decode_steps = 0.0, 0
+        #: the same seconds by part ("layout", "plan" incl. the sharing, "apply": the
+        #: eager apply or a bucket's replay planning)
+        self.decode_host_parts = {"layout": 0.0, "plan": 0.0, "apply": 0.0}
         if cuda_graphs:
             if not isinstance(adapter, DecoderOnly):
                 raise ValueError("CUDA graphs are for decoder-only models")
@@ -482,7 +485,7 @@ class Engine:
             layout = fp.BatchLayout.decode(seq, **kw)
         else:
             layout = fp.BatchLayout.extend(seq, prefix, **kw)
-        host = time.perf_counter() - t0
+        layout_s = time.perf_counter() - t0
         # 2. Pages: grow each row to what the layout needs, from the free list.
         for r, need in zip(reqs, layout.pages_needed.tolist(), strict=True):
             r.pages += self.allocator.alloc(need - len(r.pages))
@@ -500,7 +503,7 @@ class Engine:
             layout, self.heads, extend_path=self.extend_path, shared_prefix=shared,
             cascade=self.cascade,
         )  # fmt: skip
-        host += time.perf_counter() - t0
+        plan_s = time.perf_counter() - t0
         self.cascade_steps += spec.cascade is not None
         ids = [t for r, n in batch for t in r.tokens[r.num_cached : r.num_cached + n]]
         last = spec.qo_indptr[1:] - 1  # each request's last new token
@@ -511,13 +514,13 @@ class Engine:
         if bucket is not None:
             assert self.graphs is not None
             replay = self.graphs.prepare(bucket, spec, table, ids)
-            host += self.graphs.last_apply_s
+            apply_s = self.graphs.last_apply_s
             logits = replay()[: len(reqs)]
             self.replayed_steps += 1
         else:
             t0 = time.perf_counter()
             self.executor.apply(spec, table)
-            host += time.perf_counter() - t0
+            apply_s = time.perf_counter() - t0
             logits = self.adapter.decode(
                 torch.tensor(ids, device=self.device),
                 self.executor.positions().long(),  # RoPE, built on the device from the plan
@@ -526,7 +529,11 @@ class Engine:
                 encoder_states,
             )
         if layout.mode is fp.Mode.DECODE:
-            self.decode_host_s += host
+            self.decode_host_s += layout_s + plan_s + apply_s
+            parts = self.decode_host_parts
+            parts["layout"] += layout_s
+            parts["plan"] += plan_s
+            parts["apply"] += apply_s
             self.decode_steps += 1
         # 5. Sampling, for requests whose last new token is their last known token; a
         #    request with n > 1 whose prompt is now all in forks its samples first, and
