@@ -66,6 +66,18 @@ def test_engine_decode_steps_replayed_from_cuda_graphs(name: str, page_size: int
     assert engine.replayed_steps > 0
 
 
+def _run_to_end(engine: Engine, reqs: list) -> list:  # type: ignore[type-arg]
+    """Add ``reqs`` and step ``engine`` until it has no work; its step outputs."""
+    for r in reqs:
+        engine.add(r)
+    steps = []
+    while engine.has_work():
+        out = engine.step()
+        assert out is not None
+        steps.append(out)
+    return steps
+
+
 def _scenario(
     name: str, page_size: int, extend_path: str, cuda_graphs: tuple[int, ...] = ()
 ) -> Engine:
@@ -86,13 +98,7 @@ def _scenario(
         cuda_graphs=cuda_graphs,
     )
     reqs = make_requests(model.config.vocab_size, model.config.is_encoder_decoder, 6, 8, 0)
-    for r in reqs:
-        engine.add(r)
-    steps = []
-    while engine.has_work():
-        out = engine.step()
-        assert out is not None
-        steps.append(out)
+    steps = _run_to_end(engine, reqs)
     # the plans ran on FlashInfer's kernels: the last eager step's on this executor (a
     # step replayed from a graph bucket applies its plan to the bucket's executor)
     eager = [s for s in steps if not s.replayed]
@@ -191,13 +197,7 @@ def test_parallel_samples_on_flashinfer(cascade: str) -> None:
         Request(rng.integers(3, 512, 23).tolist(), 5),
         Request(rng.integers(3, 512, 35).tolist(), 6, n=2),
     ]
-    for r in reqs:
-        engine.add(r)
-    steps = []
-    while engine.has_work():
-        out = engine.step()
-        assert out is not None
-        steps.append(out)
+    steps = _run_to_end(engine, reqs)
     assert (engine.cascade_steps > 0) == (cascade == "on")
     samples = [s for r in reqs for s in r.samples]
     assert len(samples) == 6
