@@ -138,7 +138,19 @@ class ReferenceExecutor:
         """
         spec, table = check_apply_args(spec, table)
         dev = table.pages.device
-        jobs = gather_jobs(spec, table.rows, window_pool=self.page_map is not None)
+        # a cascade group's paged call reads each request's own keys; the levels read
+        # their groups' shared pages: gathered like the FlashInfer executor's
+        cascade = spec.cascade
+        own: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        if cascade is not None:
+            call = cascade.own_call
+            own = dict.fromkeys(cascade.groups, (call.start_page, call.num_pages))
+        jobs = gather_jobs(
+            spec, table.rows, window_pool=self.page_map is not None, spans=own,
+            level_spans=() if cascade is None else tuple(
+                (lv.row_start_page, lv.row_pages) for lv in cascade.levels.levels
+            ),
+        )  # fmt: skip
         page, offset = self._gather(jobs, table)
 
         def region_slots(name: str, counts: np.ndarray, what: str) -> Slots:
@@ -165,7 +177,7 @@ class ReferenceExecutor:
         ragged: dict[int, tuple[CallRows, torch.Tensor]] = {}
         for index, gp in enumerate(spec.group_plans):
             queries, request = entry_queries(spec, gp)
-            if gp.paged is not None:
+            if gp.paged is not None and index not in own:  # (cascade groups: below)
                 r = jobs.region(pages_region(index))
                 paged[index] = paged_call(
                     gp.paged, queries, request, page[r.lo : r.hi], offset[r.lo : r.hi], dev,
@@ -177,15 +189,13 @@ class ReferenceExecutor:
                     causal=gp.ragged.causal, window_left=gp.ragged.window_left,
                 )  # fmt: skip
                 ragged[index] = (call_rows(queries, dev), torch.from_numpy(seen).to(dev))
-        cascade: dict[int, list[PagedCall]] = {}
-        if spec.cascade is not None:
-            calls = cascade_calls(
-                spec.cascade.levels, spec, table, table.pages.cpu(), dev, spec.cascade.own_mask
-            )
-            cascade = dict.fromkeys(spec.cascade.groups, calls)
+        levels: dict[int, list[PagedCall]] = {}
+        if cascade is not None:
+            calls = cascade_calls(cascade, spec, jobs, page, offset, dev)
+            levels = dict.fromkeys(cascade.groups, calls)
         self._applied = _Applied(
             spec=spec, table=table, device=dev, writes=writes, paged=paged, ragged=ragged,
-            cascade=cascade,
+            cascade=levels,
         )  # fmt: skip
 
     def _gather(self, jobs: GatherJobs, table: PageTable) -> tuple[np.ndarray, np.ndarray]:

@@ -12,11 +12,11 @@ import torch
 
 from flashplan.errors import PageTableError
 from flashplan.executor.checks import first_shared_slot
+from flashplan.executor.gathers import GatherJobs, level_pages_region, pages_region
 from flashplan.kernel_rules import kernel_visibility
 from flashplan.layout.page_table import PageTable
-from flashplan.lengths import Lengths, PageSpans
-from flashplan.planning.cascade import CascadePlan
-from flashplan.planning.masks import TreeMask
+from flashplan.lengths import Lengths
+from flashplan.planning.cascade import Cascade
 from flashplan.planning.spec import GroupPlan, PagedPart, PlanSpec
 
 __all__ = [
@@ -106,51 +106,45 @@ def paged_call(
 
 
 def cascade_calls(
-    cascade: CascadePlan,
+    cascade: Cascade,
     spec: PlanSpec,
-    table: PageTable,
-    pages: torch.Tensor,
+    jobs: GatherJobs,
+    page: np.ndarray,
+    offset: np.ndarray,
     dev: torch.device,
-    own_mask: TreeMask | None = None,
 ) -> list[PagedCall]:
-    """The kernel calls of a group that runs on cascade levels: one per level (its groups
-    as entries: their members' query rows, the group's shared pages read from its first
-    member's row, every key visible), then each request's own call over its own span:
-    causal, or under ``own_mask`` (a tree verify's, :attr:`Cascade.own_mask
-    <flashplan.planning.cascade.Cascade>`). ``pages`` is the table's page ids on the
-    host."""
-    host = pages.numpy()
-    rows = table.rows.astype(np.int64)
+    """The kernel calls of the groups that run on cascade levels: one per level (its
+    groups as entries: their members' query rows, the group's shared pages, every key
+    visible), then each request's own call (:attr:`Cascade.own_call
+    <flashplan.planning.cascade.Cascade>`). The pages are the batch's gather's
+    (``jobs``, gathered into ``page`` / ``offset``, built with the cascade's own spans and
+    level spans as the FlashInfer executor builds them): each level's region
+    ``pages/l<k>`` and the first cascade group's region for the own calls."""
 
-    def call(
-        spans: PageSpans, owner: npt.NDArray[np.int64], causal: bool, queries: Lengths,
-        entry_rows: CallRows | None, what: str, mask: TreeMask | None = None,
-    ) -> PagedCall:  # fmt: skip
-        # the call's pages, entry by entry, gathered from each owner's row on the host
-        entry, k = entries(spans.pages.lens)
-        region = host[rows[owner[entry]], spans.start_page.astype(np.int64)[entry] + k]
-        region = region.astype(np.int64)
-        part = PagedPart.over(spans, causal=causal, window_left=-1, mask=mask)
-        offset = np.where(region < 0, -1, 0)
-        return paged_call(part, queries, owner, region, offset, dev, what, rows=entry_rows)
+    def region(name: str) -> tuple[np.ndarray, np.ndarray]:
+        r = jobs.region(name)
+        return page[r.lo : r.hi], offset[r.lo : r.hi]
 
     calls = []
-    for index, level in enumerate(cascade.levels):
+    for index, level in enumerate(cascade.levels.levels):
         sizes = np.diff(level.qo_indptr)
         idx, valid = padded_rows(level.qo_indptr, int(sizes.max(initial=0)))
         index_rows = np.where(valid, level.q_rows.astype(np.int64)[idx], 0)
         entry_rows = CallRows(
             torch.from_numpy(index_rows).to(dev), torch.from_numpy(valid).to(dev), valid
         )
-        queries = Lengths.from_lens(sizes, "qo_lens")
-        owner = level.row_of.astype(np.int64)
+        part = PagedPart.over(level.spans, causal=False, window_left=-1)
         calls.append(
-            call(level.spans, owner, False, queries, entry_rows, f"reads for cascade level {index}")
-        )
-    request = np.arange(spec.batch_size, dtype=np.int64)
+            paged_call(
+                part, Lengths.from_lens(sizes, "qo_lens"), level.row_of.astype(np.int64),
+                *region(level_pages_region(index)), dev, f"reads for cascade level {index}",
+                rows=entry_rows,
+            )
+        )  # fmt: skip
     own = "reads for the requests' own cascade parts"
-    causal = own_mask is None
-    calls.append(call(cascade.own, request, causal, spec.queries, None, own, own_mask))
+    request = np.arange(spec.batch_size, dtype=np.int64)
+    own_region = region(pages_region(cascade.groups[0]))
+    calls.append(paged_call(cascade.own_call, spec.queries, request, *own_region, dev, own))
     return calls
 
 

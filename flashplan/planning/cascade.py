@@ -38,6 +38,7 @@ from flashplan.layout.mode import Mode
 from flashplan.layout.shared_prefix import SharedPrefix
 from flashplan.lengths import PageSpans
 from flashplan.planning.masks import TreeMask
+from flashplan.planning.parts import PagedPart
 
 __all__ = [
     "Cascade",
@@ -123,6 +124,16 @@ class Cascade:
     levels: CascadePlan
     groups: tuple[int, ...]
     own_mask: TreeMask | None = None
+
+    @functools.cached_property
+    def own_call(self) -> PagedPart:
+        """Each request's own call: its paged call over :attr:`CascadePlan.own` —
+        causal, bottom-right aligned (the own keys end with the request's new tokens,
+        which no level shares), or under :attr:`own_mask`; no window (a windowed group
+        never runs on levels). Both executors run it as the cascade groups' paged
+        call."""
+        mask = self.own_mask
+        return PagedPart.over(self.levels.own, causal=mask is None, window_left=-1, mask=mask)
 
 
 def own_tree_mask(mask: TreeMask, part_start_page: IntArray, own: PageSpans) -> TreeMask:

@@ -26,7 +26,6 @@ from flashplan.executor.flashinfer.call_types import (
     ItemPositions,
     MaskRecipe,
 )
-from flashplan.lengths import PageSpans
 from flashplan.planning.cascade import CascadePlan
 from flashplan.planning.masks import CustomMask, PositionMask, TreeMask
 from flashplan.planning.spec import KernelPath, PagedPart, PlanSpec
@@ -86,7 +85,7 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
         )
     elements: dict[str, int] = {}
     cascade = spec.cascade
-    own = None if cascade is None else _own_part(cascade.levels.own, cascade.own_mask)
+    own = None if cascade is None else cascade.own_call
     for gc in calls:
         gp = spec.group_plans[gc.group_index]
         index = gc.group_index
@@ -148,14 +147,6 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
     if cascade is not None and any(gc.levels for gc in calls):
         level_spans = _level_inputs(cascade.levels, spec.total_q, host, ints)
     return CallInputs(host, spans, masks, ints, elements, level_spans)
-
-
-def _own_part(own: PageSpans, mask: TreeMask | None) -> PagedPart:
-    """The paged call over each request's own keys (a cascade group's): causal,
-    bottom-right aligned (the own keys end with the request's new tokens, which no level
-    shares), or under a tree verify's own mask; no window (a windowed group never runs
-    on levels)."""
-    return PagedPart.over(own, causal=mask is None, window_left=-1, mask=mask)
 
 
 def _level_inputs(
