@@ -45,7 +45,6 @@ __all__ = [
     "CascadeLevel",
     "CascadePlan",
     "cascade_bytes",
-    "cascade_level_count",
     "cascade_levels",
     "cascade_levels_if_any",
     "cascade_pays",
@@ -82,6 +81,13 @@ class CascadeLevel:
     spans: PageSpans
     row_start_page: IntArray = attrs.field(eq=array_key)
     row_pages: IntArray = attrs.field(eq=array_key)
+
+    def leaves_rows_out(self, total_q: int) -> bool:
+        """Whether the call runs fewer than a batch's ``total_q`` query rows (some
+        requests are in no group of the level): an executor then gathers ``q`` by
+        :attr:`q_rows` and writes the merge back to them; otherwise the call's rows are
+        the batch's, in order."""
+        return int(self.qo_indptr[-1]) != total_q
 
 
 @readonly_when_unpickled
@@ -217,18 +223,6 @@ def _levels_of(layout: BatchLayout, sharing: _Sharing) -> CascadePlan:
     seal_inplace(covered)
     own = PageSpans.from_page_start(covered, layout.seq_lens, ps, base=base if row_base else None)
     return CascadePlan(tuple(levels), own, covered)
-
-
-def cascade_level_count(layout: BatchLayout, shared: SharedPrefix) -> int:
-    """How many levels :func:`cascade_levels` gives the batch (the levels where some
-    group shares a whole page more than the level before; 0: nothing to run on levels),
-    with the same checks, at the cost of the checks alone (the planner asks this first).
-
-    Raises:
-        LayoutError: ``shared`` does not fit the batch (:meth:`SharedPrefix.check_batch`).
-        FieldTypeError: arguments of the wrong record types.
-    """
-    return len(_checked_sharing(layout, shared).levels)
 
 
 def _checked_sharing(layout: BatchLayout, shared: SharedPrefix) -> _Sharing:

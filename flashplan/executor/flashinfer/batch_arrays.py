@@ -162,11 +162,10 @@ def _level_inputs(
         host[names.level_array(k, "page_indptr")] = spans.pages.indptr
         host[names.level_array(k, "last_page_len")] = spans.last_page_len
         host[names.level_array(k, "kv_lens")] = spans.kv_lens
-        rows = int(level.qo_indptr[-1])
-        if rows != total_q:  # the level leaves some query rows out: gather by q_rows
+        if level.leaves_rows_out(total_q):  # gathered by its rows
             host[names.level_array(k, "q_rows")] = level.q_rows
         sizes = np.diff(level.qo_indptr)
-        ints[names.level_int(k, "qo.total")] = rows
+        ints[names.level_int(k, "qo.total")] = int(level.qo_indptr[-1])
         ints[names.level_int(k, "qo.max_len")] = int(sizes.max(initial=0))
         ints[names.level_int(k, "max_kv_len")] = spans.max_kv_len
         out.append((level.row_start_page, level.row_pages))

@@ -484,6 +484,6 @@ def _level_rows(spec: PlanSpec, staged: StagedViews) -> tuple[torch.Tensor | Non
         return ()
     total = spec.total_q
     return tuple(
-        None if int(level.qo_indptr[-1]) == total else staged[names.level_array(k, "q_rows")]
+        staged[names.level_array(k, "q_rows")] if level.leaves_rows_out(total) else None
         for k, level in enumerate(cascade.levels.levels)
     )
