@@ -30,6 +30,7 @@ __all__ = [
     "IntArray",
     "array_key",
     "checked_int32",
+    "concat_ranges",
     "constant_operand",
     "copy_readonly",
     "filled",
@@ -118,6 +119,18 @@ def indptr(lengths: npt.NDArray[Any], field: str = "lengths") -> IntArray:
     if out[-1] > INT32_MAX:
         raise LayoutError(field, "total exceeds int32", total=int(out[-1]))
     return seal_inplace(out)
+
+
+def concat_ranges(starts: npt.NDArray[Any], counts: npt.NDArray[Any]) -> npt.NDArray[np.int64]:
+    """int64 ``[sum(counts)]``: the runs ``starts[i], ..., starts[i] + counts[i] - 1``, one
+    after the other (counts ``>= 0``).
+
+    >>> concat_ranges(np.array([4, 0, 9]), np.array([2, 0, 3])).tolist()
+    [4, 5, 9, 10, 11]
+    """
+    c = np.asarray(counts, dtype=np.int64)
+    shift = np.asarray(starts, dtype=np.int64) - running_sum(c)[:-1]
+    return np.repeat(shift, c) + np.arange(int(c.sum()))
 
 
 def running_sum(values: npt.NDArray[Any]) -> npt.NDArray[np.int64]:

@@ -42,7 +42,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from flashplan.arrays import array_key, readonly_when_unpickled, seal_inplace
+from flashplan.arrays import array_key, concat_ranges, readonly_when_unpickled, seal_inplace
 from flashplan.errors import FieldTypeError, LayoutError, PageTableError
 from flashplan.layout.convert import as_int, as_lengths
 
@@ -145,9 +145,7 @@ class ShareLevel:
 
     def members(self) -> npt.NDArray[np.int64]:
         """int64 ``[sum(count)]``: every group's requests, group by group in batch order."""
-        count = self.count.astype(np.int64)
-        starts = np.repeat(self.first.astype(np.int64), count)
-        return starts + np.arange(starts.shape[0]) - np.repeat(np.cumsum(count) - count, count)
+        return concat_ranges(self.first, self.count)
 
 
 @readonly_when_unpickled

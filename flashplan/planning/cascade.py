@@ -30,7 +30,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from flashplan.arrays import array_key, readonly_when_unpickled, seal_inplace
+from flashplan.arrays import array_key, concat_ranges, readonly_when_unpickled, seal_inplace
 from flashplan.errors import FieldTypeError
 from flashplan.layout.batch import BatchLayout
 from flashplan.layout.heads import HeadConfig
@@ -204,10 +204,7 @@ def _levels_of(layout: BatchLayout, sharing: _Sharing) -> CascadePlan:
             q_rows, qo = level.members32, level.count_indptr
         else:
             members = level.members
-            lens = qo_indptr[members + 1] - qo_indptr[members]
-            rows = np.repeat(qo_indptr[members], lens) + (
-                np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-            )
+            rows = concat_ranges(qo_indptr[members], qo_indptr[members + 1] - qo_indptr[members])
             q_rows = seal_inplace(rows.astype(np.int32))
             sizes = qo_indptr[level.ends] - qo_indptr[level.firsts]
             qo = seal_inplace(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32))
@@ -290,9 +287,7 @@ def _sharing_of(shared: SharedPrefix, page_size: int) -> _Sharing:
             firsts, count, pages, before = firsts[adds], count[adds], pages[adds], before[adds]
             if not firsts.size:
                 continue  # a level that adds no page anywhere: no call at all
-        members = np.repeat(firsts, count) + (
-            np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
-        )
+        members = concat_ranges(firsts, count)
         start_token = before * page_size
         stop_token = pages * page_size
         levels.append(
