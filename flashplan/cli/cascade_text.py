@@ -68,14 +68,12 @@ def describe_cascade(spec: PlanSpec) -> str:
         for g, owner in enumerate(level.row_of.tolist()):
             rows = level.q_rows[level.qo_indptr[g] : level.qo_indptr[g + 1]]
             first, end = int(spans.first_token[g]), int(spans.end_token[g])
-            pages = (
-                f"pages {first // ps}..{end // ps - 1} of request {owner}'s row "
-                f"(tokens {first}..{end - 1})"
-                if end > first
-                else "no whole page (nothing read)"
-            )
-            lines.append(f"    group {g}: query rows {_ranges(rows)}; {pages}")
-    lines.append("  own parts (each request's causal call):")
+            lines.append(
+                f"    group {g}: query rows {_ranges(rows)}; pages {first // ps}..{end // ps - 1}"
+                f" of request {owner}'s row (tokens {first}..{end - 1})"
+            )  # a level's group reads at least one whole page (cascade_levels)
+    mask = "under the tree mask" if cascade.own_mask is not None else "causal"
+    lines.append(f"  own parts (each request's own call, {mask}):")
     own = plan.own
     for i in range(spec.batch_size):
         lines.append(

@@ -82,6 +82,14 @@ class CascadeLevel:
     row_start_page: IntArray = attrs.field(eq=array_key)
     row_pages: IntArray = attrs.field(eq=array_key)
 
+    def group_of_row(self, row: int) -> int:
+        """The group whose kernel request runs batch query row ``row``, or -1 (the row's
+        request is in no group of this level)."""
+        at = int(np.searchsorted(self.q_rows, row))
+        if at == self.q_rows.shape[0] or self.q_rows[at] != row:
+            return -1
+        return int(np.searchsorted(self.qo_indptr, at, side="right")) - 1
+
     def leaves_rows_out(self, total_q: int) -> bool:
         """Whether the call runs fewer than a batch's ``total_q`` query rows (some
         requests are in no group of the level): an executor then gathers ``q`` by

@@ -78,7 +78,7 @@ def materialize(spec: _Plan, group: AttentionGroup) -> list[npt.NDArray[np.bool_
     <flashplan.PlanSpec>`) is rebuilt from those calls instead of its paged call: each
     level's call over its group's shared pages (every key visible; read from the group's
     first member's row, which holds the same pages: the sharing's promise) and the
-    request's own call.
+    request's own call (:attr:`Cascade.own_call <flashplan.planning.cascade.Cascade>`).
 
     Raises:
         PlanMismatchError: ``group`` was not planned.
@@ -103,14 +103,16 @@ def materialize(spec: _Plan, group: AttentionGroup) -> list[npt.NDArray[np.bool_
     cascade = spec.cascade
     if cascade is not None and not any(gp is spec.group_plans[k] for k in cascade.groups):
         cascade = None
+    # a group on cascade levels: its paged call is the own call (over the plan's requests)
+    paged = gp.paged if cascade is None else cascade.own_call
     for v in range(req.shape[0]):
         i, e, row = int(req[v]), int(entry_q[v]), int(offset[v])
         k_total = int(gp.num_keys[i])
         parts: list[tuple[int, npt.NDArray[np.bool_]]] = []
         if cascade is not None:
-            parts += _cascade_calls(cascade, spec, i, int(gp.key_start[i]))
-        elif gp.paged is not None:
-            p = gp.paged
+            parts += _level_calls(cascade, spec, i, int(gp.key_start[i]))
+        if paged is not None:
+            p = paged
             call = p.call_spans
             mask = p.dense_mask(v)
             seen = _one_call(
@@ -141,25 +143,16 @@ def materialize(spec: _Plan, group: AttentionGroup) -> list[npt.NDArray[np.bool_
     return out
 
 
-def _cascade_calls(
+def _level_calls(
     cascade: Cascade, spec: _Plan, i: int, key_start: int
 ) -> list[tuple[int, npt.NDArray[np.bool_]]]:
     """Request ``i``'s calls on cascade levels: ``(first key, [qo_len, kv_len]
-    visibility)`` of each level's call its rows are in, then of its own call."""
-    ps = spec.page_size
+    visibility)`` of each level's call its rows are in (no mask: every key shows)."""
     e = int(spec.qo_lens[i])
-    first_row = int(spec.qo_indptr[i])
     parts = []
     for level in cascade.levels.levels:
-        at = int(np.searchsorted(level.q_rows, first_row))
-        if at == level.q_rows.shape[0] or level.q_rows[at] != first_row:
-            continue  # the request is in no group of this level
-        g = int(np.searchsorted(level.qo_indptr, at, side="right")) - 1
-        kv = int(level.spans.kv_lens[g])
-        first = int(level.spans.start_page[g]) * ps - key_start
-        parts.append((first, np.ones((e, kv), dtype=bool)))  # no mask: every key shows
-    own = cascade.levels.own
-    mask = None if cascade.own_mask is None else cascade.own_mask.dense(i)
-    seen = _one_call(e, int(own.kv_lens[i]), causal=mask is None, window_left=-1, mask=mask)
-    parts.append((int(own.start_page[i]) * ps - key_start, seen))
+        g = level.group_of_row(int(spec.qo_indptr[i]))
+        if g >= 0:
+            first = int(level.spans.start_page[g]) * spec.page_size - key_start
+            parts.append((first, np.ones((e, int(level.spans.kv_lens[g])), dtype=bool)))
     return parts
