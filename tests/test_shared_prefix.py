@@ -100,14 +100,6 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, fl
     return (w @ v) / w.sum(), (m + math.log(w.sum())) / math.log(2)
 
 
-def _group_of(lv: fp.planning.cascade.CascadeLevel, qo: np.ndarray, i: int) -> int:
-    """The group of a level's call that runs request ``i``'s query rows, or -1."""
-    at = int(np.searchsorted(lv.q_rows, qo[i]))
-    if at < lv.q_rows.shape[0] and lv.q_rows[at] == qo[i]:
-        return int(np.searchsorted(lv.qo_indptr, at, side="right")) - 1
-    return -1
-
-
 # -------------------------------------------------------------------------------- tests
 @given(batches())
 def test_levels_partition_every_requests_keys(case) -> None:  # type: ignore[no-untyped-def]
@@ -121,7 +113,7 @@ def test_levels_partition_every_requests_keys(case) -> None:  # type: ignore[no-
     for i in range(layout.batch_size):
         spans = []
         for lv in cp.levels:
-            g = _group_of(lv, qo, i)
+            g = lv.group_of_row(int(qo[i]))
             if g >= 0:
                 s = lv.spans
                 assert s.kv_lens[g] > 0  # no kernel request reads nothing
@@ -182,7 +174,7 @@ def test_merged_levels_equal_dense_attention(case, seed: int) -> None:  # type: 
             want, want_lse = _attend(queries[r], *row_tokens(i, 0, pos + 1))
             parts = []
             for lv in cp.levels:
-                g = _group_of(lv, qo, i)
+                g = lv.group_of_row(int(qo[i]))
                 if g >= 0:  # the level's call: the group's first member's row, no mask
                     s = lv.spans
                     rep = int(lv.row_of[g])

@@ -309,7 +309,7 @@ def share_pages(
     out = pages.clone()
     r = np.asarray(rows, dtype=np.int64)
     for level in shared.levels:
-        members = level.members().astype(np.int64)
+        members = level.members()
         count = level.count.astype(np.int64)
         first = np.repeat(level.first.astype(np.int64), count)
         whole = np.repeat(level.shared_len.astype(np.int64) // page_size, count)
