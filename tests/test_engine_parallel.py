@@ -92,7 +92,8 @@ def run(
 ) -> tuple[Engine, list[StepOutput]]:
     """Run ``requests`` to the end (llama, page size 4, 16 tokens a step), checking the
     pages, the families and, on every step planned with a sharing, that the step's table
-    keeps its promise (``fp.check_shared_pages``)."""
+    keeps its promise (``fp.check_shared_pages``). Each step's ``table`` is a snapshot
+    (the engine refreshes its own in place)."""
     adapter = adapter_for(models()[0])
     assert isinstance(adapter, DecoderOnly)
     engine = Engine(
@@ -111,6 +112,8 @@ def run(
             fp.check_shared_pages(out.shared_prefix, out.table.pages, out.table.rows, PAGE)
         check_families(engine)
         check_pages(engine)
+        if out.table is not None:  # the engine's live table: keep this step's ids
+            out.table = fp.PageTable(out.table.pages.clone(), rows=out.table.rows)
         steps.append(out)
     assert not engine.running and sorted(engine.allocator.free) == list(range(num_pages))
     assert not engine.allocator.holders.any()

@@ -22,6 +22,7 @@ import torch
 
 import flashplan as fp
 
+from .device_table import DevicePageTable
 from .graphs import DecodeGraphs
 from .hf_attention import HFConventions, Kind, StepContext, planned_groups
 from .hf_models import DecoderOnly, EncoderDecoder, EncoderOnly
@@ -179,7 +180,8 @@ class StepOutput:
     row ``j`` belongs to ``owners[j]`` at decoder position ``positions[j]``; ``sampled`` maps
     request id -> the token sampled this step (children forked this step included, though
     not in ``batch``: they drew from their parent's row). ``table`` is the step's page table
-    (a copy of the engine's, on the model's device; its rows are ``batch``'s) and
+    (the engine's device copy, :attr:`Engine.device_table`, as the step sent it: read it
+    before the next step, which refreshes it in place; its rows are ``batch``'s) and
     ``shared_prefix`` the sharing it was planned with (``None``: no family of samples
     decoding together); ``spec.cascade`` says whether the plan runs levels for it."""
 
@@ -275,6 +277,8 @@ class Engine:
         self.allocator = PageAllocator(num_pages)
         # Host page table: one row per running request, -1 where no page is allocated.
         self.table = np.full((max_running, _cdiv(max_request_tokens, page_size) + 1), -1, np.int32)
+        # ... and its one device copy for the engine's life, refreshed at each step's start
+        self.device_table = DevicePageTable(self.table.shape, self.device)
         self.free_rows = list(range(max_running - 1, -1, -1))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -490,7 +494,7 @@ class Engine:
         for r, need in zip(reqs, layout.pages_needed.tolist(), strict=True):
             r.pages += self.allocator.alloc(need - len(r.pages))
             self.table[r.row, : len(r.pages)] = r.pages
-        pages = torch.tensor(self.table, device=self.device)  # a copy: the step keeps it
+        pages = self.device_table.send(self.table)  # the same tensor every step
         table = fp.PageTable(pages, rows=[r.row for r in reqs])
         # 3. Encoder pass for joining requests (its own plan; no cache).
         encoder_states = self._encode([r for r in reqs if not r.encoder_cached], pages)
