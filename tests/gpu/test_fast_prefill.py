@@ -9,7 +9,9 @@ shrink and grow — and after every apply each wrapper of the first must hold ex
 state the same wrapper of the second got from ``plan()``: every field FlashInfer keeps
 (``_plan_info``, indptrs, page ids, KV lengths, mask and multi-item tensors, lengths,
 flags) by value, and the same outputs bit for bit. The first executor must have taken
-the fast route (counted in ``plan_counts``) and never synced.
+the fast route (counted in ``plan_counts``) and never synced. One batch comes twice (new
+plans of the same arrays): its re-plans keep the scheduler's last plan
+(``schedules_kept``), which must equal ``plan()``'s too.
 """
 
 from __future__ import annotations
@@ -56,9 +58,11 @@ def _layouts(page_size: int, seed: int) -> list[fp.BatchLayout]:
         parents[:, j] = rng.integers(0, j, 5)
     tree = fp.DraftTree.from_parents(parents)
     verify_groups = (fp.AttentionGroup.full(), fp.AttentionGroup.sliding(30))
+    again = extend(7, 100, 900)
     return [
         extend(3, 5, 40),  # first: the only full plan() of each wrapper
-        extend(7, 100, 900),
+        again,
+        again,  # the same arrays planned again: each wrapper keeps its schedule
         extend(2, 1, 2000),
         fp.BatchLayout.extend(
             [40, 18, 25, 9],
@@ -159,6 +163,9 @@ def test_fast_prefill_plan_equals_plan(page_size: int, kv_dtype: torch.dtype) ->
             )
         _check_kv_lens_fields(fast, step)
     assert fast.plan_counts["fast_prefill_plan"] >= 8  # every wrapper after its first plan
+    # the repeated batch's re-plans kept the scheduler's last plan (and the state checks
+    # above found it equal to plan()'s)
+    assert fast.plan_counts["schedules_kept"] >= len(EXTEND_GROUPS)
     assert full.plan_counts["fast_prefill_plan"] == 0
     # The sequence makes full plan() calls on wrappers that were re-planned (a verify
     # batch's tree mask changes the constants of the full group's wrapper, and the

@@ -339,7 +339,9 @@ class PrefillArrays(NamedTuple):
     max_kv_len: int
 
 
-def replan_prefill(slot: Slot, kwargs: dict[str, Any], arrays: PrefillArrays) -> None:
+def replan_prefill(
+    slot: Slot, kwargs: dict[str, Any], arrays: PrefillArrays, *, schedule: bool = True
+) -> None:
     """Re-plan ``slot``'s eager paged prefill wrapper without ``plan()``.
 
     Paged prefill ``plan()`` checks its arguments, derives host metadata (KV lengths, a
@@ -360,6 +362,9 @@ def replan_prefill(slot: Slot, kwargs: dict[str, Any], arrays: PrefillArrays) ->
         slot: the wrapper.
         kwargs: the call's ``plan()`` keyword arguments (placeholders resolved).
         arrays: the batch's arrays (:class:`PrefillArrays`).
+        schedule: ``False``: the caller knows the scheduler's inputs equal its last
+            call's, whose plan (``_plan_info``, the int workspace) stands: the scheduler
+            is skipped, the fields are still pointed at these arrays.
     """
     w = slot.wrapper
     bs = int(arrays.kv_lens_host.shape[0])
@@ -391,29 +396,21 @@ def replan_prefill(slot: Slot, kwargs: dict[str, Any], arrays: PrefillArrays) ->
     w._block_tables = None
     head_dim = kwargs["head_dim_qk"]
     fixed_split = kwargs.get("fixed_split_size")
-    w._plan_info = w._cached_module.plan(
-        w._float_workspace_buffer,
-        w._int_workspace_buffer,
-        w._pin_memory_int_workspace_buffer,
-        arrays.qo_indptr_host,
-        arrays.page_indptr_host,
-        arrays.kv_lens_host,
-        w._max_total_num_rows or arrays.total_rows,
-        bs,
-        kwargs["num_qo_heads"],
-        kwargs["num_kv_heads"],
-        kwargs["page_size"],
-        False,  # is_cuda_graph_enabled (eager wrappers only)
-        head_dim,
-        kwargs.get("head_dim_vo") or head_dim,
-        kwargs.get("causal", False),
-        kwargs.get("window_left", -1),
-        fixed_split if fixed_split else -1,
-        bool(kwargs.get("disable_split_kv", False)),
-        0,  # num_colocated_ctas
-        0,  # uniform_q_len: no promise (only graph plans read it)
-        False,  # fixed_uniform_q_len
-    )
+    if schedule:  # the scheduler, as plan() runs it on this path
+        w._plan_info = w._cached_module.plan(
+            w._float_workspace_buffer, w._int_workspace_buffer,
+            w._pin_memory_int_workspace_buffer, arrays.qo_indptr_host,
+            arrays.page_indptr_host, arrays.kv_lens_host,
+            w._max_total_num_rows or arrays.total_rows, bs, kwargs["num_qo_heads"],
+            kwargs["num_kv_heads"], kwargs["page_size"],
+            False,  # is_cuda_graph_enabled (eager wrappers only)
+            head_dim, kwargs.get("head_dim_vo") or head_dim, kwargs.get("causal", False),
+            kwargs.get("window_left", -1), fixed_split if fixed_split else -1,
+            bool(kwargs.get("disable_split_kv", False)),
+            0,  # num_colocated_ctas
+            0,  # uniform_q_len: no promise (only graph plans read it)
+            False,  # fixed_uniform_q_len
+        )  # fmt: skip
     w._seq_lens_kv = None
     w._seq_lens_q = None
 

@@ -199,10 +199,12 @@ class WrapperSlot:
             fixed its compiled module; ``None`` before one, or after one that failed.
         replannable: whether its last full ``plan()`` took the path a prefill re-plan
             re-creates (:func:`~flashplan.executor.flashinfer.adapter.replannable`).
-        scheduled: what the decode scheduler's last run on this wrapper read, when that
-            run came after its last full ``plan()``: ``(spec, page indptr)`` — the plan
-            (PlanSpec) it came from and a copy of its int32 ``[bs + 1]`` page indptr
-            (pages); ``None`` otherwise (see ``wrapper_plans``).
+        scheduled: what the scheduler's last run on this wrapper read (its last full
+            ``plan()`` or a later re-plan): ``(spec, arrays)`` — the plan (PlanSpec) it
+            came from and copies of the int32 host arrays it read (a decode's page
+            indptr, with tensor cores also ``qo_indptr`` and the KV lengths; a paged
+            prefill's ``qo_indptr``, page indptr and KV lengths); ``None`` before one
+            (see ``wrapper_plans``).
     """
 
     wrapper: Any
@@ -210,7 +212,7 @@ class WrapperSlot:
     fixed: dict[str, torch.Tensor] = attrs.field(factory=dict)
     planned_with: tuple[tuple[str, Any], ...] | None = None
     replannable: bool = False
-    scheduled: tuple[object, np.ndarray] | None = None
+    scheduled: tuple[object, tuple[np.ndarray, ...]] | None = None
 
     def idle(self) -> bool:
         """The copies the wrapper's last ``plan()`` queued have run (never waits)."""

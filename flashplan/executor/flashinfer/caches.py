@@ -32,10 +32,10 @@ wrapper (``WrapperPool``)    ``(step prefix, WrapperKey)``: kind, its last full 
                                                                   call's
                                                                   (``planned_with``), or
                                                                   ``plan()`` runs
-a decode wrapper's last      the scheduler's inputs: the call's   the same ``PlanSpec``
-schedule                     constants (checked as above) and     (``is``), or (CUDA-core
-(``WrapperSlot.scheduled``)  the plan's arrays (page indptr;      decode) equal page
-                             tensor cores: KV lengths too)        indptr values
+a wrapper's last schedule    the scheduler's inputs: the call's   the same ``PlanSpec``
+(decode, paged prefill;      constants (checked as above) and     (``is``), or equal
+``WrapperSlot.scheduled``)   the host arrays it reads (indptrs,   values of those arrays
+                             KV lengths)
 named views of a staging     ``(id(tensor), StagingManifest)``    ``views.tensor is
 tensor (``SliceViews``)                                           tensor``
 bound ``plan()`` arguments   :class:`BoundCallKey`: step prefix,  ``bound.host is host``

@@ -105,31 +105,48 @@ def bound_call(
     return bound
 
 
-def _schedule_changed(held: WrapperSlot, spec: PlanSpec, arrays: DecodeArrays) -> bool:
-    """Whether a decode re-plan must run the scheduler: not when its inputs equal those
-    of the scheduler's last run on this wrapper (whose plan then stands).
+def _schedule_changed(held: WrapperSlot, spec: PlanSpec, inputs: tuple[torch.Tensor, ...]) -> bool:
+    """Whether a re-plan must run the scheduler: not when its inputs equal those of the
+    scheduler's last run on this wrapper (whose plan, ``_plan_info`` and the int
+    workspace, then stands).
 
     The inputs are fixed by the call's constants (equal: the caller checked
-    ``planned_with``) and the plan's arrays: the same plan object has the same ones. A
-    CUDA-core decode's only array is the page indptr, which in a decode loop changes
-    once per page of new tokens, so equal values are checked too (``bs + 1`` int32); a
-    tensor-core decode's scheduler also reads every request's KV length, which changes
-    every step, so only the plan itself is compared. Records the inputs when the
+    ``planned_with``) and the host arrays the scheduler reads (``inputs``, pinned int32
+    views: a decode's page indptr, a tensor-core decode's ``qo_indptr`` and KV lengths
+    too; a paged prefill's ``qo_indptr``, page indptr and KV lengths). The same plan
+    object has the same arrays; otherwise their values are compared (a decode loop
+    changes a CUDA-core decode's page indptr once per page of new tokens; a cascade
+    level's arrays stay the same while its sharing does). Records the inputs when the
     scheduler runs.
     """
-    indptr = arrays.indptr_host.numpy()
+    arrays = tuple(t.numpy() for t in inputs)
     last = held.scheduled
     if last is not None and (
         last[0] is spec
         or (
-            arrays.kv_lens_host is None
-            and last[1].shape == indptr.shape
-            and np.array_equal(last[1], indptr)
+            len(last[1]) == len(arrays)
+            and all(
+                a.shape == b.shape and np.array_equal(a, b)
+                for a, b in zip(last[1], arrays, strict=True)
+            )
         )
     ):
         return False
-    held.scheduled = (spec, indptr.copy())
+    held.scheduled = (spec, tuple(a.copy() for a in arrays))
     return True
+
+
+def _decode_inputs(decode: DecodeViews) -> tuple[torch.Tensor, ...]:
+    """The host arrays a decode scheduler reads: the page indptr; with tensor cores
+    also ``qo_indptr`` and the KV lengths."""
+    indptr, _, _, _, qo, _, kv = decode
+    return (indptr,) if qo is None or kv is None else (indptr, qo, kv)
+
+
+def _prefill_inputs(prefill: PrefillViews) -> tuple[torch.Tensor, ...]:
+    """The host arrays a paged prefill scheduler reads: ``qo_indptr``, the page indptr
+    and the KV lengths."""
+    return (prefill[0], prefill[2], prefill[5])
 
 
 def plan_calls(
@@ -191,7 +208,7 @@ def plan_calls(
                 and held.planned_with == call.constants  # None before a full plan()
             ):
                 arrays = DecodeArrays(*bound.decode, indices=kwargs["indices"])
-                schedule = _schedule_changed(held, spec, arrays)
+                schedule = _schedule_changed(held, spec, _decode_inputs(bound.decode))
                 replan_decode(held, kwargs, arrays, graph=strategy.graph, schedule=schedule)
                 counts.decode_replans += 1
                 counts.schedules_kept += not schedule
@@ -208,8 +225,10 @@ def plan_calls(
                     mask_indptr_device=bound.mask_indptr, total_rows=ints[total],
                     max_q_len=ints[max_q], max_kv_len=ints[max_kv],
                 )  # fmt: skip
-                replan_prefill(held, kwargs, prefill)
+                schedule = _schedule_changed(held, spec, _prefill_inputs(bound.prefill))
+                replan_prefill(held, kwargs, prefill, schedule=schedule)
                 counts.prefill_replans += 1
+                counts.schedules_kept += not schedule
             else:
                 held.planned_with = None  # until this plan() succeeds
                 held.replannable = False
@@ -218,7 +237,9 @@ def plan_calls(
                 call_plan(held.wrapper, kwargs, settings.workspace_bytes)
                 held.planned_with = call.constants
                 if bound.decode is not None:  # plan() ran the scheduler on these inputs
-                    held.scheduled = (spec, bound.decode[0].numpy().copy())
+                    _schedule_changed(held, spec, _decode_inputs(bound.decode))
+                elif bound.prefill is not None:
+                    _schedule_changed(held, spec, _prefill_inputs(bound.prefill))
                 # what replannable() reads is fixed by the constructor, the constant
                 # arguments and this plan(): checked once per full plan()
                 held.replannable = bound.prefill is not None and replannable(held.wrapper, kwargs)
