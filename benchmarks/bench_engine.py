@@ -10,6 +10,9 @@ batch size:
                   every step eager (HF's modules, flashplan attention)
   engine graphs   the same engine with ``cuda_graphs=(batch,)``: decode steps replayed
                   from a CUDA graph captured at start-up
+  engine compiled (``--compile``) the engine with graphs, its forward compiled by
+                  ``torch.compile`` (inductor) with attention through flashplan's custom
+                  op ``flashplan::run``: the norms, RoPE and activations fused
   HF static       ``model.generate(..., cache_implementation="static",
                   disable_compile=True)`` with sdpa attention, the same weights, the whole
                   batch in one padded tensor: HF's eager forward over a static cache
@@ -33,7 +36,7 @@ first 2 layers (same vocabulary and embeddings), against the target's plain gree
 decode; tokens equal, acceptance and speed-up reported.
 
     python3 benchmarks/bench_engine.py [--batches 1,8,64] [--prompt 1024] [--new 128]
-        [--parts engine,hf,spec] [--hf-compile] [--md OUT.md] [--json OUT.json]
+        [--parts engine,hf,spec] [--hf-compile] [--compile] [--md OUT.md] [--json OUT.json]
     python3 benchmarks/bench_engine.py --tp 2 --parts none --batches 64   # 2 GPUs, NCCL
 
 ``--tp N`` (issue 30): the model sharded over N GPUs (``examples.engine.tensor_parallel``,
@@ -95,7 +98,12 @@ def prompts(batch: int, length: int, seed: int = 1) -> list[list[int]]:
 
 
 def run_engine(
-    model: torch.nn.Module | DecoderOnly, batch: int, prompt: int, new: int, graphs: bool
+    model: torch.nn.Module | DecoderOnly,
+    batch: int,
+    prompt: int,
+    new: int,
+    graphs: bool,
+    compile: str | None = None,
 ) -> dict[str, float]:
     """One engine run: wall s, decode wall s, decode steps, flashplan's decode host s."""
     adapter = model if isinstance(model, DecoderOnly) else adapter_for(model)
@@ -105,6 +113,7 @@ def run_engine(
         adapter, make_executor(dev), page_size=PAGE, num_pages=batch * width + 2,
         max_running=batch, token_budget=min(16384, batch * prompt),
         max_request_tokens=prompt + new + 1, cuda_graphs=(batch,) if graphs else (),
+        compile=compile,
     )  # fmt: skip
     for p in prompts(batch, prompt):
         engine.add(Request(p, new))
@@ -158,10 +167,12 @@ def bench_engine_and_hf(args: argparse.Namespace, parts: set[str]) -> list[dict[
         row: dict[str, object] = {"batch": batch}
         tokens = batch * args.new
         if fp_model is not None:
-            for graphs in (False, True):
-                run_engine(fp_model, batch, args.prompt, args.new, graphs)  # warm-up
-                r = run_engine(fp_model, batch, args.prompt, args.new, graphs)
-                key = "graphs" if graphs else "eager"
+            variants = [("eager", False, None), ("graphs", True, None)]
+            if args.compile:
+                variants.append(("compiled", True, "inductor"))
+            for key, graphs, backend in variants:
+                run_engine(fp_model, batch, args.prompt, args.new, graphs, backend)  # warm-up
+                r = run_engine(fp_model, batch, args.prompt, args.new, graphs, backend)
                 row[f"{key}_tok_s"] = tokens / r["wall_s"]
                 row[f"{key}_decode_tok_s"] = batch * r["decode_steps"] / r["decode_s"]
                 step = r["decode_s"] / r["decode_steps"]
@@ -279,8 +290,10 @@ def table(rows: list[dict[str, object]], args: argparse.Namespace) -> list[str]:
         "",
         "| batch | engine eager tok/s | engine graphs tok/s | HF static tok/s | graphs / HF "
         "| eager / HF | decode tok/s eager / graphs / HF | step ms eager / graphs / HF "
-        "| flashplan host share eager / graphs | HF compiled tok/s | graphs / HF compiled |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| flashplan host share eager / graphs | HF compiled tok/s | graphs / HF compiled "
+        "| engine compiled+graphs tok/s | compiled / HF | compiled / HF compiled "
+        "| compiled decode tok/s, step ms, host share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = lambda k, base="hf_tok_s": (  # noqa: E731
@@ -294,7 +307,11 @@ def table(rows: list[dict[str, object]], args: argparse.Namespace) -> list[str]:
             f"| {f(r, 'eager_step_ms', '.2f')} / {f(r, 'graphs_step_ms', '.2f')} / "
             f"{f(r, 'hf_step_ms', '.2f')} "
             f"| {f(r, 'eager_host_share', '.1%')} / {f(r, 'graphs_host_share', '.1%')} "
-            f"| {f(r, 'hfc_tok_s', '.0f')} | {ratio('graphs_tok_s', 'hfc_tok_s')} |"
+            f"| {f(r, 'hfc_tok_s', '.0f')} | {ratio('graphs_tok_s', 'hfc_tok_s')} "
+            f"| {f(r, 'compiled_tok_s', '.0f')} | {ratio('compiled_tok_s')} "
+            f"| {ratio('compiled_tok_s', 'hfc_tok_s')} "
+            f"| {f(r, 'compiled_decode_tok_s', '.0f')}, {f(r, 'compiled_step_ms', '.2f')}, "
+            f"{f(r, 'compiled_host_share', '.1%')} |"
         )
     return lines
 
@@ -307,6 +324,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--parts", default="engine,hf,spec")
     ap.add_argument("--hf-compile", action="store_true")
+    ap.add_argument(
+        "--compile", action="store_true", help="also the engine with graphs over its forward "
+        "compiled by torch.compile (inductor; attention through the custom op)",
+    )  # fmt: skip
     ap.add_argument("--tp", type=int, default=0, help="tensor-parallel GPUs (the --tp part)")
     ap.add_argument("--md", type=Path)
     ap.add_argument("--json", type=Path)

@@ -15,7 +15,7 @@ page 16): ``--batch`` requests with ``--prompt``-token prompts are prefilled, th
   sampling and its read-back).
 
     python3 benchmarks/profile_engine.py [--batch 64] [--prompt 1024] [--steps 20]
-        [--eager] [--md OUT.md]
+        [--eager] [--compile] [--md OUT.md]
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ from examples.engine.hf_models import adapter_for
 from examples.engine.run import make_executor
 
 
-def engine_at_decode(batch: int, prompt: int, new: int, graphs: bool) -> Engine:
+def engine_at_decode(
+    batch: int, prompt: int, new: int, graphs: bool, compile: str | None = None
+) -> Engine:
     """An engine whose requests are all prefilled (the next step decodes them all)."""
     adapter = adapter_for(build(ATTN_IMPLEMENTATION))
     width = -(-(prompt + new + 1) // PAGE)
@@ -48,6 +50,7 @@ def engine_at_decode(batch: int, prompt: int, new: int, graphs: bool) -> Engine:
         adapter, make_executor(adapter.model.device), page_size=PAGE,
         num_pages=batch * width + 2, max_running=batch, token_budget=min(16384, batch * prompt),
         max_request_tokens=prompt + new + 1, cuda_graphs=(batch,) if graphs else (),
+        compile=compile,
     )  # fmt: skip
     for p in prompts(batch, prompt):
         engine.add(Request(p, new))
@@ -65,13 +68,17 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="the forward under torch.compile")
     ap.add_argument("--md", type=Path)
     args = ap.parse_args()
     steps = args.steps
-    engine = engine_at_decode(args.batch, args.prompt, 4 * steps + 16, not args.eager)
+    engine = engine_at_decode(
+        args.batch, args.prompt, 4 * steps + 16, not args.eager, "inductor" if args.compile else None
+    )
     lines = [
         f"engine decode step profile, {torch.cuda.get_device_name()}, batch {args.batch}, "
-        f"prompt {args.prompt}, {'eager' if args.eager else 'graphs'}, {steps} steps",
+        f"prompt {args.prompt}, {'eager' if args.eager else 'graphs'}"
+        f"{', compiled' if args.compile else ''}, {steps} steps",
         "",
     ]
 

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import attrs
 import numpy as np
@@ -225,6 +226,11 @@ class Engine:
         cascade: ``fp.plan``'s ``cascade`` for the steps where samples of one request
             decode together (``"off"``, ``"on"`` or ``"auto"``): their shared prompt
             pages are read once per family (see docs/guide-shared-prefix.md).
+        compile: a ``torch.compile`` backend (``"inductor"``, or a callable) to run the
+            model's forward compiled with (decoder-only models), eager steps and captured
+            decode steps alike: inductor fuses the norms, RoPE and activations around
+            attention, which runs through the custom op ``flashplan::run``
+            (``fp.attention``), kept whole by the compiler. ``None``: eager.
     """
 
     def __init__(
@@ -245,6 +251,7 @@ class Engine:
         kv_scales: tuple[float, float] = (1.0, 1.0),
         cuda_graphs: Sequence[int] = (),
         cascade: str = "auto",
+        compile: Any = None,
     ) -> None:
         if cascade not in ("off", "on", "auto"):
             raise ValueError(f"cascade must be 'off', 'on' or 'auto', not {cascade!r}")
@@ -274,6 +281,13 @@ class Engine:
         caches += [torch.zeros_like(caches[0]) for _ in range(adapter.num_layers - 1)]
         scales = kv_scales if h.kv_is_fp8 else None
         self.ctx = StepContext(executor, adapter.bindings, caches, conventions, scales)
+        # the forward every eager step runs, and its context
+        self._forward: DecoderOnly | EncoderDecoder = adapter
+        self._forward_ctx = self.ctx
+        if compile is not None:
+            if not isinstance(adapter, DecoderOnly):
+                raise ValueError("compile is for decoder-only models")
+            self._forward, self._forward_ctx = adapter.compiled(compile), self.ctx.for_compile()
         self.allocator = PageAllocator(num_pages)
         # Host page table: one row per running request, -1 where no page is allocated.
         self.table = np.full((max_running, _cdiv(max_request_tokens, page_size) + 1), -1, np.int32)
@@ -301,6 +315,7 @@ class Engine:
             self.graphs = DecodeGraphs(
                 adapter, executor, self.ctx, self.groups, h, cuda_graphs,
                 max_pages=self.table.shape[1], page_size=page_size, scratch_page=scratch,
+                compile=compile,
             )  # fmt: skip
 
     # -- requests ---------------------------------------------------------------------------
@@ -525,11 +540,11 @@ class Engine:
             t0 = time.perf_counter()
             self.executor.apply(spec, table)
             apply_s = time.perf_counter() - t0
-            logits = self.adapter.decode(
+            logits = self._forward.decode(
                 torch.tensor(ids, device=self.device),
                 self.executor.positions().long(),  # RoPE, built on the device from the plan
                 torch.from_numpy(keep).to(self.device, torch.int64),
-                self.ctx,
+                self._forward_ctx,
                 encoder_states,
             )
         if layout.mode is fp.Mode.DECODE:

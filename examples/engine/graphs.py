@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,6 +44,10 @@ class DecodeGraphs:
         max_pages: pages per request (the page table's row width).
         page_size: tokens per page.
         scratch_page: a page of every cache that no request uses (the capture's writes).
+        compile: a ``torch.compile`` backend (``"inductor"``, or a callable) to capture the
+            forward compiled with (attention through the custom op ``flashplan::run``:
+            :meth:`StepContext.for_compile`; compiled in each bucket's warm-up run, before
+            the capture), or ``None``: the eager forward.
     """
 
     def __init__(
@@ -57,6 +62,7 @@ class DecodeGraphs:
         max_pages: int,
         page_size: int,
         scratch_page: int,
+        compile: Any = None,
     ) -> None:
         from flashplan.executor.flashinfer import FlashInferExecutor
         from flashplan.executor.flashinfer.bucket import GraphBucket
@@ -74,6 +80,7 @@ class DecodeGraphs:
         self._pinned: dict[int, torch.Tensor] = {}
         self.last_apply_s = 0.0
         pool = torch.cuda.graph_pool_handle()
+        forward = adapter if compile is None else adapter.compiled(compile)
         for bs in self.sizes:
             gx = executor.for_bucket(GraphBucket.decode(batch_size=bs, max_pages=max_pages))
             # warm-up batch: every request one token long, on the scratch page
@@ -85,9 +92,11 @@ class DecodeGraphs:
             positions = torch.zeros(bs, dtype=torch.int64, device=device)
             rows = torch.arange(bs, device=device)
             graph_ctx = StepContext(gx, ctx.bindings, ctx.kv_caches, ctx.conventions, ctx.kv_scales)
+            if compile is not None:
+                graph_ctx = graph_ctx.for_compile()
             self.steps[bs] = capture(
                 gx,
-                lambda ids=ids, positions=positions, rows=rows, c=graph_ctx: adapter.decode(
+                lambda ids=ids, positions=positions, rows=rows, c=graph_ctx: forward.decode(
                     ids, positions, rows, c
                 ),
                 pool=pool,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -201,6 +201,45 @@ class StepContext:
     kv_caches: list[torch.Tensor]
     conventions: HFConventions
     kv_scales: tuple[float, float] | None = None
+    compiled: Mapping[nn.Module, CompiledCall] | None = None
+
+    def for_compile(self) -> StepContext:
+        """This context with every self-attention module's call resolved ahead of time
+        (:class:`CompiledCall`), for a forward under ``torch.compile``: the attention
+        function then runs the custom op ``flashplan::run`` (``fp.attention``), which the
+        compiler keeps whole, and builds no record while it is traced.
+
+        Raises:
+            ValueError: a cross-attention or encoder module (their calls depend on the
+                applied plan's encoder rows: eager only).
+        """
+        calls = {}
+        for module, b in self.bindings.items():
+            if b.kind is not Kind.SELF or b.cache is None:
+                raise ValueError("only decoder self-attention runs compiled")
+            call = expected_call(module)
+            group, sinks = self.conventions.resolve(b.kind, call)
+            op = fp.AttentionOp(self.executor, group)
+            calls[module] = CompiledCall(op, call, sinks, self.kv_caches[b.cache])
+        return replace(self, compiled=calls)
+
+
+@dataclass(frozen=True)
+class CompiledCall:
+    """One module's attention call, resolved before a compiled forward is traced.
+
+    Attributes:
+        op: the custom op's reference to the executor and the module's group.
+        expected: the arguments the module will pass (:func:`expected_call`); the traced
+            call must pass these, else :class:`~flashplan.PlanMismatchError`.
+        sinks: the run-time sink logits (float32 ``[num_qo_heads]``) or ``None``.
+        cache: the module's KV cache.
+    """
+
+    op: fp.AttentionOp
+    expected: HFCall
+    sinks: torch.Tensor | None
+    cache: torch.Tensor
 
 
 def _tokens_first(x: torch.Tensor) -> torch.Tensor:
@@ -245,6 +284,9 @@ def flashplan_attention(
         raise ValueError("flashplan attention runs in eval mode, without an HF mask")
     if scaling is None:
         raise ValueError(f"{type(module).__name__} passed no scaling")
+    if ctx.compiled is not None:
+        return _compiled_attention(ctx, module, query, key, value, scaling, sliding_window,
+                                   softcap, s_aux), None  # fmt: skip
     binding = ctx.bindings[module]
     call = HFCall(scaling, sliding_window, softcap, s_aux, hf_layer_chunk(module))
     group, sinks = ctx.conventions.resolve(binding.kind, call)
@@ -259,6 +301,39 @@ def flashplan_attention(
     else:
         out = ctx.executor.run(group, q, k, v, cache, sinks=sinks)
     return out.unsqueeze(0), None
+
+
+def _compiled_attention(
+    ctx: StepContext,
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    s_aux: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`flashplan_attention` under ``torch.compile``: the module's call resolved
+    ahead of time (:meth:`StepContext.for_compile`), its arguments checked against it
+    (constants while tracing: the check costs nothing per step), then the custom op."""
+    assert ctx.compiled is not None
+    entry = ctx.compiled[module]
+    want = entry.expected
+    same = (scaling, sliding_window, softcap) == (want.scaling, want.sliding_window, want.softcap)
+    if not same or s_aux is not want.s_aux or hf_layer_chunk(module) != want.chunk:
+        raise fp.PlanMismatchError(
+            "group", "the module's attention call is not the one planned",
+            module=type(module).__name__,
+        )  # fmt: skip
+    q, k, v = _tokens_first(query), _tokens_first(key), _tokens_first(value)
+    scales = ctx.kv_scales
+    if scales is not None:
+        out = fp.attention(entry.op, q, k, v, entry.cache, sinks=entry.sinks,
+                           k_scale=scales[0], v_scale=scales[1])  # fmt: skip
+    else:
+        out = fp.attention(entry.op, q, k, v, entry.cache, sinks=entry.sinks)
+    return out.unsqueeze(0)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, flashplan_attention)

@@ -12,6 +12,7 @@ with per-request positions. Encoder-only models (EmbeddingGemma: Gemma 3 with
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -197,6 +198,15 @@ class DecoderOnly:
         self.max_tokens: int | None = None
         if getattr(c, "attn_temperature_tuning", False) and not all(c.no_rope_layers):
             self.max_tokens = int(c.floor_scale) - 1
+
+    def compiled(self, backend: Any = "inductor") -> DecoderOnly:
+        """This adapter over ``torch.compile(model, backend=backend)``: the same modules
+        and bindings, its forward compiled (inductor fuses the norms, RoPE and activations)
+        with attention through the custom op ``flashplan::run`` when the step's context
+        comes from :meth:`StepContext.for_compile`."""
+        twin = copy.copy(self)
+        twin.model = torch.compile(self.model, backend=backend)
+        return twin
 
     @torch.no_grad()
     def decode(
