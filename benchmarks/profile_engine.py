@@ -72,9 +72,8 @@ def main() -> None:
     ap.add_argument("--md", type=Path)
     args = ap.parse_args()
     steps = args.steps
-    engine = engine_at_decode(
-        args.batch, args.prompt, 4 * steps + 16, not args.eager, "inductor" if args.compile else None
-    )
+    backend = "inductor" if args.compile else None
+    engine = engine_at_decode(args.batch, args.prompt, 4 * steps + 16, not args.eager, backend)
     lines = [
         f"engine decode step profile, {torch.cuda.get_device_name()}, batch {args.batch}, "
         f"prompt {args.prompt}, {'eager' if args.eager else 'graphs'}"
