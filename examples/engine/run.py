@@ -155,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         help="KV cache dtype: the model's, or fp8 (K/V quantized with scale 1; the model runs "
         "in bf16, also on the CPU)",
     )  # fmt: skip
+    p.add_argument(
+        "--compile", action="store_true",
+        help="run the model's forward under torch.compile (inductor; decoder-only models), "
+        "attention through flashplan's custom op",
+    )  # fmt: skip
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
@@ -175,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     encdec = bool(config.is_encoder_decoder)
     if args.n > 1 and encdec:
         p.error("--n > 1 (parallel sampling) needs a decoder-only model")
+    if args.compile and encdec:
+        p.error("--compile needs a decoder-only model")
     engine = Engine(
         adapter,
         make_executor(device),
@@ -185,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         extend_path=args.extend_path,
         kv_dtype=kv_dtype,
         cascade=args.cascade,
+        compile="inductor" if args.compile else None,
     )
     reqs = make_requests(
         config.vocab_size, encdec, args.requests, args.max_new_tokens, args.seed,
