@@ -171,8 +171,15 @@ def bench_engine_and_hf(args: argparse.Namespace, parts: set[str]) -> list[dict[
             if args.compile:
                 variants.append(("compiled", True, "inductor"))
             for key, graphs, backend in variants:
-                run_engine(fp_model, batch, args.prompt, args.new, graphs, backend)  # warm-up
-                r = run_engine(fp_model, batch, args.prompt, args.new, graphs, backend)
+                try:
+                    run_engine(fp_model, batch, args.prompt, args.new, graphs, backend)  # warm-up
+                    r = run_engine(fp_model, batch, args.prompt, args.new, graphs, backend)
+                except Exception as exc:  # reported; the other variants still run
+                    if backend is None:
+                        raise
+                    print(f"batch {batch} engine {key} failed: {exc!r}", flush=True)
+                    row[f"{key}_error"] = repr(exc)[:300]
+                    continue
                 row[f"{key}_tok_s"] = tokens / r["wall_s"]
                 row[f"{key}_decode_tok_s"] = batch * r["decode_steps"] / r["decode_s"]
                 step = r["decode_s"] / r["decode_steps"]
