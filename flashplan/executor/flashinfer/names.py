@@ -29,6 +29,7 @@ reference executor and re-exported here from :mod:`~flashplan.executor.gathers`)
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, NamedTuple
 
 from flashplan.executor.gathers import (
@@ -156,9 +157,10 @@ class Parsed(NamedTuple):
     field: str
 
 
+@functools.lru_cache(maxsize=4096)
 def parse(name: str) -> Parsed:
     """The parts of a staged array's or integer's name (the inverse of the
-    constructors above)."""
+    constructors above). Memoized: a pure function of the name, read every replay."""
     prefix = ""
     if name.startswith("s") and "/" in name:
         head, name = name.split("/", 1)
