@@ -534,7 +534,8 @@ class Engine:
             assert self.graphs is not None
             replay = self.graphs.prepare(bucket, spec, table, ids)
             apply_s = self.graphs.last_apply_s
-            logits = replay()[: len(reqs)]
+            # a copy: the graph's output buffer is the next replay's too
+            logits = replay()[: len(reqs)].clone()
             self.replayed_steps += 1
         else:
             t0 = time.perf_counter()

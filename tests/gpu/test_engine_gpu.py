@@ -66,6 +66,19 @@ def test_engine_decode_steps_replayed_from_cuda_graphs(name: str, page_size: int
     assert engine.replayed_steps > 0
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_compiled_engine_with_graphs(name: str) -> None:
+    """The scenario with the forward under ``torch.compile`` (inductor; attention through
+    the custom op), eager steps and decode steps captured in graph buckets: parity with
+    HF as the eager forward's."""
+    torch._dynamo.reset()
+    try:
+        engine = _scenario(name, 16, "auto", cuda_graphs=(2, 4), compile="inductor")
+    finally:
+        torch._dynamo.reset()
+    assert engine.replayed_steps > 0
+
+
 def _run_to_end(engine: Engine, reqs: list) -> list:  # type: ignore[type-arg]
     """Add ``reqs`` and step ``engine`` until it has no work; its step outputs."""
     for r in reqs:
@@ -79,7 +92,11 @@ def _run_to_end(engine: Engine, reqs: list) -> list:  # type: ignore[type-arg]
 
 
 def _scenario(
-    name: str, page_size: int, extend_path: str, cuda_graphs: tuple[int, ...] = ()
+    name: str,
+    page_size: int,
+    extend_path: str,
+    cuda_graphs: tuple[int, ...] = (),
+    compile: str | None = None,
 ) -> Engine:
     from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 
@@ -96,6 +113,7 @@ def _scenario(
         extend_path=extend_path,
         keep_all_logits=True,
         cuda_graphs=cuda_graphs,
+        compile=compile,
     )
     reqs = make_requests(model.config.vocab_size, model.config.is_encoder_decoder, 6, 8, 0)
     steps = _run_to_end(engine, reqs)
