@@ -11,8 +11,9 @@ manual timers wrapped around the executor's own steps:
   check_fits         (graph) whether the plan fits the bucket
   check_apply_args   argument and page-table checks
   skeleton           the cached call skeleton (a dict lookup once warm)
-  device_plan        the pure host work: call_inputs + gather_jobs (+ bucket_jobs and
-                     padded_inputs for a graph) + device_plan (the staging buffer)
+  device_plan        the pure host work: call_inputs + gather_jobs (a graph:
+                     bucket_gather_jobs and padded_inputs) + device_plan (the staging
+                     buffer)
   stage              pinned ring slot + numpy copy into it + the one host-to-device copy
   gather + mask      the one launch of the gathers and the first custom mask
                      (launch_gather_and_mask, or its binding BoundGatherAndMask, through
@@ -80,7 +81,7 @@ STAGES = [
     ("device_plan", 0),
     ("call_inputs", 1),
     ("gather_jobs", 1),
-    ("bucket_jobs", 1),
+    ("bucket_gather_jobs", 1),
     ("padded_inputs", 1),
     ("staging layout (device_plan())", 1),
     ("stage", 0),
@@ -157,10 +158,11 @@ def instrument(timer: StageTimer, ex: FlashInferExecutor, graph: bool) -> None:
     timer.wrap(strategy, "skeleton", "skeleton")
     timer.wrap(strategy, "device_plan", "device_plan")
     timer.wrap(mod, "call_inputs", "call_inputs")
-    timer.wrap(mod, "gather_jobs", "gather_jobs")
-    if graph:
-        timer.wrap(mod, "bucket_jobs", "bucket_jobs")
+    if graph:  # the jobs straight into the bucket's fixed regions, and the padding
+        timer.wrap(mod, "bucket_gather_jobs", "bucket_gather_jobs")
         timer.wrap(mod, "padded_inputs", "padded_inputs")
+    else:
+        timer.wrap(mod, "gather_jobs", "gather_jobs")
     timer.wrap(mod, "device_plan", "staging layout (device_plan())")
     timer.wrap(executor_mod, "stage", "stage")
     timer.wrap(owned.ring, "acquire", "ring.acquire")

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import flashplan as fp
 from flashplan.executor.flashinfer.bucket import (
     GraphBucket,
+    bucket_gather_jobs,
     bucket_jobs,
     check_fits,
     padded_inputs,
@@ -150,6 +151,7 @@ def test_padded_gather_matches_unpadded_and_pads_harmlessly(
     packed = gather_jobs(spec, table.rows, window_pool=False, spans=inputs.spans)
     fixed_layout = bucket.layout(spec.key, window_pool=False)
     fixed = bucket_jobs(packed, fixed_layout, spec.batch_size, bucket)
+    _check_built_at_once(spec, table, bucket, inputs.spans)
     want_p, want_o = _gather(packed, table, packed.total)
     got_p, got_o = _gather(fixed, table, fixed_layout.total)
     bs, pads = spec.batch_size, extra
@@ -207,6 +209,7 @@ def test_fixed_token_extend_bucket_pads_every_token(
     packed = gather_jobs(spec, table.rows, spans=inputs.spans)
     fixed_layout = bucket.layout(spec.key, window_pool=False)
     fixed = bucket_jobs(packed, fixed_layout, bs, bucket)
+    _check_built_at_once(spec, table, bucket, inputs.spans)
     _, got_o = _gather(fixed, table, fixed_layout.total)
     w = fixed.region("write")
     assert w.size == bucket.total_q
@@ -215,6 +218,32 @@ def test_fixed_token_extend_bucket_pads_every_token(
     host = padded_inputs(inputs.host, bs, bucket)
     assert host["qo_indptr"].tolist() == [tokens * i for i in range(bucket.batch_size + 1)]
     _check_replan_arrays(host, layout.page_size)
+
+
+def _check_built_at_once(
+    spec: fp.PlanSpec, table: fp.PageTable, bucket: GraphBucket, spans: object
+) -> None:
+    """``bucket_gather_jobs`` (what a graph executor runs) builds exactly the table,
+    regions and total of ``bucket_jobs`` over ``gather_jobs``, with and without a
+    window pool."""
+    for window_pool in (False, True):
+        layout = bucket.layout(spec.key, window_pool=window_pool)
+        want = bucket_jobs(
+            gather_jobs(spec, table.rows, window_pool=window_pool, spans=spans,  # type: ignore[arg-type]
+                        encoder_writes=False),
+            layout, spec.batch_size, bucket,
+        )  # fmt: skip
+        got = bucket_gather_jobs(
+            spec,
+            table.rows,
+            layout,
+            bucket,
+            window_pool=window_pool,
+            spans=spans,  # type: ignore[arg-type]
+        )
+        assert got.regions == want.regions and got.total == want.total
+        assert got.table.dtype == want.table.dtype and np.array_equal(got.table, want.table)
+        assert not got.table.flags.writeable
 
 
 def test_verify_buckets_and_their_refusals() -> None:

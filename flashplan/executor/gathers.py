@@ -39,11 +39,13 @@ __all__ = [
     "WRITE",
     "WRITE_WINDOW",
     "GatherJobs",
+    "JobPart",
     "Region",
     "concat_jobs",
     "gather_jobs",
     "gather_jobs_steps",
     "is_pages_region",
+    "job_parts",
     "level_pages_region",
     "pages_region",
     "write_region",
@@ -224,7 +226,7 @@ def gather_jobs(
             ``"pages/l<level>"`` after the groups' regions.
     """
     r32 = np.asarray(rows, dtype=np.int32)
-    parts = _job_parts(spec, window_pool, spans, encoder_writes)
+    parts = job_parts(spec, window_pool, spans, encoder_writes)
     at = sum(1 for p in parts if is_pages_region(p[0]))
     parts[at:at] = [
         (level_pages_region(k), start, num, 1, 0) for k, (start, num) in enumerate(level_spans)
@@ -250,7 +252,7 @@ def gather_jobs_steps(
         prefixes: one region-name prefix per plan.
         window_pool, spans: as :func:`gather_jobs` (``spans`` one per plan).
     """
-    parts: list[_Part] = []
+    parts: list[JobPart] = []
     bs = specs[0].batch_size if specs else 0
     for k, (spec, prefix) in enumerate(zip(specs, prefixes, strict=True)):
         if spec.batch_size != bs:
@@ -258,25 +260,27 @@ def gather_jobs_steps(
                 "specs", "every step's plan must have the first one's batch size", step=k,
                 batch_size=spec.batch_size, first_batch_size=bs,
             )  # fmt: skip
-        own = _job_parts(spec, window_pool, spans[k] if spans else None, True)
+        own = job_parts(spec, window_pool, spans[k] if spans else None, True)
         parts += [(prefix + p[0], p[1], p[2], p[3], p[4]) for p in own]
     return _job_table(parts, np.asarray(rows, dtype=np.int32), bs)
 
 
-#: One part of a job table: region name, first, counts, divisor, page-map flag.
-_Part = tuple[str, IntArray, IntArray, int, int]
+#: One part of a job table: region name, first (int32 ``[bs]``), counts (int32
+#: ``[bs]``), divisor, page-map flag.
+JobPart = tuple[str, IntArray, IntArray, int, int]
 
 
-def _job_parts(
+def job_parts(
     spec: PlanSpec,
     window_pool: bool,
     spans: Mapping[int, tuple[IntArray, IntArray]] | None,
     encoder_writes: bool,
-) -> list[_Part]:
-    """The parts of :func:`gather_jobs`' table, in region order."""
+) -> list[JobPart]:
+    """The parts of :func:`gather_jobs`' table, in region order (one job per request
+    each; arguments as :func:`gather_jobs`')."""
     bs = spec.batch_size
     ps = spec.page_size
-    parts: list[_Part] = []
+    parts: list[JobPart] = []
     windowed = False
     for index, gp in enumerate(spec.group_plans):
         uses_map = window_pool and gp.group.uses_window_pool
@@ -308,7 +312,7 @@ def _divisors_and_flags(per_part: tuple[tuple[int, int], ...]) -> IntArray:
     return out
 
 
-def _job_table(parts: list[_Part], rows: IntArray, bs: int) -> GatherJobs:
+def _job_table(parts: list[JobPart], rows: IntArray, bs: int) -> GatherJobs:
     """The job table of ``parts`` (name, first, counts, div, use_map), each ``[bs]``.
 
     Few numpy calls (this runs every step): the rows are broadcast into every part at

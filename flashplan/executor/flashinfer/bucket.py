@@ -13,6 +13,8 @@ bucket, tested on the CPU:
 * :func:`bucket_jobs` re-addresses a batch's gather jobs into those regions and adds
   *fill jobs* for the padding requests: each padding request reads one valid dummy
   page and writes nowhere (offset -1, which :func:`~flashplan.kernels.write_kv` skips).
+  :func:`bucket_gather_jobs` builds the same table straight from the plan (what a
+  graph executor's replay planning runs every step).
 * :func:`padded_inputs` pads the ``plan()`` host arrays to the bucket's batch size
   (one page of one key per padding request), so FlashInfer plans exactly the fixed
   batch size its graph wrappers were made for.
@@ -21,10 +23,12 @@ bucket, tested on the CPU:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
 import flashplan.executor.flashinfer.names as names
 from flashplan.arrays import INT32_MAX, IntArray, seal_inplace
@@ -36,6 +40,7 @@ from flashplan.executor.gathers import (
     GatherJobs,
     Region,
     is_pages_region,
+    job_parts,
     pages_region,
 )
 from flashplan.layout.batch import Mode
@@ -45,6 +50,7 @@ from flashplan.planning.spec import KernelPath, PlanKey, PlanSpec
 __all__ = [
     "BucketLayout",
     "GraphBucket",
+    "bucket_gather_jobs",
     "bucket_jobs",
     "check_fits",
     "padded_inputs",
@@ -265,6 +271,84 @@ def bucket_jobs(
     return GatherJobs(table.reshape(6, n * graph.batch_size), regions, bucket.total)
 
 
+@functools.lru_cache(maxsize=256)
+def _bucket_template(
+    bucket: BucketLayout,
+    parts: tuple[tuple[str, int, int], ...],
+    batch_size: int,
+    graph: GraphBucket,
+) -> tuple[tuple[Region, ...], IntArray, npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """What the fixed job table of ``parts`` (region name, divisor, page-map flag) in
+    ``bucket`` holds whatever the batch: ``(fixed regions, table template, region
+    bases, padding offsets)``. The template is int32 ``[6, parts, graph.batch_size]``
+    (read-only) with every job's divisor and map flag and the padding requests' fill
+    jobs but their destinations; the bases are int64 ``[parts]``; the padding offsets
+    int64 ``[parts, pads]``, each fill job's output after its region's real entries."""
+    pads = graph.batch_size - batch_size
+    fixed = tuple(bucket.region(name) for name, _, _ in parts)
+    per_pad = np.array(
+        [1 if is_pages_region(name) else graph.tokens_per_request for name, _, _ in parts],
+        dtype=np.int64,
+    )
+    table = np.empty((6, len(parts), graph.batch_size), dtype=np.int32)
+    table[4] = np.array([div for _, div, _ in parts], np.int32)[:, None]
+    table[5] = np.array([flag for _, _, flag in parts], np.int32)[:, None]
+    table[0, :, batch_size:] = -1  # no row: a fill job reads the dummy page ...
+    table[1, :, batch_size:] = graph.dummy_page
+    table[2, :, batch_size:] = per_pad[:, None].astype(np.int32)
+    table[4:, :, batch_size:] = np.array([1, 0], np.int32)[:, None, None]  # ... as a column
+    table.setflags(write=False)
+    bases = np.array([f.lo for f in fixed], dtype=np.int64)
+    pad_offsets = per_pad[:, None] * np.arange(pads, dtype=np.int64)
+    return fixed, table, bases, pad_offsets
+
+
+def bucket_gather_jobs(
+    spec: PlanSpec,
+    rows: npt.NDArray[np.integer],
+    bucket: BucketLayout,
+    graph: GraphBucket,
+    *,
+    window_pool: bool = False,
+    spans: Mapping[int, tuple[IntArray, IntArray]] | None = None,
+) -> GatherJobs:
+    """``bucket_jobs(gather_jobs(spec, rows, window_pool=..., spans=...,
+    encoder_writes=False), bucket, spec.batch_size, graph)``, built at once: each job
+    written at its fixed region's base, the padding requests' fill jobs from a template
+    kept per bucket and batch size (a bucket writes no encoder K/V).
+
+    Args:
+        spec: the plan (it fits ``graph``: :func:`check_fits`).
+        rows: int ``[bs]`` table row per request.
+        bucket: the fixed layout (:meth:`GraphBucket.layout`).
+        graph: the bucket.
+        window_pool, spans: as :func:`~flashplan.executor.gathers.gather_jobs`.
+    """
+    bs = spec.batch_size
+    parts = job_parts(spec, window_pool, spans, False)
+    key = tuple([(p[0], p[3], p[4]) for p in parts])
+    fixed, template, bases, pad_offsets = _bucket_template(bucket, key, bs, graph)
+    table = template.copy()
+    table[0, :, :bs] = np.asarray(rows, dtype=np.int32)
+    for k, part in enumerate(parts):
+        table[1, k, :bs] = part[1]
+        table[2, k, :bs] = part[2]
+    counts = table[2, :, :bs]
+    ends = np.cumsum(counts, axis=1, dtype=np.int64)  # [parts, bs]: each region's running sum
+    table[3, :, :bs] = ends - counts + bases[:, None]  # each job's first output
+    sizes = ends[:, -1] if bs else np.zeros(len(parts), np.int64)
+    if pad_offsets.shape[1]:
+        table[3, :, bs:] = pad_offsets + (bases + sizes)[:, None]
+    regions = tuple(
+        Region(f.name, f.lo, f.lo + int(size) + pad_offsets.shape[1])
+        if is_pages_region(f.name)
+        else f
+        for f, size in zip(fixed, sizes.tolist(), strict=True)
+    )
+    table.setflags(write=False)
+    return GatherJobs(table.reshape(6, -1), regions, bucket.total)
+
+
 def padded_inputs(
     host: Mapping[str, IntArray], batch_size: int, graph: GraphBucket
 ) -> dict[str, IntArray]:
@@ -287,19 +371,30 @@ def padded_inputs(
         parsed = names.parse(name)
         field = parsed.field
         if field in ("qo_indptr", "page_indptr") and not parsed.kind:
-            step = n if field == "qo_indptr" else 1
-            last = int(values[-1])  # the padded end fits int32: the bucket's sizes do
-            padded = np.empty(values.shape[0] + pads, dtype=np.int32)
-            padded[: values.shape[0]] = values
-            padded[values.shape[0] :] = last + step * np.arange(1, pads + 1, dtype=np.int32)
-            out[name] = seal_inplace(padded)
+            if pads:  # the padded end fits int32: the bucket's sizes do
+                tail = _pad_tail(pads, n if field == "qo_indptr" else 1) + values[-1]
+                values = seal_inplace(np.concatenate([values, tail]))
+            out[name] = values
         elif parsed.kind == "mask":
             out[name] = _padded_mask_array(name, field, values, host, pads, n)
         elif field in ("last_page_len", "kv_lens"):  # one key per padding request
-            out[name] = seal_inplace(np.concatenate([values, np.ones(pads, np.int32)]))
+            if pads:
+                values = seal_inplace(np.concatenate([values, _pad_tail(pads, 0)]))
+            out[name] = values
         else:
             raise BucketError(name, "this host array cannot be padded to a bucket")
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _pad_tail(pads: int, step: int) -> IntArray:
+    """int32 ``[pads]``, read-only: ``step, 2 step, …`` (what the padding requests add
+    to an indptr's last entry), or ones for ``step = 0`` (their one key each)."""
+    tail = (
+        np.arange(1, pads + 1, dtype=np.int32) * np.int32(step) if step else np.ones(pads, np.int32)
+    )
+    tail.setflags(write=False)
+    return tail
 
 
 #: Per padding request (one key: the dummy page's slot 0), the entries of a tree or

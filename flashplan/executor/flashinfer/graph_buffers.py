@@ -20,7 +20,7 @@ from flashplan.errors import BucketError, PlanMismatchError
 from flashplan.executor.flashinfer.bucket import (
     BucketLayout,
     GraphBucket,
-    bucket_jobs,
+    bucket_gather_jobs,
     check_fits,
     padded_inputs,
     padded_masks,
@@ -37,7 +37,7 @@ from flashplan.executor.flashinfer.calls import (
 )
 from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
 from flashplan.executor.flashinfer.strategy import OwnedBuffers
-from flashplan.executor.gathers import GatherJobs, concat_jobs, gather_jobs, pages_region
+from flashplan.executor.gathers import GatherJobs, concat_jobs, pages_region
 
 if TYPE_CHECKING:
     from flashplan.executor.checks import RunArgs
@@ -190,14 +190,10 @@ class GraphBuffers:
         layout = self._bucket_layout(spec)
         self._check_masks(calls, spec.page_size)
         inputs = call_inputs(spec, calls)
-        jobs = gather_jobs(
-            spec,
-            table.rows,
-            window_pool=self.settings.page_map is not None,
+        fixed = bucket_gather_jobs(
+            spec, table.rows, layout, self.bucket, window_pool=self.settings.page_map is not None,
             spans=inputs.spans,
-            encoder_writes=False,
-        )
-        fixed = bucket_jobs(jobs, layout, spec.batch_size, self.bucket)
+        )  # fmt: skip
         host = padded_inputs(inputs.host, spec.batch_size, self.bucket)
         return layout, fixed, host, padded_masks(inputs.masks, spec.batch_size, self.bucket)
 
