@@ -5,7 +5,9 @@ transformers calls a registered attention function from every attention module a
 softcap=...,] **kwargs)`` with ``query`` ``[batch, heads, tokens, head_dim]``. The engine feeds
 one packed row (``batch = 1``) holding every new token of the step, and passes a
 :class:`StepContext` as the keyword argument ``flashplan``; the function below turns each call
-into one ``executor.run(group, q, k_new, v_new, kv_cache[, sinks=...])``.
+into one ``executor.run(group, q, k_new, v_new, kv_cache[, sinks=...])``. Under
+``torch.compile`` (a context from :meth:`StepContext.for_compile`) it runs the custom op
+``flashplan::run`` instead, each module's group resolved before tracing.
 
 HF's conventions map to flashplan's in exactly one place each: :func:`hf_window_left`,
 :func:`hf_sm_scale`, :func:`hf_soft_cap`, :func:`hf_sink_logits` (gpt-oss),
