@@ -201,7 +201,7 @@ class WrapperSlot:
             re-creates (:func:`~flashplan.executor.flashinfer.adapter.replannable`).
         scheduled: what the scheduler's last run on this wrapper read (its last full
             ``plan()`` or a later re-plan): ``(spec, arrays)`` — the plan (PlanSpec) it
-            came from and copies of the int32 host arrays it read (a decode's page
+            came from and the bytes of the int32 host arrays it read (a decode's page
             indptr, with tensor cores also ``qo_indptr`` and the KV lengths; a paged
             prefill's ``qo_indptr``, page indptr and KV lengths); ``None`` before one
             (see ``wrapper_plans``).
@@ -212,7 +212,7 @@ class WrapperSlot:
     fixed: dict[str, torch.Tensor] = attrs.field(factory=dict)
     planned_with: tuple[tuple[str, Any], ...] | None = None
     replannable: bool = False
-    scheduled: tuple[object, tuple[np.ndarray, ...]] | None = None
+    scheduled: tuple[object, tuple[bytes, ...]] | None = None
 
     def idle(self) -> bool:
         """The copies the wrapper's last ``plan()`` queued have run (never waits)."""
