@@ -6,13 +6,15 @@
 #
 #   source .whl/setup.sh >"$OUT/setup.log" 2>&1 && bash benchmarks/h200_session.sh [PHASES]
 #
-# PHASES: comma-separated subset of tests,sanitize,bench (default: all three). ONLY, when
+# PHASES: comma-separated subset of tests,sanitize,bench,engine (default: the first three;
+# engine: bench_engine, profile_engine, bench_cascade, profile_cascade). ONLY, when
 # set, is a comma-separated list of phase names to run (the others are skipped), e.g.
 # ONLY=sanitizer_long_lived,sanitizer_items.
 # Caps (seconds) and run_gpu.py's parts can be lowered to fit the device time left:
 # CAP_TESTS, CAP_SAN_EAGER, CAP_SAN_FAST, CAP_SAN_POS, CAP_SAN_ITEMS, CAP_SAN_GRAPHS,
 # CAP_SAN_LONG, CAP_SAN_LONG_GRAPHS (and SAN_LONG_LIVED_BATCHES), CAP_RUN_GPU,
-# CAP_FLOOR, CAP_SPEC, CAP_ITEMS, CAP_PROFILE, CAP_PROFILE_CASES, CAP_HOST_CPU, RUN_GPU_PARTS.
+# CAP_FLOOR, CAP_SPEC, CAP_ITEMS, CAP_PROFILE, CAP_PROFILE_CASES, CAP_HOST_CPU, RUN_GPU_PARTS,
+# CAP_ENGINE, CAP_PROFILE_ENGINE, CAP_CASCADE.
 # The FlashInfer wheels and module cache come from the git-ignored .whl/ folder that
 # ../shared/tools/device/prepare.sh fills on the CPU machine (see docs/benchmarks.md).
 set -uo pipefail
@@ -93,6 +95,19 @@ if [[ $PHASES == *,bench,* ]]; then
   phase profile_apply_multi_item "${CAP_PROFILE_CASES:-30}" python3 benchmarks/profile_apply.py \
     --case multi_item --n 40 --no-cprofile
   phase host_cpu "${CAP_HOST_CPU:-40}" python3 benchmarks/host_cpu.py --reps 500
+fi
+if [[ $PHASES == *,engine,* ]]; then
+  # issues 28 and 29: the engine against HF (graphs, compiled, speculative at batch 1),
+  # a decode step's split, the cascade benchmark and its profile
+  phase bench_engine "${CAP_ENGINE:-300}" python3 benchmarks/bench_engine.py \
+    --parts engine,hf,spec --batches 1,8,64 --compile --hf-compile \
+    --md "$OUT/bench_engine.md" --json "$OUT/bench_engine.json"
+  phase profile_engine "${CAP_PROFILE_ENGINE:-120}" python3 benchmarks/profile_engine.py \
+    --batch 64 --compile --md "$OUT/profile_engine.md"
+  phase bench_cascade "${CAP_CASCADE:-90}" python3 benchmarks/bench_cascade.py \
+    --md "$OUT/bench_cascade.md" --json "$OUT/bench_cascade.json"
+  phase profile_cascade "${CAP_CASCADE:-90}" python3 benchmarks/profile_cascade.py \
+    --md "$OUT/profile_cascade.md"
 fi
 echo "::: done in $((SECONDS - START))s" | tee -a "$OUT/summary.log"
 cp "$OUT/summary.log" "$RESULTS/summary.log"
