@@ -467,7 +467,10 @@ class Engine:
         returned ``.tolist()`` is the step's one device -> host read."""
         if not samplers:
             return []
-        picked = logits[_on_device(rows, torch.int64, self.device)]  # [samplers, vocab]
+        if rows == list(range(len(rows))):  # every row in order (a step of decodes alone)
+            picked = logits[: len(rows)]
+        else:
+            picked = logits[_on_device(rows, torch.int64, self.device)]  # [samplers, vocab]
         greedy = picked.argmax(-1)
         if all(r.temperature == 0 for r in samplers):
             return greedy.tolist()
