@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: examples.engine
 
 import flashplan as fp
-from examples.engine.engine import Engine, StepOutput
+from examples.engine.engine import Engine, Request, StepOutput
 from examples.engine.hf_attention import (
     ATTN_IMPLEMENTATION,
     HFCall,
@@ -246,3 +246,24 @@ def test_fp8_cache_parity_with_hf(name: str, kv_dtype: str) -> None:
         mp.setattr(Engine, "__init__", spy)
         assert run.main(["--model", name, "--kv-dtype", kv_dtype]) == 0
     assert seen and set(seen) == {run.KV_DTYPES[kv_dtype]}
+
+
+def test_one_device_page_table_for_the_engine() -> None:
+    """Every step plans over the same device page table (``Engine.device_table``),
+    holding the host table's ids as the step sent them."""
+    model, _ = models("llama")
+    engine = Engine(adapter_for(model), fp.ReferenceExecutor(), page_size=4, num_pages=32)
+    engine.add(Request(list(range(3, 12)), 4))
+    engine.add(Request(list(range(5, 10)), 6))
+    tables = []
+    while engine.has_work():
+        out = engine.step()
+        assert out is not None and out.table is not None
+        assert out.table.pages is engine.device_table.pages
+        rows = out.table.rows
+        # the step's rows as the step sent them (finished requests clear theirs after)
+        sent = out.table.pages.numpy()[rows]
+        for i, (r, _) in enumerate(out.batch):
+            assert sent[i, : len(r.pages)].tolist() == r.pages
+        tables.append(out.table.pages)
+    assert len(tables) > 2 and all(t is tables[0] for t in tables)
