@@ -19,7 +19,6 @@ import flashplan as fp
 from flashplan.executor.flashinfer.bucket import (
     GraphBucket,
     bucket_gather_jobs,
-    bucket_jobs,
     check_fits,
     padded_inputs,
     padded_masks,
@@ -30,7 +29,7 @@ from flashplan.executor.flashinfer.calls import (
     flashinfer_mask_offsets,
 )
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
-from flashplan.executor.gathers import gather_jobs, pages_region
+from flashplan.executor.gathers import GatherJobs, gather_jobs, pages_region
 from flashplan.kernels import build_custom_mask_torch, gather_slots_torch
 from flashplan.testing import attention_groups, decode_layouts, page_tables, verify_layouts
 
@@ -148,10 +147,12 @@ def test_padded_gather_matches_unpadded_and_pads_harmlessly(
     table, _ = data.draw(page_tables(spec))
     calls = call_skeleton(spec, ExecutorPolicy(), sm90=True, batch_size=bucket.batch_size)
     inputs = call_inputs(spec, calls)
-    packed = gather_jobs(spec, table.rows, window_pool=False, spans=inputs.spans)
-    fixed_layout = bucket.layout(spec.key, window_pool=False)
-    fixed = bucket_jobs(packed, fixed_layout, spec.batch_size, bucket)
-    _check_built_at_once(spec, table, bucket, inputs.spans)
+    packed = gather_jobs(spec, table.rows, window_pool=window_pool, spans=inputs.spans)
+    fixed_layout = bucket.layout(spec.key, window_pool=window_pool)
+    fixed = bucket_gather_jobs(
+        spec, table.rows, fixed_layout, bucket, window_pool=window_pool, spans=inputs.spans
+    )
+    _check_same_jobs(packed, fixed, spec.batch_size, bucket)
     want_p, want_o = _gather(packed, table, packed.total)
     got_p, got_o = _gather(fixed, table, fixed_layout.total)
     bs, pads = spec.batch_size, extra
@@ -208,8 +209,8 @@ def test_fixed_token_extend_bucket_pads_every_token(
     inputs = call_inputs(spec, calls)
     packed = gather_jobs(spec, table.rows, spans=inputs.spans)
     fixed_layout = bucket.layout(spec.key, window_pool=False)
-    fixed = bucket_jobs(packed, fixed_layout, bs, bucket)
-    _check_built_at_once(spec, table, bucket, inputs.spans)
+    fixed = bucket_gather_jobs(spec, table.rows, fixed_layout, bucket, spans=inputs.spans)
+    _check_same_jobs(packed, fixed, bs, bucket)
     _, got_o = _gather(fixed, table, fixed_layout.total)
     w = fixed.region("write")
     assert w.size == bucket.total_q
@@ -220,30 +221,19 @@ def test_fixed_token_extend_bucket_pads_every_token(
     _check_replan_arrays(host, layout.page_size)
 
 
-def _check_built_at_once(
-    spec: fp.PlanSpec, table: fp.PageTable, bucket: GraphBucket, spans: object
+def _check_same_jobs(
+    packed: GatherJobs, fixed: GatherJobs, batch_size: int, bucket: GraphBucket
 ) -> None:
-    """``bucket_gather_jobs`` (what a graph executor runs) builds exactly the table,
-    regions and total of ``bucket_jobs`` over ``gather_jobs``, with and without a
-    window pool."""
-    for window_pool in (False, True):
-        layout = bucket.layout(spec.key, window_pool=window_pool)
-        want = bucket_jobs(
-            gather_jobs(spec, table.rows, window_pool=window_pool, spans=spans,  # type: ignore[arg-type]
-                        encoder_writes=False),
-            layout, spec.batch_size, bucket,
-        )  # fmt: skip
-        got = bucket_gather_jobs(
-            spec,
-            table.rows,
-            layout,
-            bucket,
-            window_pool=window_pool,
-            spans=spans,  # type: ignore[arg-type]
-        )
-        assert got.regions == want.regions and got.total == want.total
-        assert got.table.dtype == want.table.dtype and np.array_equal(got.table, want.table)
-        assert not got.table.flags.writeable
+    """The bucket's table holds the batch's jobs first in each region, reading what the
+    packed table's read (rows, first, counts, divisor, page-map flag; where they write
+    is checked through the gathers), and is read-only."""
+    n = len(packed.regions)
+    assert [r.name for r in fixed.regions] == [r.name for r in packed.regions]
+    got = fixed.table.reshape(6, n, bucket.batch_size)[:, :, :batch_size]
+    want = packed.table.reshape(6, n, batch_size)
+    for column in (0, 1, 2, 4, 5):
+        assert np.array_equal(got[column], want[column]), column
+    assert fixed.table.dtype == np.int32 and not fixed.table.flags.writeable
 
 
 def test_verify_buckets_and_their_refusals() -> None:

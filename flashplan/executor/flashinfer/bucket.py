@@ -10,11 +10,9 @@ bucket, tested on the CPU:
 * :meth:`GraphBucket.layout` gives the fixed gather regions (their bases and
   capacities) that the graph's kernels read: every group's page ids and the write
   slots of the bucket's tokens.
-* :func:`bucket_jobs` re-addresses a batch's gather jobs into those regions and adds
+* :func:`bucket_gather_jobs` writes a batch's gather jobs into those regions and adds
   *fill jobs* for the padding requests: each padding request reads one valid dummy
   page and writes nowhere (offset -1, which :func:`~flashplan.kernels.write_kv` skips).
-  :func:`bucket_gather_jobs` builds the same table straight from the plan (what a
-  graph executor's replay planning runs every step).
 * :func:`padded_inputs` pads the ``plan()`` host arrays to the bucket's batch size
   (one page of one key per padding request), so FlashInfer plans exactly the fixed
   batch size its graph wrappers were made for.
@@ -51,7 +49,6 @@ __all__ = [
     "BucketLayout",
     "GraphBucket",
     "bucket_gather_jobs",
-    "bucket_jobs",
     "check_fits",
     "padded_inputs",
     "padded_masks",
@@ -225,52 +222,6 @@ def check_fits(spec: PlanSpec, bucket: GraphBucket) -> None:
                 )  # fmt: skip
 
 
-def bucket_jobs(
-    jobs: GatherJobs, bucket: BucketLayout, batch_size: int, graph: GraphBucket
-) -> GatherJobs:
-    """Re-address a batch's gather jobs into a bucket's fixed regions, padded.
-
-    Each packed region moves to its fixed base; then every padding request
-    (``batch_size .. graph.batch_size - 1``) gets a fill job per region: one dummy
-    page in a page-id region, ``tokens_per_request`` unwritable slots in a write
-    region. The result's page-id regions end where FlashInfer's ``kv_indices`` end
-    (real pages, then one per padding request); write regions span all ``total_q``
-    slots.
-
-    Args:
-        jobs: the batch's packed gather jobs (:func:`~flashplan.executor.gathers.gather_jobs`).
-        bucket: the fixed layout (:meth:`GraphBucket.layout`).
-        batch_size: requests in the batch (``<= graph.batch_size``).
-        graph: the bucket.
-    """
-    pads = graph.batch_size - batch_size
-    n = len(jobs.regions)
-    fixed = [bucket.region(r.name) for r in jobs.regions]
-    is_pages = [is_pages_region(r.name) for r in jobs.regions]
-    per_pad = np.array(
-        [1 if pages else graph.tokens_per_request for pages in is_pages], dtype=np.int64
-    )
-    # [6 columns, region, request]: the batch's jobs, then one fill job per padding request
-    table = np.empty((6, n, graph.batch_size), dtype=np.int32)
-    table[:, :, :batch_size] = jobs.table.reshape(6, n, batch_size)
-    shift = np.array([f.lo - r.lo for f, r in zip(fixed, jobs.regions, strict=True)], np.int32)
-    table[3, :, :batch_size] += shift[:, None]  # each packed region moves to its fixed base
-    if pads:
-        first_pad = np.array([f.lo + r.size for f, r in zip(fixed, jobs.regions, strict=True)])
-        table[0, :, batch_size:] = -1
-        table[1, :, batch_size:] = graph.dummy_page
-        table[2, :, batch_size:] = per_pad[:, None]
-        table[3, :, batch_size:] = first_pad[:, None] + per_pad[:, None] * np.arange(pads)
-        table[4, :, batch_size:] = 1
-        table[5, :, batch_size:] = 0
-    regions = tuple(
-        Region(r.name, f.lo, f.lo + r.size + pads if pages else f.hi)
-        for r, f, pages in zip(jobs.regions, fixed, is_pages, strict=True)
-    )
-    table.setflags(write=False)
-    return GatherJobs(table.reshape(6, n * graph.batch_size), regions, bucket.total)
-
-
 @functools.lru_cache(maxsize=256)
 def _bucket_template(
     bucket: BucketLayout,
@@ -312,10 +263,14 @@ def bucket_gather_jobs(
     window_pool: bool = False,
     spans: Mapping[int, tuple[IntArray, IntArray]] | None = None,
 ) -> GatherJobs:
-    """``bucket_jobs(gather_jobs(spec, rows, window_pool=..., spans=...,
-    encoder_writes=False), bucket, spec.batch_size, graph)``, built at once: each job
-    written at its fixed region's base, the padding requests' fill jobs from a template
-    kept per bucket and batch size (a bucket writes no encoder K/V).
+    """A batch's gather jobs in a bucket's fixed regions, padded: the jobs of
+    :func:`~flashplan.executor.gathers.gather_jobs` (without encoder writes: a bucket
+    writes no encoder K/V), each region's at its fixed base; then every padding request
+    (``spec.batch_size .. graph.batch_size - 1``) gets a fill job per region, one dummy
+    page in a page-id region, ``tokens_per_request`` unwritable slots in a write region,
+    from a template kept per bucket and batch size. The page-id regions end where
+    FlashInfer's ``kv_indices`` end (real pages, then one per padding request); write
+    regions span all ``total_q`` slots.
 
     Args:
         spec: the plan (it fits ``graph``: :func:`check_fits`).

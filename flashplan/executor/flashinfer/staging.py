@@ -136,7 +136,8 @@ def device_plan(
         calls: the plan's translated calls
             (:func:`~flashplan.executor.flashinfer.calls.call_skeleton`).
         jobs: the batch's gather jobs (:func:`~flashplan.executor.gathers.gather_jobs`,
-            or a CUDA-graph bucket's :func:`~flashplan.executor.flashinfer.bucket.bucket_jobs`).
+            or a CUDA-graph bucket's
+            :func:`~flashplan.executor.flashinfer.bucket.bucket_gather_jobs`).
         host: the ``plan()`` host arrays by name
             (:attr:`~flashplan.executor.flashinfer.calls.CallInputs.host`).
         masks: per masked group, its mask's size.
