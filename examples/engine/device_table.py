@@ -30,8 +30,8 @@ class DevicePageTable:
     def __init__(self, shape: tuple[int, int], device: torch.device) -> None:
         self.pages = torch.full(shape, -1, dtype=torch.int32, device=device)
         self._cuda = device.type == "cuda"
-        self._slots = [torch.empty(shape, dtype=torch.int32) for _ in range(2 if self._cuda else 0)]
-        self._slots = [s.pin_memory() for s in self._slots]
+        slots = 2 if self._cuda else 0
+        self._slots = [torch.empty(shape, dtype=torch.int32).pin_memory() for _ in range(slots)]
         # an event not recorded yet counts as done
         self._copied = [torch.cuda.Event() for _ in self._slots]
         self._next = 0

@@ -313,9 +313,8 @@ class Engine:
                 raise ValueError("CUDA graphs are for decoder-only models")
             scratch = self.allocator.alloc(1)[0]  # the capture's writes; never a request's
             self.graphs = DecodeGraphs(
-                adapter, executor, self.ctx, self.groups, h, cuda_graphs,
+                self._forward, executor, self._forward_ctx, self.groups, h, cuda_graphs,
                 max_pages=self.table.shape[1], page_size=page_size, scratch_page=scratch,
-                compile=compile,
             )  # fmt: skip
 
     # -- requests ---------------------------------------------------------------------------

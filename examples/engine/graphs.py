@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -34,20 +34,18 @@ class DecodeGraphs:
     """Captured decode forwards of a decoder-only model, one per bucket size.
 
     Args:
-        adapter: the model.
+        adapter: the model, or its compiled twin (:meth:`DecoderOnly.compiled`: each
+            bucket's forward is compiled in its capture's warm-up run).
         executor: the engine's ``FlashInferExecutor`` (its graph executors share its
             workspace and policy).
-        ctx: the engine's step context (caches, bindings, conventions, fp8 scales).
+        ctx: the engine's step context (caches, bindings, conventions, fp8 scales; for a
+            compiled forward, :meth:`StepContext.for_compile`'s).
         groups: the model's attention groups (the plan key every replay must keep).
         heads: the plan's heads (the caches' dtype).
         batch_sizes: bucket sizes, e.g. ``(1, 8, 64)``.
         max_pages: pages per request (the page table's row width).
         page_size: tokens per page.
         scratch_page: a page of every cache that no request uses (the capture's writes).
-        compile: a ``torch.compile`` backend (``"inductor"``, or a callable) to capture the
-            forward compiled with (attention through the custom op ``flashplan::run``:
-            :meth:`StepContext.for_compile`; compiled in each bucket's warm-up run, before
-            the capture), or ``None``: the eager forward.
     """
 
     def __init__(
@@ -62,7 +60,6 @@ class DecodeGraphs:
         max_pages: int,
         page_size: int,
         scratch_page: int,
-        compile: Any = None,
     ) -> None:
         from flashplan.executor.flashinfer import FlashInferExecutor
         from flashplan.executor.flashinfer.bucket import GraphBucket
@@ -80,7 +77,6 @@ class DecodeGraphs:
         self._pinned: dict[int, torch.Tensor] = {}
         self.last_apply_s = 0.0
         pool = torch.cuda.graph_pool_handle()
-        forward = adapter if compile is None else adapter.compiled(compile)
         for bs in self.sizes:
             gx = executor.for_bucket(GraphBucket.decode(batch_size=bs, max_pages=max_pages))
             # warm-up batch: every request one token long, on the scratch page
@@ -91,12 +87,14 @@ class DecodeGraphs:
             ids = torch.zeros(bs, dtype=torch.int64, device=device)
             positions = torch.zeros(bs, dtype=torch.int64, device=device)
             rows = torch.arange(bs, device=device)
-            graph_ctx = StepContext(gx, ctx.bindings, ctx.kv_caches, ctx.conventions, ctx.kv_scales)
-            if compile is not None:
+            # the engine's context on the bucket's executor (its compiled calls resolved
+            # again for it, when the engine's forward is compiled)
+            graph_ctx = replace(ctx, executor=gx, compiled=None)
+            if ctx.compiled is not None:
                 graph_ctx = graph_ctx.for_compile()
             self.steps[bs] = capture(
                 gx,
-                lambda ids=ids, positions=positions, rows=rows, c=graph_ctx: forward.decode(
+                lambda ids=ids, positions=positions, rows=rows, c=graph_ctx: adapter.decode(
                     ids, positions, rows, c
                 ),
                 pool=pool,
