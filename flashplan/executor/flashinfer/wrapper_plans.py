@@ -121,12 +121,17 @@ def _schedule_changed(held: WrapperSlot, spec: PlanSpec, inputs: tuple[torch.Ten
     last = held.scheduled
     if last is not None and last[0] is spec:
         return False
-    # the arrays' bytes (int32: equal bytes are equal values of equal length)
-    data = tuple([t.numpy().tobytes() for t in inputs])
+    data = _input_bytes(inputs)
     if last is not None and last[1] == data:
         return False
     held.scheduled = (spec, data)
     return True
+
+
+def _input_bytes(inputs: tuple[torch.Tensor, ...]) -> tuple[bytes, ...]:
+    """The scheduler inputs' bytes (int32: equal bytes are equal values of equal
+    length), as :attr:`WrapperSlot.scheduled` keeps them."""
+    return tuple([t.numpy().tobytes() for t in inputs])
 
 
 def _decode_inputs(decode: DecodeViews) -> tuple[torch.Tensor, ...]:
@@ -230,9 +235,9 @@ def plan_calls(
                 call_plan(held.wrapper, kwargs, settings.workspace_bytes)
                 held.planned_with = call.constants
                 if bound.decode is not None:  # plan() ran the scheduler on these inputs
-                    _schedule_changed(held, spec, _decode_inputs(bound.decode))
+                    held.scheduled = (spec, _input_bytes(_decode_inputs(bound.decode)))
                 elif bound.prefill is not None:
-                    _schedule_changed(held, spec, _prefill_inputs(bound.prefill))
+                    held.scheduled = (spec, _input_bytes(_prefill_inputs(bound.prefill)))
                 # what replannable() reads is fixed by the constructor, the constant
                 # arguments and this plan(): checked once per full plan()
                 held.replannable = bound.prefill is not None and replannable(held.wrapper, kwargs)
