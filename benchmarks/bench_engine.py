@@ -104,6 +104,29 @@ def prompts(batch: int, length: int, seed: int = 1) -> list[list[int]]:
     return rng.integers(3, config().vocab_size, (batch, length)).tolist()
 
 
+def make_engine(
+    model: torch.nn.Module | DecoderOnly,
+    batch: int,
+    prompt: int,
+    new: int,
+    graphs: bool,
+    compile: str | None = None,
+) -> Engine:
+    """The benchmark's engine for ``batch`` requests of ``prompt + new`` tokens, with the
+    benchmark's prompts queued (graphs: one bucket of ``batch``)."""
+    adapter = model if isinstance(model, DecoderOnly) else adapter_for(model)
+    width = -(-(prompt + new + 1) // PAGE)
+    engine = Engine(
+        adapter, make_executor(adapter.model.device), page_size=PAGE,
+        num_pages=batch * width + 2, max_running=batch, token_budget=min(16384, batch * prompt),
+        max_request_tokens=prompt + new + 1, cuda_graphs=(batch,) if graphs else (),
+        compile=compile,
+    )  # fmt: skip
+    for p in prompts(batch, prompt):
+        engine.add(Request(p, new))
+    return engine
+
+
 def run_engine(
     model: torch.nn.Module | DecoderOnly,
     batch: int,
@@ -113,17 +136,7 @@ def run_engine(
     compile: str | None = None,
 ) -> dict[str, float]:
     """One engine run: wall s, decode wall s, decode steps, flashplan's decode host s."""
-    adapter = model if isinstance(model, DecoderOnly) else adapter_for(model)
-    dev = adapter.model.device
-    width = -(-(prompt + new + 1) // PAGE)
-    engine = Engine(
-        adapter, make_executor(dev), page_size=PAGE, num_pages=batch * width + 2,
-        max_running=batch, token_budget=min(16384, batch * prompt),
-        max_request_tokens=prompt + new + 1, cuda_graphs=(batch,) if graphs else (),
-        compile=compile,
-    )  # fmt: skip
-    for p in prompts(batch, prompt):
-        engine.add(Request(p, new))
+    engine = make_engine(model, batch, prompt, new, graphs, compile)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     decode_start = None

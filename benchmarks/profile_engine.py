@@ -32,28 +32,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_engine import PAGE, build, prompts
+from bench_engine import build, make_engine
 
-from examples.engine.engine import Engine, Request
+from examples.engine.engine import Engine
 from examples.engine.hf_attention import ATTN_IMPLEMENTATION
-from examples.engine.hf_models import adapter_for
-from examples.engine.run import make_executor
 
 
 def engine_at_decode(
     batch: int, prompt: int, new: int, graphs: bool, compile: str | None = None
 ) -> Engine:
     """An engine whose requests are all prefilled (the next step decodes them all)."""
-    adapter = adapter_for(build(ATTN_IMPLEMENTATION))
-    width = -(-(prompt + new + 1) // PAGE)
-    engine = Engine(
-        adapter, make_executor(adapter.model.device), page_size=PAGE,
-        num_pages=batch * width + 2, max_running=batch, token_budget=min(16384, batch * prompt),
-        max_request_tokens=prompt + new + 1, cuda_graphs=(batch,) if graphs else (),
-        compile=compile,
-    )  # fmt: skip
-    for p in prompts(batch, prompt):
-        engine.add(Request(p, new))
+    engine = make_engine(build(ATTN_IMPLEMENTATION), batch, prompt, new, graphs, compile)
     while engine.decode_steps == 0:
         assert engine.step() is not None
     for _ in range(5):  # warm: the bucket's first replays, allocator
