@@ -22,10 +22,13 @@ Parts (``--parts``, default all, run in this order):
   graph    a 32-layer decode step (kv 4096, page 16), batch {1, 8, 64, 256}:
            (a) flashplan eager (layout + plan + apply + 32 runs), (b) flashplan graph
            replay with its replay planning (layout + plan + ``step.replay(spec, table)``),
-           (c) raw FlashInfer captured by hand the reference file's way (graph-mode
-           decode wrapper on fixed buffers; per step device cumsum + Triton gather into
-           the fixed indices buffer, ``plan()`` with host indptrs, replay). Wall time per
-           step (synced), median of ``--steps`` after warm-up. Targets: (b) <= 1.05x (c);
+           (b') the same over a bound page table (``bind_page_table``: the gather and
+           the indptr refresh replay inside the graph), (c) raw FlashInfer captured by
+           hand the reference file's way (graph-mode decode wrapper on fixed buffers;
+           per step device cumsum + Triton gather into the fixed indices buffer,
+           ``plan()`` with host indptrs, replay). Wall time per step (synced), median of
+           ``--steps`` after warm-up. Targets: (b') <= 1.02x (c) at batch 1 and 8,
+           <= 1.01x at 64 and 256 (issue 24);
            (a) / (b) >= 3 at batch 1. Plus replay-planning host time alone: flashplan vs
            the raw way's plan() vs the reference file's replay path (plan() with device
            indptrs: it syncs), idle and behind a 20 ms kernel.
@@ -618,10 +621,11 @@ def part_graph() -> None:
             "decode replay path. The target is judged against (c), the issue's raw "
             "baseline. One KV cache serves all layers (the same for every variant).",
             "",
-            "| batch | (a) eager | (b) flashplan replay | (c) raw captured | (c') raw, "
-            "fast_decode_plan | (b) / (c) | (b) / (c') | (a) / (b) | ≤ 1.05x raw "
-            "| ≥ 3x eager (B1) | max rel. err (b)/(c)/(c') vs (a) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| batch | (a) eager | (b) flashplan replay | (b') replay, bound table "
+            "| (c) raw captured | (c') raw, fast_decode_plan | (b) / (c) | (b') / (c) "
+            "| (b) / (c') | (a) / (b) | (b') ≤ 1.02x raw (B1, B8), ≤ 1.01x (B64, B256) "
+            "| ≥ 3x eager (B1) | max rel. err (b)/(b')/(c)/(c') vs (a) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
     )
     for bs in (1, 8, 64, 256):
@@ -658,6 +662,26 @@ def part_graph() -> None:
             spec = fp.plan(fp.BatchLayout.decode(lens, page_size=16), HEADS)
             return captured.replay(spec, table)
 
+        # (b') the same over a bound page table: the gather and the indptr refresh replay
+        # inside the graph
+        bound = FlashInferExecutor()
+        bound.bind_page_table(table.pages, num_pages=table.num_pages)
+        bx = bound.for_bucket(GraphBucket.decode(bs, max_pages))
+        bx.apply(spec0, table)
+
+        def bound_forward() -> torch.Tensor:
+            out = q
+            for _ in range(layers):
+                out = bx.run(group, q, None, None, cache)
+            return out
+
+        bound_captured = capture(bx, bound_forward)
+        assert bx._buffers.captured is not None
+
+        def bound_step() -> torch.Tensor:
+            spec = fp.plan(fp.BatchLayout.decode(lens, page_size=16), HEADS)
+            return bound_captured.replay(spec, table)
+
         tc = decode_uses_tensor_cores(HEADS, ExecutorPolicy(), bs)  # the bucket's choice
         raw = RawCapturedDecode(table, lens, max_pages, tc)
         raw.capture(q, cache, layers)
@@ -666,6 +690,8 @@ def part_graph() -> None:
 
         want = eager_step().clone()
         err_g = rel_err(graph_step(), want)
+        err_b = rel_err(bound_step(), want)
+        assert err_b < 1e-2, (bs, err_b)
         err_r = rel_err(raw.step(), want)
         err_f = rel_err(raw_fast.step(), want)
         assert err_g < 1e-2 and err_r < 1e-2 and err_f < 1e-2, (bs, err_g, err_r, err_f)
@@ -673,6 +699,7 @@ def part_graph() -> None:
         t_f, p_f = step_us(raw_fast.step, steps)
         t_r, p_r = step_us(raw.step, steps)
         t_g, p_g = step_us(graph_step, steps)
+        t_b, p_b = step_us(bound_step, steps)
         t_e, p_e = step_us(eager_step, steps)
         # how far the eager executor's buffers grew while the host ran ahead (private)
         pool = getattr(ex, "_pool", None)
@@ -680,8 +707,9 @@ def part_graph() -> None:
         n_wrappers = sum(len(v) for v in pool.slots.values()) if pool is not None else -1
         n_slots = len(ring.slots) if ring is not None else -1
         vs_raw, vs_eager = t_g / t_r, t_e / t_g
-        m_raw = target("graph", f"B{bs} flashplan replay / raw captured", f"{vs_raw:.3f}x",
-                       "<= 1.05x", vs_raw <= 1.05)  # fmt: skip
+        goal = 1.02 if bs <= 8 else 1.01  # issue 24's targets
+        m_raw = target("graph", f"B{bs} flashplan replay, bound table / raw captured",
+                       f"{t_b / t_r:.3f}x", f"<= {goal}x", t_b / t_r <= goal)  # fmt: skip
         m_eager = "—"
         if bs == 1:
             m_eager = target("graph", "B1 eager / flashplan replay", f"{vs_eager:.2f}x",
@@ -693,6 +721,10 @@ def part_graph() -> None:
             "raw_captured_us": t_r,
             "raw_fast_captured_us": t_f,
             "replay_vs_raw_fast": t_g / t_f,
+            "bound_replay_us": t_b,
+            "bound_replay_pipelined_us": p_b,
+            "bound_vs_raw": t_b / t_r,
+            "rel_err_bound": err_b,
             "raw_fast_pipelined_us": p_f,
             "eager_pipelined_us": p_e,
             "replay_pipelined_us": p_g,
@@ -707,14 +739,18 @@ def part_graph() -> None:
         rows.append(row)
         log(row)
         MD.append(
-            f"| {bs} | {t_e:.0f} ({p_e:.0f}) | {t_g:.0f} ({p_g:.0f}) | {t_r:.0f} ({p_r:.0f}) | "
-            f"{t_f:.0f} ({p_f:.0f}) | {vs_raw:.3f} | {t_g / t_f:.3f} | {vs_eager:.2f} | "
-            f"{m_raw} | {m_eager} | {err_g:.1e} / {err_r:.1e} / {err_f:.1e} |"
+            f"| {bs} | {t_e:.0f} ({p_e:.0f}) | {t_g:.0f} ({p_g:.0f}) | {t_b:.0f} ({p_b:.0f}) | "
+            f"{t_r:.0f} ({p_r:.0f}) | {t_f:.0f} ({p_f:.0f}) | {vs_raw:.3f} | {t_b / t_r:.3f} | "
+            f"{t_g / t_f:.3f} | {vs_eager:.2f} | {m_raw} | {m_eager} | "
+            f"{err_g:.1e} / {err_b:.1e} / {err_r:.1e} / {err_f:.1e} |"
         )
 
         # replay planning alone (host time, idle GPU and behind a 20 ms kernel)
         def fp_planning() -> None:
             gx.apply(fp.plan(fp.BatchLayout.decode(lens, page_size=16), HEADS), table)
+
+        def fp_bound_planning() -> None:
+            bx.apply(fp.plan(fp.BatchLayout.decode(lens, page_size=16), HEADS), table)
 
         def ref_replay_path() -> None:
             raw.ref.fill()
@@ -724,6 +760,9 @@ def part_graph() -> None:
             "batch": bs,
             "fp_layout_plan_apply_us": host_us(fp_planning),
             "fp_apply_us": host_us(lambda: gx.apply(spec0, table)),
+            "fp_bound_us": host_us(fp_bound_planning),
+            "fp_bound_apply_us": host_us(lambda: bx.apply(spec0, table)),
+            "fp_bound_syncs": count_syncs(fp_bound_planning),
             "raw_plan_us": host_us(raw.ref.plan_host),
             "raw_refresh_plan_us": host_us(raw.plan),
             "raw_refresh_fast_us": host_us(raw_fast.plan),
@@ -744,26 +783,28 @@ def part_graph() -> None:
             "",
             "Replay planning alone, host µs (median, idle GPU; *behind*: issued right after "
             "a 20 ms kernel). flashplan = layout + plan + `GraphExecutor.apply` (apply alone "
-            "in brackets); raw `plan()` = the graph wrapper's `plan()` on pinned host "
+            "in brackets; bound table: the graph replays the gather and indptr refresh); "
+            "raw `plan()` = the graph wrapper's `plan()` on pinned host "
             "indptrs; raw refresh + `plan()` = what (c) does per step before the replay; "
             "ref-file replay path = device cumsum + Triton gather + `plan()` with device "
             "indptrs.",
             "",
-            "| batch | flashplan | raw plan() | raw refresh + plan() "
+            "| batch | flashplan | flashplan, bound table | raw plan() | raw refresh + plan() "
             "| raw refresh + fast_decode_plan | ref-file replay path "
-            "| flashplan behind | raw behind | ref path behind | syncs fp / ref "
+            "| flashplan behind | raw behind | ref path behind | syncs fp + bound / ref "
             "| replay in error mode |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
     )
     for h in host_rows:
         MD.append(
             f"| {h['batch']} | {h['fp_layout_plan_apply_us']:.0f} ({h['fp_apply_us']:.0f}) | "
+            f"{h['fp_bound_us']:.0f} ({h['fp_bound_apply_us']:.0f}) | "
             f"{h['raw_plan_us']:.0f} | {h['raw_refresh_plan_us']:.0f} | "
             f"{h['raw_refresh_fast_us']:.0f} | "
             f"{h['ref_replay_path_us']:.0f} | {h['fp_behind_us']:.0f} | "
             f"{h['raw_behind_us']:.0f} | {h['ref_behind_us']:.0f} | "
-            f"{h['fp_syncs']} / {h['ref_syncs']} | "
+            f"{h['fp_syncs']} + {h['fp_bound_syncs']} / {h['ref_syncs']} | "
             f"{'raised (syncs)' if h['replay_raises_in_error_mode'] else 'ok (0 syncs)'} |"
         )
     RESULTS["graph"] = rows

@@ -293,6 +293,8 @@ class Engine:
         self.table = np.full((max_running, _cdiv(max_request_tokens, page_size) + 1), -1, np.int32)
         # ... and its one device copy for the engine's life, refreshed at each step's start
         self.device_table = DevicePageTable(self.table.shape, self.device)
+        if isinstance(executor, fp.FlashInferExecutor):  # every apply takes that tensor
+            executor.bind_page_table(self.device_table.pages)
         self.free_rows = list(range(max_running - 1, -1, -1))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -314,7 +316,7 @@ class Engine:
             scratch = self.allocator.alloc(1)[0]  # the capture's writes; never a request's
             self.graphs = DecodeGraphs(
                 self._forward, executor, self._forward_ctx, self.groups, h, cuda_graphs,
-                max_pages=self.table.shape[1], page_size=page_size, scratch_page=scratch,
+                table=self.device_table.pages, page_size=page_size, scratch_page=scratch,
             )  # fmt: skip
 
     # -- requests ---------------------------------------------------------------------------

@@ -2,7 +2,10 @@
 
 At start-up, :class:`DecodeGraphs` captures the model's whole decode forward (every layer,
 the LM head) once per bucket size on a graph executor of the engine's FlashInfer executor
-(``executor.for_bucket(GraphBucket.decode(...))``). A decode step of ``n`` requests then
+(``executor.for_bucket(GraphBucket.decode(...))``). The engine has bound its one device
+page table to that executor (``bind_page_table``), so each graph also replays the
+batch's page gather: a step's replay planning stages the batch's arrays (one copy) and
+runs the decode scheduler, nothing more. A decode step of ``n`` requests then
 takes the smallest bucket ``>= n``: it fills the bucket's static token ids and RoPE
 positions (rows past ``n`` are padding: token 0 at position 0, whose outputs are ignored),
 and the bucket's graph executor plans the batch into its fixed buffers before the replay.
@@ -42,8 +45,10 @@ class DecodeGraphs:
             compiled forward, :meth:`StepContext.for_compile`'s).
         groups: the model's attention groups (the plan key every replay must keep).
         heads: the plan's heads (the caches' dtype).
-        batch_sizes: bucket sizes, e.g. ``(1, 8, 64)``.
-        max_pages: pages per request (the page table's row width).
+        batch_sizes: bucket sizes, e.g. ``(1, 8, 64)`` (at most the table's rows).
+        table: the engine's device page table (int32 ``[rows, max_pages]``), bound to
+            ``executor``; the captures' warm-up batches fill it with ``scratch_page`` and
+            leave it at -1.
         page_size: tokens per page.
         scratch_page: a page of every cache that no request uses (the capture's writes).
     """
@@ -57,7 +62,7 @@ class DecodeGraphs:
         heads: fp.HeadConfig,
         batch_sizes: Sequence[int],
         *,
-        max_pages: int,
+        table: torch.Tensor,
         page_size: int,
         scratch_page: int,
     ) -> None:
@@ -69,6 +74,10 @@ class DecodeGraphs:
             raise TypeError("CUDA graphs need the FlashInferExecutor")
         device = executor.device
         self.sizes = tuple(sorted(set(int(b) for b in batch_sizes)))
+        num_rows, max_pages = table.shape
+        if self.sizes and self.sizes[-1] > num_rows:
+            raise ValueError(f"a bucket of {self.sizes[-1]} requests needs as many table rows")
+        table.fill_(scratch_page)  # the warm-up batches' pages
         self.steps = {}
         # every tensor a graph reads is kept here: freed, its memory would be reused
         self.ids: dict[int, torch.Tensor] = {}
@@ -80,10 +89,8 @@ class DecodeGraphs:
         for bs in self.sizes:
             gx = executor.for_bucket(GraphBucket.decode(batch_size=bs, max_pages=max_pages))
             # warm-up batch: every request one token long, on the scratch page
-            pages = torch.full((bs, max_pages), scratch_page, dtype=torch.int32, device=device)
-            table = fp.PageTable(pages, rows=np.arange(bs))
             layout = fp.BatchLayout.decode([1] * bs, page_size=page_size, groups=groups)
-            gx.apply(fp.plan(layout, heads), table)
+            gx.apply(fp.plan(layout, heads), fp.PageTable(table, rows=np.arange(bs)))
             ids = torch.zeros(bs, dtype=torch.int64, device=device)
             positions = torch.zeros(bs, dtype=torch.int64, device=device)
             rows = torch.arange(bs, device=device)
@@ -102,6 +109,7 @@ class DecodeGraphs:
             self.ids[bs], self.positions[bs], self.rows[bs] = ids, positions, rows
             # host side of the per-step inputs: token ids and positions, one copy
             self._pinned[bs] = torch.zeros((2, bs), dtype=torch.int64).pin_memory()
+        table.fill_(-1)  # no page allocated: the engine's steps send theirs
 
     def bucket_for(self, batch_size: int) -> int | None:
         """The smallest bucket that holds ``batch_size`` decodes, or ``None``."""

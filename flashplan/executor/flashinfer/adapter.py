@@ -212,33 +212,32 @@ def _empty(dtype: torch.dtype | str, device: torch.device) -> torch.Tensor:
 
 
 def replan_decode(
-    slot: Slot, kwargs: dict[str, Any], arrays: DecodeArrays, *, graph: bool, schedule: bool = True
-) -> None:
+    slot: Slot, kwargs: dict[str, Any], arrays: DecodeArrays, *, graph: bool,
+    schedule: bool = True, refresh: bool = True,
+) -> None:  # fmt: skip
     """Re-plan ``slot``'s decode wrapper by calling its compiled module's scheduler
-        (``_cached_module.plan``) with the staged arrays, as vLLM's ``fast_plan_decode``
-        does: what flashinfer 0.7.4's ``fast_decode_plan`` does for an FA2 decode wrapper of
-        one query per request, without its per-call Python (argument checks, backend
-        routing, a host-to-device copy of ``qo_indptr``, the KV lengths computed with torch
-        ops, two empty tensors).
+    (``_cached_module.plan``) with the staged arrays, as vLLM's ``fast_plan_decode``
+    does: flashinfer 0.7.4's ``fast_decode_plan`` for an FA2 decode wrapper of one query
+    per request, without its per-call Python (argument checks, backend routing, a
+    host-to-device copy of ``qo_indptr``, KV lengths computed with torch ops).
 
-    Graph mode: the wrapper's fixed indptr and last-page-length buffers are refreshed from
-        the staged device copy (two device-to-device copies). Eager mode: the wrapper's fields
-        point at the staged device views (page indptr, page ids, last-page lengths, a
-        tensor-core decode's ``qo_indptr``), as ``fast_decode_plan`` points them.
-        The caller guarantees ``fast_decode_available(fi)``, an FA2 wrapper (flashplan's
-        decode wrappers all are) and ``slot.planned_with`` equal to the call's constants.
-        Issues no sync. ``slot``: graph mode, with its ``fixed`` ``"indptr"`` and
-        ``"last_page_len"`` buffers; ``kwargs``: the call's ``plan()`` keyword arguments;
-        ``graph``: whether the wrapper was made with ``use_cuda_graph=True``;
-        ``schedule=False``: the caller knows the scheduler's inputs equal its last call's,
-        whose plan (``_plan_info``, the int workspace) stands: the scheduler is skipped.
+    Graph mode (``graph``: made with ``use_cuda_graph=True``): the slot's ``fixed``
+    ``"indptr"`` and ``"last_page_len"`` buffers are refreshed from the staged device
+    copy (two device-to-device copies; ``refresh=False``: left to a graph that captured
+    them). Eager mode: the wrapper's fields point at the staged device views (page
+    indptr, page ids, last-page lengths, a tensor-core decode's ``qo_indptr``), as
+    ``fast_decode_plan`` points them. The caller guarantees ``fast_decode_available(fi)``,
+    an FA2 wrapper and ``slot.planned_with`` equal to the call's constants (``kwargs``:
+    its ``plan()`` keyword arguments). ``schedule=False``: the scheduler's inputs equal
+    its last call's, whose plan (``_plan_info``, the int workspace) stands: skipped.
+    Issues no sync.
     """
     w = slot.wrapper
     tensor_cores = bool(w.use_tensor_cores)
-    if graph:
+    if graph and refresh:
         slot.fixed["indptr"].copy_(arrays.indptr_device, non_blocking=True)
         slot.fixed["last_page_len"].copy_(arrays.last_page_len_device, non_blocking=True)
-    else:
+    elif not graph:
         w._paged_kv_indptr_buf = arrays.indptr_device
         w._paged_kv_indices_buf = arrays.indices
         w._paged_kv_last_page_len_buf = arrays.last_page_len_device

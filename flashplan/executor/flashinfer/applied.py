@@ -6,12 +6,13 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+import flashplan.executor.flashinfer.names as names
 from flashplan.executor.gathers import write_region
 
 if TYPE_CHECKING:
     import torch
 
-    from flashplan.executor.flashinfer.buffers import DeviceBuffer
+    from flashplan.executor.flashinfer.buffers import DeviceBuffer, StagedViews
     from flashplan.executor.flashinfer.staging import DevicePlan
     from flashplan.executor.flashinfer.wrapper_plans import Planned
     from flashplan.executor.gathers import Region
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from flashplan.layout.page_table import PageTable
     from flashplan.planning.spec import PlanSpec
 
-__all__ = ["AppliedBatch"]
+__all__ = ["AppliedBatch", "level_rows"]
 
 
 @attrs.frozen(eq=False)
@@ -53,3 +54,16 @@ class AppliedBatch:
         """The gather region of ``group``'s write slots
         (:func:`~flashplan.executor.gathers.write_region`)."""
         return self.dplan.jobs.region(write_region(group, window_pool))
+
+
+def level_rows(spec: PlanSpec, staged: StagedViews) -> tuple[torch.Tensor | None, ...]:
+    """Per cascade level, the staged device view of its query rows (``None`` where the
+    level's call covers every row in batch order, and nothing is staged)."""
+    cascade = spec.cascade
+    if cascade is None:
+        return ()
+    total = spec.total_q
+    return tuple(
+        staged[names.level_array(k, "q_rows")] if level.leaves_rows_out(total) else None
+        for k, level in enumerate(cascade.levels.levels)
+    )

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 import flashplan.executor.flashinfer.names as names
+from flashplan.errors import PlanMismatchError
 from flashplan.executor.flashinfer.buffers import DeviceBuffer
 from flashplan.executor.flashinfer.caches import MaskKey, mask_layout
 from flashplan.executor.flashinfer.names import JOBS
@@ -25,6 +26,7 @@ from flashplan.kernels.fused import (
 from flashplan.kernels.runs import fill_runs
 
 if TYPE_CHECKING:
+    from flashplan.executor.flashinfer.bound_table import CapturedWork
     from flashplan.executor.flashinfer.buffers import PinnedSlot, StagedViews
     from flashplan.executor.flashinfer.calls import MaskRecipe
     from flashplan.executor.flashinfer.strategy import BuffersStrategy, OwnedBuffers
@@ -107,10 +109,16 @@ def gather_and_mask(
 ) -> tuple[Gathered, dict[int, torch.Tensor]]:
     """The gather and the first masked group's mask in one launch, any further mask in
     its own: ((page ids, in-page offsets), each masked group's mask). ``views`` are the
-    named views of the device copy of the staging data."""
+    named views of the device copy of the staging data. A graph that captured the
+    gather (:class:`~flashplan.executor.flashinfer.bound_table.CapturedWork`) replays
+    it: nothing is launched here, once the batch's gather is checked to be the
+    captured one."""
     owned, page_map = strategy.owned, strategy.settings.page_map
     jobs = dplan.jobs
     page, offset = strategy.gather_out(max(jobs.total, 1))
+    if strategy.captured is not None:
+        _check_captured(strategy.captured, views)
+        return (page, offset), {}
     built: dict[int, torch.Tensor] = {}
     fused = None
     for index, recipe in dplan.masks.items():
@@ -125,6 +133,7 @@ def gather_and_mask(
     job_table = _job_table(views) if jobs.total else views.tensor[:0].view(6, 0)
     num_pages = table.num_pages or 0
     launch = _bound_launch(strategy, views, table.pages, job_table, page, offset, fused)
+    owned.launched = launch
     if launch is not None:
         launch(num_pages, fused.max_bytes if fused is not None else 0)
     else:
@@ -133,6 +142,19 @@ def gather_and_mask(
             status=owned.status, mask=fused, direct=owned.direct,
         )  # fmt: skip
     return (page, offset), built
+
+
+def _check_captured(captured: CapturedWork, views: StagedViews) -> None:
+    """Refuse a batch whose gather is not the one a graph captured (its staging
+    buffer or layout changed: the captured launch would read stale addresses)."""
+    held = views.memo.launch
+    if held is None or held[1] is not captured.launch:
+        raise PlanMismatchError(
+            "spec",
+            "this graph captured its page gather for another staging layout; a plan of "
+            "the bucket's key keeps the layout, so this one differs from the captured "
+            "plan's (capture a graph for it)",
+        )
 
 
 def _bound_launch(

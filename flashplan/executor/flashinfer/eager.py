@@ -16,6 +16,7 @@ from flashplan.executor.gathers import gather_jobs, gather_jobs_steps
 
 if TYPE_CHECKING:
     from flashplan.executor.checks import RunArgs
+    from flashplan.executor.flashinfer.bound_table import BoundTable, CapturedWork
     from flashplan.executor.flashinfer.bucket import GraphBucket
     from flashplan.executor.flashinfer.calls import GroupCalls, WrapperKey
     from flashplan.executor.flashinfer.settings import ExecutorSettings
@@ -34,6 +35,8 @@ class EagerBuffers:
     owned: OwnedBuffers = attrs.field(init=False)
     bucket: GraphBucket | None = attrs.field(init=False, default=None)
     graph: bool = attrs.field(init=False, default=False)
+    bound: BoundTable | None = attrs.field(init=False, default=None)
+    captured: CapturedWork | None = attrs.field(init=False, default=None)  # never: no graph
 
     def __attrs_post_init__(self) -> None:
         self.owned = OwnedBuffers(self.settings.device, WrapperPool(grow=True))

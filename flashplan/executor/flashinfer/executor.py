@@ -41,7 +41,8 @@ import torch
 import flashplan.executor.flashinfer.names as names
 from flashplan.errors import PageTableError, PlanMismatchError, UnsupportedError
 from flashplan.executor.checks import check_apply_args, check_run_args
-from flashplan.executor.flashinfer.applied import AppliedBatch
+from flashplan.executor.flashinfer.applied import AppliedBatch, level_rows
+from flashplan.executor.flashinfer.bound_table import bound_table
 from flashplan.executor.flashinfer.calls import GroupCalls, check_runnable
 from flashplan.executor.flashinfer.checked import check_cache_pages, check_gathered
 from flashplan.executor.flashinfer.device_work import fill_positions, gather_and_mask, stage
@@ -58,7 +59,6 @@ from flashplan.planning.spec import KernelPath, PlanSpec
 
 if TYPE_CHECKING:
     from flashplan.executor.flashinfer.bucket import GraphBucket
-    from flashplan.executor.flashinfer.buffers import StagedViews
     from flashplan.executor.flashinfer.policy import ExecutorPolicy
     from flashplan.executor.flashinfer.strategy import BuffersStrategy
     from flashplan.layout.page_table import PageTable
@@ -161,7 +161,25 @@ class FlashInferExecutor:
                 "in the default mode (bad page ids are neutralised and counted in "
                 "page_errors())",
             )
-        return self._over(self._settings, GraphBuffers(self._settings, bucket), None)
+        graph = GraphBuffers(self._settings, bucket, bound=self._buffers.bound)
+        return self._over(self._settings, graph, None)
+
+    def bind_page_table(self, pages: torch.Tensor, *, num_pages: int | None = None) -> None:
+        """Bind the page table this executor takes for its life: int32
+        ``[rows, max_pages]`` on its device, rewritten in place between steps. Every
+        later apply must take it (``PageTable(pages, rows, num_pages)``) and graph
+        executors made from this one after the call inherit it; a graph executor bound
+        before :func:`~flashplan.executor.flashinfer.graphs.capture` replays the page
+        gather inside its graph (:mod:`~flashplan.executor.flashinfer.bound_table`).
+
+        Raises:
+            PageTableError: not a contiguous int32 2-D tensor on this device.
+            PlanMismatchError: a graph executor already captured (its graph was
+                captured without the bound table).
+        """
+        if self._buffers.captured is not None:
+            raise PlanMismatchError("pages", "bind the page table before capture()")
+        self._buffers.bound = bound_table(pages, self.device, num_pages)
 
     # -- settings and state ---------------------------------------------------------------
     @property
@@ -293,6 +311,8 @@ class FlashInferExecutor:
         if isinstance(spec, PlanSpec):
             buffers.admit(spec)
         spec, table = check_apply_args(spec, table)
+        if buffers.bound is not None:
+            buffers.bound.check(table)
         self._check_plan(spec, table)
         calls = buffers.skeleton(spec)
         dplan = buffers.device_plan(spec, calls, table)
@@ -304,7 +324,7 @@ class FlashInferExecutor:
         planned = plan_calls(buffers, spec, calls, dplan, host, staged, page, masks, stream)
         slot.mark_read(stream)
         self._batch = AppliedBatch(
-            spec, dplan, table, planned, page, offset, owned.positions, _level_rows(spec, staged)
+            spec, dplan, table, planned, page, offset, owned.positions, level_rows(spec, staged)
         )
         self._positions = None
 
@@ -355,6 +375,8 @@ class FlashInferExecutor:
         steps = []
         for spec in specs:
             spec, table = check_apply_args(spec, table)
+            if buffers.bound is not None:
+                buffers.bound.check(table)
             self._check_plan(spec, table)
             if spec.cascade is not None:
                 raise UnsupportedError(
@@ -474,16 +496,3 @@ class FlashInferExecutor:
             batch, args, group, q, k_new, v_new, kv_cache, return_lse=return_lse, sinks=sinks,
             status=self._buffers.owned.status, window_pool=window_pool,
         )  # fmt: skip
-
-
-def _level_rows(spec: PlanSpec, staged: StagedViews) -> tuple[torch.Tensor | None, ...]:
-    """Per cascade level, the staged device view of its query rows (``None`` where the
-    level's call covers every row in batch order, and nothing is staged)."""
-    cascade = spec.cascade
-    if cascade is None:
-        return ()
-    total = spec.total_q
-    return tuple(
-        staged[names.level_array(k, "q_rows")] if level.leaves_rows_out(total) else None
-        for k, level in enumerate(cascade.levels.levels)
-    )

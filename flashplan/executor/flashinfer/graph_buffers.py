@@ -41,6 +41,7 @@ from flashplan.executor.gathers import GatherJobs, concat_jobs, pages_region
 
 if TYPE_CHECKING:
     from flashplan.executor.checks import RunArgs
+    from flashplan.executor.flashinfer.bound_table import BoundTable, CapturedWork
     from flashplan.executor.flashinfer.settings import ExecutorSettings
     from flashplan.layout.page_table import PageTable
     from flashplan.planning.spec import PlanKey, PlanSpec
@@ -78,15 +79,20 @@ class GraphBuffers:
 
     One wrapper per key (the graph reads its buffers: the pool waits rather than make
     another); FA2 prefill (the backend FlashInfer's graph plans are checked with);
-    prefill wrappers always re-planned through ``plan()``.
+    prefill wrappers always re-planned through ``plan()``. With a bound page table
+    (``bound``), :func:`~flashplan.executor.flashinfer.graphs.capture` captures the
+    gather and the decode wrappers' indptr refresh (``captured``): an apply then only
+    stages and schedules.
     """
 
     settings: ExecutorSettings
     bucket: GraphBucket
+    bound: BoundTable | None = None
     owned: OwnedBuffers = attrs.field(init=False)
     graph: bool = attrs.field(init=False, default=True)
     fast_prefill: bool = attrs.field(init=False, default=False)
     fixed: FixedShape | None = attrs.field(init=False, default=None)
+    captured: CapturedWork | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         self.owned = OwnedBuffers(self.settings.device, WrapperPool(grow=False))
@@ -167,6 +173,19 @@ class GraphBuffers:
                 if gc.masked
             },
         )
+
+    # -- capture ----------------------------------------------------------------------------
+    def capturable_work(self) -> CapturedWork | None:
+        """The last apply's gather and decode indptr refresh, for a graph to capture:
+        only with a bound page table, a bound launch and no custom mask (a mask's
+        launch size changes with the batch); ``None``: they stay per apply."""
+        from flashplan.executor.flashinfer.bound_table import CapturedWork
+
+        launch = self.owned.launched
+        if self.bound is None or launch is None or self.fixed is None or self.fixed.masks:
+            return None
+        copies = tuple(pair for pairs in self.owned.refresh.values() for pair in pairs)
+        return CapturedWork(launch, self.bound.num_pages or 0, copies)
 
     # -- the strategy ----------------------------------------------------------------------
     def skeleton(self, spec: PlanSpec) -> tuple[GroupCalls, ...]:

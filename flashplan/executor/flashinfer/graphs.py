@@ -41,6 +41,7 @@ import torch
 from flashplan.errors import PlanMismatchError
 from flashplan.executor.flashinfer.bucket import GraphBucket
 from flashplan.executor.flashinfer.executor import FlashInferExecutor
+from flashplan.executor.flashinfer.graph_buffers import GraphBuffers
 from flashplan.layout.page_table import PageTable
 from flashplan.planning.spec import PlanSpec
 
@@ -120,6 +121,11 @@ def capture(
     the bucket. ``forward`` runs ``warmup`` times eagerly on a side stream first (module
     loading, autotuning, allocations), then once under capture.
 
+    With a bound page table (:meth:`FlashInferExecutor.bind_page_table`, before the
+    capture) the graph also replays the page gather and the refresh of the decode
+    wrappers' fixed indptrs, which later applies then leave to it (unless a group has
+    a custom mask, whose launch size changes with the batch).
+
     Args:
         executor: the bucket's graph executor (:meth:`FlashInferExecutor.for_bucket`).
         forward: the step to capture: reads static input tensors, returns outputs.
@@ -141,7 +147,13 @@ def capture(
         for _ in range(warmup):
             forward()
     current.wait_stream(side)
+    buffers = executor._buffers  # the bucket's GraphBuffers
+    assert isinstance(buffers, GraphBuffers)
+    work = buffers.capturable_work()  # with a bound page table: the gather, in the graph
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
+        if work is not None:
+            work.record()
         output = forward()
+    buffers.captured = work
     return CapturedStep(executor, graph, output)

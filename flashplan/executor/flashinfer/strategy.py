@@ -29,11 +29,13 @@ from flashplan.kernels.gather import new_status
 if TYPE_CHECKING:
     from flashplan.executor.checks import RunArgs
     from flashplan.executor.flashinfer.adapter import DirectLaunch
+    from flashplan.executor.flashinfer.bound_table import BoundTable, CapturedWork
     from flashplan.executor.flashinfer.bucket import GraphBucket
     from flashplan.executor.flashinfer.buffers import WrapperSlot
     from flashplan.executor.flashinfer.calls import GroupCalls, WrapperKey
     from flashplan.executor.flashinfer.settings import ExecutorSettings
     from flashplan.executor.flashinfer.staging import DevicePlan
+    from flashplan.kernels.fused import BoundGatherAndMask
     from flashplan.layout.page_table import PageTable
     from flashplan.planning.spec import PlanSpec
 
@@ -80,6 +82,11 @@ class OwnedBuffers:
         direct: the fused gather launch's compiled variants (``None``: launch through
             Triton's Python path).
         counts: the planning calls made so far.
+        launched: the last apply's bound gather launch (``None``: launched unbound).
+        refresh: (graph strategy) per decode wrapper, by ``(step prefix, WrapperKey)``,
+            its ``(fixed buffer, staged view)`` pairs of the last apply (indptr, last-page
+            lengths): what a re-plan copies, or a graph captures
+            (:class:`~flashplan.executor.flashinfer.bound_table.CapturedWork`).
     """
 
     device: torch.device
@@ -92,6 +99,8 @@ class OwnedBuffers:
     step_positions: list[DeviceBuffer] = attrs.field(factory=list)
     counts: PlanCounts = attrs.field(factory=PlanCounts)
     direct: DirectLaunch | None = attrs.field(factory=direct_launcher)
+    launched: BoundGatherAndMask | None = None
+    refresh: dict[object, tuple[tuple[torch.Tensor, torch.Tensor], ...]] = attrs.field(factory=dict)
     staged: DeviceBuffer = attrs.field(init=False)
     out_page: DeviceBuffer = attrs.field(init=False)
     out_offset: DeviceBuffer = attrs.field(init=False)
@@ -125,6 +134,8 @@ class BuffersStrategy(Protocol):
         graph: the wrappers read fixed buffers (CUDA graphs).
         fast_prefill: paged prefill wrappers may be re-planned through the compiled
             scheduler.
+        bound: the page table every apply takes (``bind_page_table``), or ``None``.
+        captured: (graph strategy) the gather and copies its graph replays, or ``None``.
     """
 
     @property
@@ -137,6 +148,9 @@ class BuffersStrategy(Protocol):
     def graph(self) -> bool: ...
     @property
     def fast_prefill(self) -> bool: ...
+
+    bound: BoundTable | None
+    captured: CapturedWork | None
 
     def admit(self, spec: PlanSpec) -> None:
         """Refuse a plan this strategy cannot hold (a graph: one beyond its bucket)."""

@@ -196,6 +196,11 @@ def plan_calls(
                 (prefix, key), partial(strategy.make_wrapper, key, index, prefix)
             )
             bound = bound_call(call, host, staged, prefix, index, part)
+            if strategy.graph and bound.decode is not None and held.fixed:
+                owned.refresh[(prefix, key)] = (
+                    (held.fixed["indptr"], bound.decode[1]),
+                    (held.fixed["last_page_len"], bound.decode[3]),
+                )
             kwargs = dict(bound.kwargs)
             for name, value in bound.dynamic:
                 kwargs[name] = resolve(value)
@@ -207,7 +212,10 @@ def plan_calls(
             ):
                 arrays = DecodeArrays(*bound.decode, indices=kwargs["indices"])
                 schedule = _schedule_changed(held, spec, _decode_inputs(bound.decode))
-                replan_decode(held, kwargs, arrays, graph=strategy.graph, schedule=schedule)
+                replan_decode(
+                    held, kwargs, arrays, graph=strategy.graph, schedule=schedule,
+                    refresh=strategy.captured is None,  # else the graph copies them
+                )  # fmt: skip
                 counts.decode_replans += 1
                 counts.schedules_kept += not schedule
             elif (
