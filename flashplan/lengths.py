@@ -241,11 +241,34 @@ class PageSpans:
         if base is not None:
             row = np.asarray(base, dtype=np.int64)
             return cls.between(start.astype(np.int64) * ps + row, end + row, ps, field=field)
-        first = start * constant_operand(ps)
-        kv = end - first
+        return cls.from_checked_page_start(
+            start, seal_inplace(start * constant_operand(ps)), end, ps, field=field
+        )
+
+    @classmethod
+    def from_checked_page_start(
+        cls,
+        start_page: IntArray,
+        first_token: IntArray,
+        end_token: IntArray,
+        page_size: int,
+        *,
+        field: str = "pages",
+    ) -> PageSpans:
+        """:meth:`from_page_start` (no ``base``) for arrays already checked: read-only
+        int32 ``[bs]`` of one length, ``start_page >= 0`` and ``first_token = start_page *
+        page_size`` (a caller that keeps them from step to step: a cascade's own parts);
+        only ``end_token`` is new.
+
+        Raises:
+            LayoutError: as :meth:`between` (more pages in all than int32 holds).
+        """
+        kv = end_token - first_token
         if kv.size and np.minimum.reduce(kv) <= 0:  # empty spans: no page, as between's
-            return cls.between(first, end, ps, field=field)
-        return cls._derived(seal_inplace(first), end, ps, start, seal_inplace(kv), field, None)
+            return cls.between(first_token, end_token, page_size, field=field)
+        return cls._derived(
+            first_token, end_token, page_size, start_page, seal_inplace(kv), field, None
+        )
 
     @classmethod
     def from_row_start(

@@ -25,6 +25,7 @@ executors run them (the FlashInfer executor eagerly: a CUDA-graph bucket refuses
 from __future__ import annotations
 
 import functools
+from functools import cached_property
 
 import attrs
 import numpy as np
@@ -96,6 +97,13 @@ class CascadeLevel:
         :attr:`q_rows` and writes the merge back to them; otherwise the call's rows are
         the batch's, in order."""
         return int(self.qo_indptr[-1]) != total_q
+
+    @cached_property
+    def max_queries(self) -> int:
+        """The most query rows of one group's kernel request (0 without groups): a
+        decode step's level is kept from step to step, and so is this."""
+        sizes = np.diff(self.qo_indptr)
+        return int(sizes.max()) if sizes.size else 0
 
 
 @readonly_when_unpickled
@@ -223,11 +231,28 @@ def _levels_of(layout: BatchLayout, sharing: _Sharing) -> CascadePlan:
         levels.append(
             CascadeLevel(qo, q_rows, level.row_of, spans, *_row_pages(bs, level.row_of, spans))
         )
-    covered = np.zeros(bs, dtype=np.int32)
-    covered[: sharing.end] = sharing.covered
-    seal_inplace(covered)
-    own = PageSpans.from_page_start(covered, layout.seq_lens, ps, base=base if row_base else None)
+    covered, first = _own_starts(sharing, bs, ps)
+    if row_base:
+        own = PageSpans.from_page_start(covered, layout.seq_lens, ps, base=base)
+    else:
+        own = PageSpans.from_checked_page_start(covered, first, layout.seq_lens, ps)
     return CascadePlan(tuple(levels), own, covered)
+
+
+def _own_starts(sharing: _Sharing, bs: int, page_size: int) -> tuple[IntArray, IntArray]:
+    """Per request of a batch of ``bs``, the whole pages its levels cover and the row
+    token its own part starts at (int32 ``[bs]`` each, read-only; kept per batch size:
+    the sharing's page size is ``page_size``)."""
+    held = sharing.own_starts.get(bs)
+    if held is None:
+        covered = np.zeros(bs, dtype=np.int32)
+        covered[: sharing.end] = sharing.covered
+        first = covered.astype(np.int64) * page_size  # whole pages of int32 tokens: fits
+        held = sharing.own_starts[bs] = (
+            seal_inplace(covered),
+            seal_inplace(first.astype(np.int32)),
+        )
+    return held
 
 
 def _checked_sharing(layout: BatchLayout, shared: SharedPrefix) -> _Sharing:
@@ -276,6 +301,8 @@ class _Sharing:
     end: int  # one past the last request in any group
     deepest: npt.NDArray[np.int64]  # [end] tokens each request shares (0: none)
     covered: IntArray  # int32 [end] whole pages the levels read for each request
+    # per batch size: covered pages and own parts' first tokens (:func:`_own_starts`)
+    own_starts: dict[int, tuple[IntArray, IntArray]] = attrs.field(factory=dict)
 
 
 @functools.lru_cache(maxsize=64)

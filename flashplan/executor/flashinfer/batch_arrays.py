@@ -164,9 +164,8 @@ def _level_inputs(
         host[names.level_array(k, "kv_lens")] = spans.kv_lens
         if level.leaves_rows_out(total_q):  # gathered by its rows
             host[names.level_array(k, "q_rows")] = level.q_rows
-        sizes = np.diff(level.qo_indptr)
         ints[names.level_int(k, "qo.total")] = int(level.qo_indptr[-1])
-        ints[names.level_int(k, "qo.max_len")] = int(sizes.max(initial=0))
+        ints[names.level_int(k, "qo.max_len")] = level.max_queries
         ints[names.level_int(k, "max_kv_len")] = spans.max_kv_len
         out.append((level.row_start_page, level.row_pages))
     return tuple(out)
