@@ -68,6 +68,7 @@ import flashplan.executor.flashinfer.wrapper_plans as wrapper_plans_mod
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 from flashplan.executor.flashinfer.bucket import GraphBucket
 from flashplan.executor.flashinfer.buffers import PinnedSlot
+from flashplan.executor.flashinfer.graphs import capture
 from flashplan.kernels.fused import BoundGatherAndMask, StagedMask
 from flashplan.testing.batches import bushy_tree_parents, scoring_batch
 
@@ -375,6 +376,19 @@ def main() -> None:
         max_pages = -(-args.kv // ps)
         gx = FlashInferExecutor().for_bucket(GraphBucket.decode(args.batch, max_pages))
         run("graph executor apply (replay planning)", gx, make, table, args.n,
+            not args.no_cprofile)  # fmt: skip
+        # the same over a bound page table, captured: the gather and the indptr refresh
+        # replay inside the graph (one layer's run, to have a graph at all)
+        bound = FlashInferExecutor()
+        bound.bind_page_table(table.pages, num_pages=table.num_pages)
+        bx = bound.for_bucket(GraphBucket.decode(args.batch, max_pages))
+        bx.apply(make(), table)
+        q = torch.randn(args.batch, 32, 128, device="cuda", dtype=torch.bfloat16)
+        cache = torch.randn(int(table.num_pages or 1), 2, ps, 8, 128, device="cuda",
+                            dtype=torch.bfloat16)  # fmt: skip
+        group = fp.AttentionGroup.full()
+        capture(bx, lambda: bx.run(group, q, None, None, cache))
+        run("graph executor apply, bound table (gather captured)", bx, make, table, args.n,
             not args.no_cprofile)  # fmt: skip
 
 
