@@ -197,8 +197,9 @@ def check_fits(spec: PlanSpec, bucket: GraphBucket) -> None:
             "batch_size", "the batch is larger than the bucket",
             batch_size=spec.batch_size, bucket_batch_size=bucket.batch_size,
         )  # fmt: skip
-    wrong = spec.qo_lens != bucket.tokens_per_request
-    if wrong.any():
+    # (a decode plan has one new token per request by construction)
+    wrong = None if spec.key.mode is Mode.DECODE else spec.qo_lens != bucket.tokens_per_request
+    if wrong is not None and wrong.any():
         i = int(np.flatnonzero(wrong)[0])
         raise BucketError(
             "tokens_per_request", "every request of a bucket has the same number of new tokens",
@@ -211,15 +212,13 @@ def check_fits(spec: PlanSpec, bucket: GraphBucket) -> None:
                 "paths", "CUDA-graph buckets run paged paths only: plan with extend_path='paged'",
                 group=index, path=gp.path.value,
             )  # fmt: skip
-        if gp.paged is not None:
-            over = gp.paged.num_pages > bucket.max_pages
-            if over.any():
-                i = int(np.flatnonzero(over)[0])
-                raise BucketError(
-                    "max_pages", "a request reads more pages than the bucket holds",
-                    request=i, group=index, pages=int(gp.paged.num_pages[i]),
-                    max_pages=bucket.max_pages,
-                )  # fmt: skip
+        pages = None if gp.paged is None else gp.paged.num_pages
+        if pages is not None and pages.size and np.maximum.reduce(pages) > bucket.max_pages:
+            i = int(np.flatnonzero(pages > bucket.max_pages)[0])
+            raise BucketError(
+                "max_pages", "a request reads more pages than the bucket holds",
+                request=i, group=index, pages=int(pages[i]), max_pages=bucket.max_pages,
+            )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
