@@ -15,6 +15,11 @@ For the two batches of ``bench_cascade.py`` that miss their targets (64 x (8192 
   a level call re-planned through the compiled scheduler counts as
   ``fast_prefill_plan``).
 
+On SM90 each batch runs a second time with FA3 level calls
+(``ExecutorPolicy(prefill_backend="fa3")``): the level call is compute-bound on FA2;
+an FA3 level is planned with ``plan()`` once and then kept while the sharing holds
+(``plans_kept``).
+
     python3 benchmarks/profile_cascade.py [--md OUT.md]
 """
 
@@ -33,19 +38,21 @@ from _timing import host_us, kernel_ms
 from bench_cascade import FULL, HEADS, batch_inputs, cases
 
 import flashplan as fp
-from flashplan.executor.flashinfer import FlashInferExecutor
+from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 from flashplan.executor.flashinfer.wrapper_plans import level_part
 from flashplan.kernels.merge_state import merge_state_triton
 
 
-def profile(name: str, layout: fp.BatchLayout, shared: fp.SharedPrefix) -> list[str]:
+def profile(
+    name: str, layout: fp.BatchLayout, shared: fp.SharedPrefix, policy: ExecutorPolicy
+) -> list[str]:
     _, table, cache, q = batch_inputs(layout, shared)
     on = fp.plan(layout, HEADS, shared_prefix=shared, cascade="on")
     plain = fp.plan(layout, HEADS)
     assert on.cascade is not None
-    ex = FlashInferExecutor()
+    ex = FlashInferExecutor(policy=policy)
     ex.apply(on, table)
-    lines = [f"### {name}", ""]
+    lines = [f"### {name} (level calls: prefill_backend={policy.prefill_backend!r})", ""]
     whole = kernel_ms(lambda: ex.run(FULL, q, None, None, cache))
     own = ex.planned_wrappers[(0, "paged")]
     o, s = own.run(q, cache, return_lse=True)
@@ -75,7 +82,7 @@ def profile(name: str, layout: fp.BatchLayout, shared: fp.SharedPrefix) -> list[
         return plan_us, apply_us
 
     p_plain = timed(lambda: fp.plan(layout, HEADS), FlashInferExecutor())
-    ex_on = FlashInferExecutor()
+    ex_on = FlashInferExecutor(policy=policy)
     p_on = timed(lambda: fp.plan(layout, HEADS, shared_prefix=shared, cascade="on"), ex_on)
     lines += [
         "",
@@ -108,8 +115,12 @@ def main() -> None:
     ap.add_argument("--md", type=Path)
     args = ap.parse_args()
     lines = [f"Device: {torch.cuda.get_device_name()}", ""]
-    for name, (layout, shared) in list(cases().items())[:2]:
-        lines += profile(name, layout, shared)
+    policies = [ExecutorPolicy()]
+    if torch.cuda.get_device_capability()[0] == 9:  # FlashInfer's FA3 kernels: SM90
+        policies.append(ExecutorPolicy(prefill_backend="fa3"))
+    for policy in policies:
+        for name, (layout, shared) in list(cases().items())[:2]:
+            lines += profile(name, layout, shared, policy)
     if args.md:
         args.md.write_text("\n".join(lines) + "\n")
 

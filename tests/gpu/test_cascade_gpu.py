@@ -187,3 +187,40 @@ def test_cascade_apply_and_run_never_sync():
             ex.apply(spec, table)
             ex.run(layout.groups[0], q, k, v, cache)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fa3_levels_keep_their_plan_while_the_sharing_holds(page_size: int):
+    """FA3 level calls (``prefill_backend="fa3"``; SM90) are planned with ``plan()``; a
+    decode loop whose sharing holds gives them the same inputs step after step, and
+    their plan is kept (``plans_kept``) instead of planned again: every step still
+    equals a fresh executor's bit for bit and the reference within tolerance; a new
+    sharing plans them again."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FlashInfer's FA3 kernels run on SM90")
+    heads = fp.HeadConfig(16, 4, 128, q_dtype=torch.bfloat16)
+    policy = ExecutorPolicy(prefill_backend="fa3")
+    executor = FlashInferExecutor(policy=policy)
+    rng = np.random.default_rng(stable_seed("fa3 levels", page_size))
+    prefix = rng.integers(200, 400, 8)
+    shared = _sharing("nested", 8, prefix)
+    kept_before = 0
+    for step in range(6):
+        if step == 4:  # another sharing: the levels' arrays change
+            shared = _sharing("groups", 8, prefix)
+        layout = fp.BatchLayout.decode(prefix + 1 + step, page_size=page_size)
+        spec = fp.plan(layout, heads, shared_prefix=shared, cascade="on")
+        assert spec.cascade is not None
+        table = _table(layout, shared, 10 + step)
+        inputs = _inputs(spec, table, heads, step)
+        got = _run(executor, spec, table, inputs)
+        fresh = _run(FlashInferExecutor(policy=policy), spec, table, inputs)
+        for a, b in zip(got, fresh, strict=True):
+            assert torch.equal(a, b), (page_size, step)
+        _check(got, _run(fp.ReferenceExecutor(), fp.plan(layout, heads), table, inputs))
+        kept = executor.plan_counts["plans_kept"]
+        if step in (1, 2, 3, 5):  # the sharing held since the step before
+            assert kept > kept_before, step
+        if step == 4:
+            assert kept == kept_before
+        kept_before = kept

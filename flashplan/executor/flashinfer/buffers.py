@@ -205,6 +205,8 @@ class WrapperSlot:
             indptr, with tensor cores also ``qo_indptr`` and the KV lengths; a paged
             prefill's ``qo_indptr``, page indptr and KV lengths); ``None`` before one
             (see ``wrapper_plans``).
+        plan_inputs: (eager) what its last full ``plan()`` read (``wrapper_plans``):
+            a call with the same inputs keeps that plan and calls nothing.
     """
 
     wrapper: Any
@@ -213,6 +215,7 @@ class WrapperSlot:
     planned_with: tuple[tuple[str, Any], ...] | None = None
     replannable: bool = False
     scheduled: tuple[object, tuple[bytes, ...]] | None = None
+    plan_inputs: tuple[tuple[str, Any], ...] | None = None
 
     def idle(self) -> bool:
         """The copies the wrapper's last ``plan()`` queued have run (never waits)."""

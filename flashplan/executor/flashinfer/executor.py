@@ -229,6 +229,7 @@ class FlashInferExecutor:
             "fast_decode_plan": counts.decode_replans,
             "fast_prefill_plan": counts.prefill_replans,
             "schedules_kept": counts.schedules_kept,
+            "plans_kept": counts.plans_kept,
         }
 
     @property

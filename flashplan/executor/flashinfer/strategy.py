@@ -50,6 +50,8 @@ class PlanCounts:
         full: full ``plan()`` calls.
         decode_replans: decode re-plans through the compiled scheduler.
         prefill_replans: paged prefill re-plans through the compiled scheduler.
+        plans_kept: (eager) full ``plan()`` calls skipped: the wrapper's last ``plan()``
+            read the same inputs (an FA3 cascade level while the sharing holds).
         schedules_kept: decode re-plans that kept the scheduler's last plan (its inputs
             unchanged: ``wrapper_plans``).
     """
@@ -58,6 +60,7 @@ class PlanCounts:
     decode_replans: int = 0
     prefill_replans: int = 0
     schedules_kept: int = 0
+    plans_kept: int = 0
 
 
 @attrs.define(eq=False)
