@@ -222,7 +222,8 @@ class Engine:
         cuda_graphs: batch sizes of the CUDA-graph buckets captured at start-up (needs
             the FlashInferExecutor and a decoder-only model): a step of decodes alone
             replays the smallest bucket that holds it (:mod:`.graphs`), unless its plan
-            has cascade levels (a bucket refuses them: that step runs eagerly); ``()``: none.
+            has cascade levels (a bucket refuses them: that step runs eagerly); a size above
+            ``max_running`` shrinks to it; ``()``: none.
         cascade: ``fp.plan``'s ``cascade`` for the steps where samples of one request
             decode together (``"off"``, ``"on"`` or ``"auto"``): their shared prompt
             pages are read once per family (see docs/guide-shared-prefix.md).
@@ -314,8 +315,10 @@ class Engine:
             if not isinstance(adapter, DecoderOnly):
                 raise ValueError("CUDA graphs are for decoder-only models")
             scratch = self.allocator.alloc(1)[0]  # the capture's writes; never a request's
+            # no step runs more than max_running requests: larger buckets shrink to it
+            sizes = sorted({min(int(b), max_running) for b in cuda_graphs})
             self.graphs = DecodeGraphs(
-                self._forward, executor, self._forward_ctx, self.groups, h, cuda_graphs,
+                self._forward, executor, self._forward_ctx, self.groups, h, sizes,
                 table=self.device_table.pages, page_size=page_size, scratch_page=scratch,
             )  # fmt: skip
 

@@ -9,10 +9,10 @@ both executors use the same job table, so they read and write the same slots.
 The outputs of the jobs are laid end to end; :class:`GatherJobs` names the *region*
 of each purpose:
 
+* ``"pages/l<l>"``: the shared pages of cascade level ``l``'s groups, in group order
+  (each read from its first member's row: :func:`gather_jobs`' ``level_spans``), first;
 * ``"pages/<g>"``: the page ids (FlashInfer's ``kv_indices``) of group ``g``'s paged
   call, in request order (``page_indptr`` offsets within the region);
-* ``"pages/l<l>"``: the shared pages of cascade level ``l``'s groups, in group order
-  (each read from its first member's row: :func:`gather_jobs`' ``level_spans``);
 * ``"write"``: the write slots of the new tokens of self groups in the full pool;
 * ``"write/window"``: the same slots mapped into the sliding-window pool (only with a
   page map and a windowed group): windowed groups write there;
@@ -223,12 +223,12 @@ def gather_jobs(
         level_spans: per cascade level, ``(start_page, num_pages)``, int32 ``[bs]``:
             the pages each request's row gives the level (a group's shared pages at
             its first member, nothing at the others), gathered into region
-            ``"pages/l<level>"`` after the groups' regions.
+            ``"pages/l<level>"`` before the groups' regions (so that a level's region
+            keeps its place while its sharing does, however the own parts grow).
     """
     r32 = np.asarray(rows, dtype=np.int32)
     parts = job_parts(spec, window_pool, spans, encoder_writes)
-    at = sum(1 for p in parts if is_pages_region(p[0]))
-    parts[at:at] = [
+    parts[0:0] = [
         (level_pages_region(k), start, num, 1, 0) for k, (start, num) in enumerate(level_spans)
     ]
     return _job_table(parts, r32, spec.batch_size)

@@ -193,9 +193,11 @@ def test_cascade_apply_and_run_never_sync():
 def test_fa3_levels_keep_their_plan_while_the_sharing_holds(page_size: int):
     """FA3 level calls (``prefill_backend="fa3"``; SM90) are planned with ``plan()``; a
     decode loop whose sharing holds gives them the same inputs step after step, and
-    their plan is kept (``plans_kept``) instead of planned again: every step still
-    equals a fresh executor's bit for bit and the reference within tolerance; a new
-    sharing plans them again."""
+    their plan is kept (``plans_kept``) instead of planned again — the levels' regions
+    come first in the gather's output, so the own parts' growth does not move them —
+    while the table's page ids change every step: every step still equals a fresh
+    executor's bit for bit and the reference within tolerance; a new sharing plans them
+    again."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("FlashInfer's FA3 kernels run on SM90")
     heads = fp.HeadConfig(16, 4, 128, q_dtype=torch.bfloat16)
@@ -219,7 +221,9 @@ def test_fa3_levels_keep_their_plan_while_the_sharing_holds(page_size: int):
             assert torch.equal(a, b), (page_size, step)
         _check(got, _run(fp.ReferenceExecutor(), fp.plan(layout, heads), table, inputs))
         kept = executor.plan_counts["plans_kept"]
-        if step in (1, 2, 3, 5):  # the sharing held since the step before
+        # the sharing held since the step before (step 1 may still grow the gather's
+        # output buffer, which moves every region: a new view, planned again)
+        if step in (2, 3, 5):
             assert kept > kept_before, step
         if step == 4:
             assert kept == kept_before
