@@ -305,6 +305,8 @@ class Engine:
         #: steps whose plan had cascade levels (samples of a request decoding together)
         self.cascade_steps = 0
         self._last_sharing: tuple[object, fp.SharedPrefix] | None = None
+        #: running requests of a sampled family (n > 1, or forked from one)
+        self._family_members = 0
         #: host seconds of flashplan's part of decode-only steps (layout, plan, apply or
         #: a bucket's replay planning) and how many such steps ran: benchmarks read them
         self.decode_host_s, self.decode_steps = 0.0, 0
@@ -379,6 +381,7 @@ class Engine:
             r.row = self.free_rows.pop()
             r.reserved_rows = [self.free_rows.pop() for _ in range(r.n - 1)]
             self.running.append(r)
+            self._family_members += r.n > 1
             batch.append((r, min(r.pending, budget)))
             budget -= batch[-1][1]
         return batch
@@ -389,8 +392,8 @@ class Engine:
         whole pages are the same ids in every member's row). A prompt shorter than a page
         shares no whole page, hence no group. ``None`` when there is no group."""
 
-        if not any(r.n > 1 or r.parent is not None for r, _ in batch):
-            return None  # no sampled family in the batch (the usual step): nothing to scan
+        if not self._family_members:
+            return None  # no sampled family running (the usual step): nothing to scan
 
         def family(entry: tuple[Request, int]) -> Request | None:
             r, n = entry
@@ -462,6 +465,7 @@ class Engine:
         parent.children = children
         at = self.running.index(parent) + 1
         self.running[at:at] = children
+        self._family_members += len(children)
         return children
 
     def _sample(self, logits: torch.Tensor, rows: list[int], samplers: list[Request]) -> list[int]:
@@ -595,6 +599,7 @@ class Engine:
             self.table[r.row] = -1
             self.free_rows.append(r.row)
             self.running.remove(r)
+            self._family_members -= r.n > 1 or r.parent is not None
         owners = [reqs[int(i)] for i in np.searchsorted(spec.qo_indptr, keep, side="right") - 1]
         positions = spec.positions[keep].tolist()
         return StepOutput(

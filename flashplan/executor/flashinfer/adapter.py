@@ -248,7 +248,8 @@ def replan_decode(
     window = kwargs.get("window_left", -1)
     soft_cap = kwargs.get("logits_soft_cap")
     graph_enabled = w.is_cuda_graph_enabled
-    with torch.cuda.device(w.device) if schedule else contextlib.nullcontext():
+    switch = schedule and torch.cuda.current_device() != w.device.index
+    with torch.cuda.device(w.device) if switch else contextlib.nullcontext():
         if schedule and tensor_cores:
             split = kwargs.get("fixed_split_size")
             w._plan_info = w._cached_module.plan(
