@@ -61,7 +61,7 @@ def _bucket_mode(field: str, value: object) -> Mode:
     raise BucketError(field, "must be a flashplan.Mode", value=value)
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # a key of the per-step template cache
 class BucketLayout:
     """Where a bucket's fixed gather regions live in its gather output buffer.
 
@@ -81,7 +81,7 @@ class BucketLayout:
         raise KeyError(name)
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # a key of the per-step template cache
 class GraphBucket:
     """The fixed shape a CUDA graph is captured for.
 
@@ -288,7 +288,7 @@ def bucket_gather_jobs(
         table[1, k, :bs] = part[1]
         table[2, k, :bs] = part[2]
     counts = table[2, :, :bs]
-    ends = np.cumsum(counts, axis=1, dtype=np.int64)  # [parts, bs]: each region's running sum
+    ends = counts.cumsum(axis=1, dtype=np.int64)  # [parts, bs]: each region's running sum
     table[3, :, :bs] = ends - counts + bases[:, None]  # each job's first output
     sizes = ends[:, -1] if bs else np.zeros(len(parts), np.int64)
     if pad_offsets.shape[1]:
