@@ -649,40 +649,33 @@ def part_graph() -> None:
                 out = ex.run(group, q, None, None, cache)
             return out
 
+        def replayed(gx: FlashInferExecutor) -> Callable[[], torch.Tensor]:
+            """A step of layout + plan + replay of a graph captured on ``gx``."""
+            gx.apply(spec0, table)
+
+            def forward() -> torch.Tensor:
+                out = q
+                for _ in range(layers):
+                    out = gx.run(group, q, None, None, cache)
+                return out
+
+            captured = capture(gx, forward)
+
+            def step() -> torch.Tensor:
+                spec = fp.plan(fp.BatchLayout.decode(lens, page_size=16), HEADS)
+                return captured.replay(spec, table)
+
+            return step
+
         gx = GraphExecutor(FlashInferExecutor(), GraphBucket.decode(bs, max_pages))
-        gx.apply(spec0, table)
-
-        def forward() -> torch.Tensor:
-            out = q
-            for _ in range(layers):
-                out = gx.run(group, q, None, None, cache)
-            return out
-
-        captured = capture(gx, forward)
-
-        def graph_step() -> torch.Tensor:
-            spec = fp.plan(fp.BatchLayout.decode(lens, page_size=16), HEADS)
-            return captured.replay(spec, table)
-
+        graph_step = replayed(gx)
         # (b') the same over a bound page table: the gather and the indptr refresh replay
         # inside the graph
         bound = FlashInferExecutor()
         bound.bind_page_table(table.pages, num_pages=table.num_pages)
         bx = bound.for_bucket(GraphBucket.decode(bs, max_pages))
-        bx.apply(spec0, table)
-
-        def bound_forward() -> torch.Tensor:
-            out = q
-            for _ in range(layers):
-                out = bx.run(group, q, None, None, cache)
-            return out
-
-        bound_captured = capture(bx, bound_forward)
+        bound_step = replayed(bx)
         assert bx._buffers.captured is not None
-
-        def bound_step() -> torch.Tensor:
-            spec = fp.plan(fp.BatchLayout.decode(lens, page_size=16), HEADS)
-            return bound_captured.replay(spec, table)
 
         tc = decode_uses_tensor_cores(HEADS, ExecutorPolicy(), bs)  # the bucket's choice
         raw = RawCapturedDecode(table, lens, max_pages, tc)

@@ -19,13 +19,8 @@ from flashplan.executor.flashinfer.bucket import GraphBucket
 from flashplan.executor.flashinfer.graphs import capture
 
 from .helpers import rel_err, stable_seed, syncs_raise
+from .test_step_loop import CAP, DEV, FULL, HEADS, W5, W70  # the step-loop tests' groups
 
-DEV = "cuda"
-HEADS = fp.HeadConfig(num_qo_heads=16, num_kv_heads=4, head_dim=128)
-FULL = fp.AttentionGroup.full()
-W5 = fp.AttentionGroup.sliding(5)
-CAP = fp.AttentionGroup.full(logits_soft_cap=30.0)
-W70 = fp.AttentionGroup.sliding(70, logits_soft_cap=20.0)
 ROWS, POOL = 12, 4096
 
 
