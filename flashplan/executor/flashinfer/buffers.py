@@ -201,10 +201,10 @@ class WrapperSlot:
             re-creates (:func:`~flashplan.executor.flashinfer.adapter.replannable`).
         scheduled: what the scheduler's last run on this wrapper read (its last full
             ``plan()`` or a later re-plan): ``(spec, arrays)`` — the plan (PlanSpec) it
-            came from and the bytes of the int32 host arrays it read (a decode's page
-            indptr, with tensor cores also ``qo_indptr`` and the KV lengths; a paged
-            prefill's ``qo_indptr``, page indptr and KV lengths); ``None`` before one
-            (see ``wrapper_plans``).
+            came from and the bytes of the int32 host arrays it read (a CUDA-core
+            decode's page indptr; a paged prefill's ``qo_indptr``, page indptr and KV
+            lengths; ``None`` for a tensor-core decode, compared by plan object only);
+            ``None`` before one (see ``wrapper_plans``).
         plan_inputs: (eager) what its last full ``plan()`` read (``wrapper_plans``):
             a call with the same inputs keeps that plan and calls nothing.
     """
@@ -214,7 +214,7 @@ class WrapperSlot:
     fixed: dict[str, torch.Tensor] = attrs.field(factory=dict)
     planned_with: tuple[tuple[str, Any], ...] | None = None
     replannable: bool = False
-    scheduled: tuple[object, tuple[bytes, ...]] | None = None
+    scheduled: tuple[object, tuple[bytes, ...] | None] | None = None
     plan_inputs: tuple[tuple[str, Any], ...] | None = None
 
     def idle(self) -> bool:

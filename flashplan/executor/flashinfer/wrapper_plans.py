@@ -104,7 +104,9 @@ def bound_call(
     return bound
 
 
-def _schedule_changed(held: WrapperSlot, spec: PlanSpec, inputs: tuple[torch.Tensor, ...]) -> bool:
+def _schedule_changed(
+    held: WrapperSlot, spec: PlanSpec, inputs: tuple[torch.Tensor, ...] | None
+) -> bool:
     """Whether a re-plan must run the scheduler: not when its inputs equal those of the
     scheduler's last run on this wrapper (whose plan, ``_plan_info`` and the int
     workspace, then stands).
@@ -116,22 +118,25 @@ def _schedule_changed(held: WrapperSlot, spec: PlanSpec, inputs: tuple[torch.Ten
     object has the same arrays; otherwise their values are compared (a decode loop
     changes a CUDA-core decode's page indptr once per page of new tokens; a cascade
     level's arrays stay the same while its sharing does), as bytes: a few hundred
-    nanoseconds for arrays of a batch. Records the inputs when the scheduler runs.
+    nanoseconds for arrays of a batch. ``inputs=None``: only the same plan object
+    counts (a tensor-core decode, whose KV lengths change at every step of a decode
+    loop: comparing them would cost more than it saves). Records the inputs when the
+    scheduler runs.
     """
     last = held.scheduled
     if last is not None and last[0] is spec:
         return False
-    data = _input_bytes(inputs)
-    if last is not None and last[1] == data:
+    data = None if inputs is None else _input_bytes(inputs)
+    if data is not None and last is not None and last[1] == data:
         return False
     held.scheduled = (spec, data)
     return True
 
 
-def _input_bytes(inputs: tuple[torch.Tensor, ...]) -> tuple[bytes, ...]:
+def _input_bytes(inputs: tuple[torch.Tensor, ...] | None) -> tuple[bytes, ...] | None:
     """The scheduler inputs' bytes (int32: equal bytes are equal values of equal
-    length), as :attr:`WrapperSlot.scheduled` keeps them."""
-    return tuple([t.numpy().tobytes() for t in inputs])
+    length), as :attr:`WrapperSlot.scheduled` keeps them (``None``: not compared)."""
+    return None if inputs is None else tuple([t.numpy().tobytes() for t in inputs])
 
 
 #: dtypes of the host tensors ``plan()`` reads (indptrs, lengths, masks' bytes).
@@ -177,11 +182,12 @@ def _same_plan_inputs(last: tuple[tuple[str, Any], ...] | None, kwargs: dict[str
     return last is not None and last == _plan_inputs(kwargs)
 
 
-def _decode_inputs(decode: DecodeViews) -> tuple[torch.Tensor, ...]:
-    """The host arrays a decode scheduler reads: the page indptr; with tensor cores
-    also ``qo_indptr`` and the KV lengths."""
+def _decode_inputs(decode: DecodeViews) -> tuple[torch.Tensor, ...] | None:
+    """The host arrays a CUDA-core decode scheduler reads (the page indptr), compared
+    by value; ``None`` with tensor cores (whose scheduler also reads ``qo_indptr`` and
+    the KV lengths: compared by plan object only, :func:`_schedule_changed`)."""
     indptr, _, _, _, qo, _, kv = decode
-    return (indptr,) if qo is None or kv is None else (indptr, qo, kv)
+    return (indptr,) if qo is None or kv is None else None
 
 
 def _prefill_inputs(prefill: PrefillViews) -> tuple[torch.Tensor, ...]:
@@ -239,7 +245,7 @@ def plan_calls(
                 (prefix, key), partial(strategy.make_wrapper, key, index, prefix)
             )
             bound = bound_call(call, host, staged, prefix, index, part)
-            if strategy.graph and bound.decode is not None and held.fixed:
+            if strategy.graph and strategy.captured is None and bound.decode and held.fixed:
                 owned.refresh[(prefix, key)] = (
                     (held.fixed["indptr"], bound.decode[1]),
                     (held.fixed["last_page_len"], bound.decode[3]),
