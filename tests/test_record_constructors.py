@@ -193,6 +193,11 @@ def test_page_spans_match_python_integers(bounds: list[tuple[int, int]], ps: int
     at_page = PageSpans.from_page_start(starts, end, ps)
     assert at_page == PageSpans.between([s * ps for s in starts], end, ps)
     _check_spans(at_page)
+    start32 = np.array(starts, dtype=np.int32)
+    checked = PageSpans.from_checked_page_start(
+        start32, start32 * ps, np.array(end, dtype=np.int32), ps
+    )
+    assert checked == at_page  # the same spans from arrays a caller keeps
     base = [7 * k for k in range(len(end))]
     moved = PageSpans.from_page_start(starts, end, ps, base=base)
     assert moved == PageSpans.between(
