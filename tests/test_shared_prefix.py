@@ -460,6 +460,9 @@ def test_flashinfer_cascade_calls_compute_dense_attention(case, seed: int, tc: b
         )
         assert fi_kv.tolist() == inputs.host[f"l{k}.kv_lens"].tolist()
         assert inputs.ints[f"l{k}.max_kv_len"] == int(fi_kv.max(initial=0))
+        qo_lens = np.diff(kw["qo_indptr"])  # the scheduler's row bounds of the call
+        assert inputs.ints[f"l{k}.qo.max_len"] == int(qo_lens.max(initial=0))
+        assert inputs.ints[f"l{k}.qo.total"] == int(qo_lens.sum())
         partial = f"l{k}.q_rows" in inputs.host
         rows = inputs.host[f"l{k}.q_rows"] if partial else all_rows
         assert int(kw["qo_indptr"][-1]) == rows.shape[0]
