@@ -289,6 +289,7 @@ def plan_calls(
             elif (
                 settings.fast_plan
                 and not strategy.graph
+                and key.sink is None  # a sink wrapper's JIT module: not checked, plan()
                 and held.planned_with == call.constants
                 and _same_plan_inputs(held.plan_inputs, kwargs)
             ):
