@@ -19,7 +19,16 @@ from flashplan.executor.flashinfer.bucket import GraphBucket
 from flashplan.executor.flashinfer.graphs import capture
 
 from .helpers import rel_err, stable_seed, syncs_raise
-from .test_step_loop import CAP, DEV, FULL, HEADS, W5, W70  # the step-loop tests' groups
+from .test_step_loop import (  # the step-loop tests' groups and draft rounds
+    CAP,
+    DEV,
+    FULL,
+    HEADS,
+    W5,
+    W70,
+    check_draft_replays,
+    draft_rounds,
+)
 
 ROWS, POOL = 12, 4096
 
@@ -171,3 +180,29 @@ def test_a_bound_executor_refuses_other_tables() -> None:
     bound.set_(torch.zeros(4, 8, dtype=torch.int32, device=DEV))  # new storage in place
     with pytest.raises(fp.PageTableError, match="new storage"):
         ex.apply(spec, fp.PageTable(bound, rows=[0, 1], num_pages=64))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_bound_multi_step_draft_graph_replays_rounds(page_size: int) -> None:
+    """A multi-step draft decode in one graph over a bound table: ``apply_steps`` stages
+    every step once, the captured gather serves all steps, and each round's outputs and
+    caches equal a fresh eager ``apply_steps`` on the same table (padding branches in
+    every round but the first)."""
+    topk, steps, groups = 2, 3, (FULL, W5)
+    max_pages = 320 // page_size + 4
+    bucket = GraphBucket.decode(batch_size=4 * topk, max_pages=max_pages)
+    rounds, pool = draft_rounds(page_size, topk, steps, groups, "bound draft")
+    bound = torch.zeros(4 * topk + 2, max_pages, dtype=torch.int32, device=DEV)
+
+    def on_bound(branches: fp.PageTable) -> fp.PageTable:
+        """The round's branch table written into the bound tensor (its rows on top)."""
+        rows, cols = branches.pages.shape
+        bound.zero_()
+        bound[:rows, :cols] = branches.pages
+        return fp.PageTable(bound, rows=branches.rows)
+
+    parent = FlashInferExecutor()
+    parent.bind_page_table(bound)
+    gx = parent.for_bucket(bucket)
+    check_draft_replays(gx, rounds, pool, bucket, groups, on_bound)
+    assert gx._buffers.captured is not None  # the gather was the graph's

@@ -8,6 +8,8 @@ rows of the outputs compared with an eager step of the same batch on a fresh exe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -222,15 +224,13 @@ def test_graph_executors_refuse_what_a_graph_cannot_replay() -> None:
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_multi_step_draft_replay_equals_eager(page_size: int) -> None:
-    """Every step of a multi-step draft decode in one graph, re-planned per round with one
-    apply_steps: outputs and caches equal an eager apply_steps of the same round, with
-    padding branches in every round."""
-    topk, steps, groups = 2, 3, (FULL, W5)
-    bucket = GraphBucket.decode(batch_size=4 * topk, max_pages=320 // page_size + 2)
-    rng = np.random.default_rng(stable_seed("draft", page_size))
-    rounds = []
+def draft_rounds(
+    page_size: int, topk: int, steps: int, groups: tuple[fp.AttentionGroup, ...], seed: str
+) -> tuple[list[tuple[tuple[fp.PlanSpec, ...], fp.PageTable]], int]:
+    """Three rounds of a multi-step draft decode (4, 3 and 1 requests: padding branches
+    in all but the first), each ``(step plans, branch table)``, and the pool size."""
+    rng = np.random.default_rng(stable_seed(seed, page_size))
+    rounds, pool = [], 0
     for requests in (4, 3, 1):
         prefix = rng.integers(1, 300, requests)
         draft = fp.DraftDecode(prefix, topk, steps, page_size=page_size, groups=groups)
@@ -244,8 +244,24 @@ def test_multi_step_draft_replay_equals_eager(page_size: int) -> None:
             start, start + requests * topk * own, dtype=torch.int32, device=DEV
         ).reshape(requests, topk, own)
         table = fp.PageTable.draft_branches(prompt, prefix, topk, branch_pages, page_size=page_size)
-        rounds.append((fp.plan_steps(draft, HEADS), table, start + requests * topk * own))
-    pool = max(r[2] for r in rounds)
+        rounds.append((fp.plan_steps(draft, HEADS), table))
+        pool = max(pool, start + requests * topk * own)
+    return rounds, pool
+
+
+def check_draft_replays(
+    executor: FlashInferExecutor,
+    rounds: list[tuple[tuple[fp.PlanSpec, ...], fp.PageTable]],
+    pool: int,
+    bucket: GraphBucket,
+    groups: tuple[fp.AttentionGroup, ...],
+    table_of: Callable[[fp.PageTable], fp.PageTable] = lambda table: table,
+) -> None:
+    """Capture every draft step in one graph on ``executor`` (a bucket's graph executor;
+    ``table_of`` gives each round's table as the executor takes it), then replay each
+    round: outputs and caches equal a fresh eager ``apply_steps`` of the same round."""
+    page_size = rounds[0][0][0].page_size
+    steps = len(rounds[0][0])
     gen = torch.Generator(device=DEV).manual_seed(page_size)
 
     def rand(*shape: int) -> torch.Tensor:
@@ -255,8 +271,7 @@ def test_multi_step_draft_replay_equals_eager(page_size: int) -> None:
     qs, ks, vs = ([rand(n, h, d) for _ in range(steps)] for h in (hq, hkv, hkv))
     caches = [rand(pool, 2, page_size, hkv, d) for _ in groups]
     base = [c.clone() for c in caches]
-    gx = GraphExecutor(FlashInferExecutor(), bucket)
-    views = gx.apply_steps(rounds[0][0], rounds[0][1])
+    views = executor.apply_steps(rounds[0][0], table_of(rounds[0][1]))
 
     def forward() -> list[torch.Tensor]:
         return [
@@ -265,12 +280,13 @@ def test_multi_step_draft_replay_equals_eager(page_size: int) -> None:
             for group, cache in zip(groups, caches, strict=True)
         ]
 
-    captured = capture(gx, forward)
-    for specs, table, _ in rounds:
+    captured = capture(executor, forward)
+    for specs, branches in rounds:
         for t in (*qs, *ks, *vs):
             t.copy_(rand(*t.shape))
         for cache, b in zip(caches, base, strict=True):
             cache.copy_(b)
+        table = table_of(branches)
         outs = captured.replay(specs, table)
         eager_caches = [b.clone() for b in base]
         rows = specs[0].total_q
@@ -284,6 +300,17 @@ def test_multi_step_draft_replay_equals_eager(page_size: int) -> None:
             assert rel_err(got[:rows], exp) <= 1e-2, (page_size, rows)
         for cache, eager_cache in zip(caches, eager_caches, strict=True):
             assert torch.equal(cache, eager_cache), (page_size, rows)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_multi_step_draft_replay_equals_eager(page_size: int) -> None:
+    """Every step of a multi-step draft decode in one graph, re-planned per round with one
+    apply_steps: outputs and caches equal an eager apply_steps of the same round, with
+    padding branches in every round."""
+    topk, steps, groups = 2, 3, (FULL, W5)
+    bucket = GraphBucket.decode(batch_size=4 * topk, max_pages=320 // page_size + 2)
+    rounds, pool = draft_rounds(page_size, topk, steps, groups, "draft")
+    check_draft_replays(GraphExecutor(FlashInferExecutor(), bucket), rounds, pool, bucket, groups)
 
 
 def test_replay_planning_is_sync_free() -> None:
