@@ -13,7 +13,13 @@ from flashplan.layout.convert import ArrayLike, as_int, as_lengths
 __all__ = ["PageTable"]
 
 
-def _pages(field: str, value: object) -> torch.Tensor:
+def checked_pages(field: str, value: object) -> torch.Tensor:
+    """``value`` if it is a page-id table (:attr:`PageTable.pages`'s check).
+
+    Raises:
+        PageTableError: not a dense int32 ``[rows, max_pages]`` tensor with
+            ``max_pages >= 1``.
+    """
     if (
         not isinstance(value, torch.Tensor)
         or value.dtype != torch.int32
@@ -57,7 +63,12 @@ def _first_shared_row(rows: IntArray) -> tuple[int, int] | None:
     return int(earlier[k]), int(later[k])
 
 
-def _num_pages(field: str, value: object) -> int | None:
+def checked_num_pages(field: str, value: object) -> int | None:
+    """``value`` as a pool size, or ``None`` (:attr:`PageTable.num_pages`'s check).
+
+    Raises:
+        PageTableError: not an int ``>= 1`` (bools, floats and strings included).
+    """
     if value is None:
         return None
     try:
@@ -87,10 +98,10 @@ class PageTable:
             (:class:`~flashplan.ReferenceExecutor` always checks against the cache).
     """
 
-    pages: torch.Tensor = attrs.field(converter=lambda v: _pages("pages", v))
+    pages: torch.Tensor = attrs.field(converter=lambda v: checked_pages("pages", v))
     rows: IntArray = attrs.field(converter=lambda v: _rows("rows", v), eq=array_key)
     num_pages: int | None = attrs.field(
-        default=None, converter=lambda v: _num_pages("num_pages", v)
+        default=None, converter=lambda v: checked_num_pages("num_pages", v)
     )
 
     def __attrs_post_init__(self) -> None:

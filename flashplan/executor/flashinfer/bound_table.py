@@ -25,10 +25,10 @@ import attrs
 import torch
 
 from flashplan.errors import PageTableError, PlanMismatchError
+from flashplan.layout.page_table import PageTable, checked_num_pages, checked_pages
 
 if TYPE_CHECKING:
     from flashplan.kernels.fused import BoundGatherAndMask
-    from flashplan.layout.page_table import PageTable
 
 __all__ = ["BoundTable", "CapturedWork", "bound_table"]
 
@@ -74,29 +74,26 @@ class BoundTable:
             )
 
 
-def bound_table(pages: object, device: torch.device, num_pages: int | None) -> BoundTable:
-    """The checked :class:`BoundTable` of ``pages`` for an executor on ``device``.
+def bound_table(pages: object, device: torch.device, num_pages: object) -> BoundTable:
+    """The checked :class:`BoundTable` of ``pages`` for an executor on ``device``: the
+    checks of :class:`~flashplan.PageTable`'s ``pages`` and ``num_pages``, and a
+    contiguous tensor on ``device``.
 
     Raises:
-        PageTableError: not an int32 2-D contiguous tensor on ``device``, or a
-            ``num_pages`` below 1.
+        PageTableError: not a dense int32 ``[rows, max_pages]`` tensor, not contiguous,
+            not on ``device``; a ``num_pages`` that is not an int ``>= 1``.
     """
-    if not isinstance(pages, torch.Tensor):
-        raise PageTableError("pages", "bind_page_table() takes a torch.Tensor",
-                             type=type(pages).__name__)  # fmt: skip
-    if pages.dtype != torch.int32 or pages.dim() != 2 or not pages.is_contiguous():
+    table = checked_pages("pages", pages)
+    if not table.is_contiguous():
         raise PageTableError(
-            "pages", "a bound page table is a contiguous int32 [rows, max_pages] tensor",
-            dtype=str(pages.dtype), shape=tuple(pages.shape),
-        )  # fmt: skip
-    if pages.device != device:
+            "pages", "a bound page table is a contiguous tensor", shape=tuple(table.shape)
+        )
+    if table.device != device:
         raise PageTableError(
             "pages", "the page table must live on the executor's device",
-            table_device=str(pages.device), device=str(device),
+            table_device=str(table.device), device=str(device),
         )  # fmt: skip
-    if num_pages is not None and (isinstance(num_pages, bool) or int(num_pages) < 1):
-        raise PageTableError("num_pages", "must be a positive int or None", num_pages=num_pages)
-    return BoundTable(pages, None if num_pages is None else int(num_pages), pages.data_ptr())
+    return BoundTable(table, checked_num_pages("num_pages", num_pages), table.data_ptr())
 
 
 @attrs.frozen(eq=False)

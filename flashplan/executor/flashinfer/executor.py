@@ -173,7 +173,8 @@ class FlashInferExecutor:
         gather inside its graph (:mod:`~flashplan.executor.flashinfer.bound_table`).
 
         Raises:
-            PageTableError: not a contiguous int32 2-D tensor on this device.
+            PageTableError: not a contiguous int32 2-D tensor on this device, or a
+                ``num_pages`` that is not an int ``>= 1``.
             PlanMismatchError: a graph executor already captured (its graph was
                 captured without the bound table).
         """
