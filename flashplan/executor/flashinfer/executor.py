@@ -313,8 +313,6 @@ class FlashInferExecutor:
         if isinstance(spec, PlanSpec):
             buffers.admit(spec)
         spec, table = check_apply_args(spec, table)
-        if buffers.bound is not None:
-            buffers.bound.check(table)
         self._check_plan(spec, table)
         calls = buffers.skeleton(spec)
         dplan = buffers.device_plan(spec, calls, table)
@@ -331,7 +329,10 @@ class FlashInferExecutor:
         self._positions = None
 
     def _check_plan(self, spec: PlanSpec, table: PageTable) -> None:
-        """What every apply refuses beyond the records' own checks."""
+        """What every apply refuses beyond the records' own checks (a bound
+        executor: another table than its own)."""
+        if self._buffers.bound is not None:
+            self._buffers.bound.check(table)
         check_runnable(spec, graph=self._buffers.graph)
         if table.pages.device != self.device:
             raise PageTableError(
@@ -377,8 +378,6 @@ class FlashInferExecutor:
         steps = []
         for spec in specs:
             spec, table = check_apply_args(spec, table)
-            if buffers.bound is not None:
-                buffers.bound.check(table)
             self._check_plan(spec, table)
             if spec.cascade is not None:
                 raise UnsupportedError(
