@@ -112,21 +112,20 @@ def _schedule_changed(
     workspace, then stands).
 
     The inputs are fixed by the call's constants (equal: the caller checked
-    ``planned_with``) and the host arrays the scheduler reads (``inputs``, pinned int32
-    views: a decode's page indptr, a tensor-core decode's ``qo_indptr`` and KV lengths
-    too; a paged prefill's ``qo_indptr``, page indptr and KV lengths). The same plan
-    object has the same arrays; otherwise their values are compared (a decode loop
-    changes a CUDA-core decode's page indptr once per page of new tokens; a cascade
-    level's arrays stay the same while its sharing does), as bytes: a few hundred
-    nanoseconds for arrays of a batch. ``inputs=None``: only the same plan object
-    counts (a tensor-core decode, whose KV lengths change at every step of a decode
-    loop: comparing them would cost more than it saves). Records the inputs when the
-    scheduler runs.
+    ``planned_with``) and the host arrays the scheduler reads. The same plan object has
+    the same arrays; otherwise the values of ``inputs`` (pinned int32 views: a CUDA-core
+    decode's page indptr; a paged prefill's ``qo_indptr``, page indptr and KV lengths)
+    are compared, as bytes: a few hundred nanoseconds for arrays of a batch (a decode
+    loop changes a CUDA-core decode's page indptr once per page of new tokens; a cascade
+    level's arrays stay the same while its sharing does). ``inputs=None``: only the same
+    plan object counts (a tensor-core decode, whose KV lengths change at every step of a
+    decode loop: comparing them would cost more than it saves). Records the inputs when
+    the scheduler runs.
     """
     last = held.scheduled
     if last is not None and last[0] is spec:
         return False
-    data = None if inputs is None else _input_bytes(inputs)
+    data = _input_bytes(inputs)
     if data is not None and last is not None and last[1] == data:
         return False
     held.scheduled = (spec, data)
