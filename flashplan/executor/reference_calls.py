@@ -128,7 +128,7 @@ def cascade_calls(
     calls = []
     for index, level in enumerate(cascade.levels.levels):
         sizes = np.diff(level.qo_indptr)
-        idx, valid = padded_rows(level.qo_indptr, int(sizes.max(initial=0)))
+        idx, valid = padded_rows(level.qo_indptr, level.max_queries)
         index_rows = np.where(valid, level.q_rows.astype(np.int64)[idx], 0)
         entry_rows = CallRows(
             torch.from_numpy(index_rows).to(dev), torch.from_numpy(valid).to(dev), valid

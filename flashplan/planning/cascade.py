@@ -25,7 +25,6 @@ executors run them (the FlashInfer executor eagerly: a CUDA-graph bucket refuses
 from __future__ import annotations
 
 import functools
-from functools import cached_property
 
 import attrs
 import numpy as np
@@ -98,7 +97,7 @@ class CascadeLevel:
         the batch's, in order."""
         return int(self.qo_indptr[-1]) != total_q
 
-    @cached_property
+    @functools.cached_property
     def max_queries(self) -> int:
         """The most query rows of one group's kernel request (0 without groups): a
         decode step's level is kept from step to step, and so is this."""
