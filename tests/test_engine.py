@@ -102,11 +102,9 @@ def run_engine(
         keep_all_logits=True,  # compare every new token, not only the sampled ones
     )
     reqs = make_requests(model.config.vocab_size, model.config.is_encoder_decoder, 6, 8, 0)
-    for r in reqs:
-        engine.add(r)
     steps, scattered = [], []
-    while engine.has_work():
-        out = check_step(engine.step(), engine, model.config.vocab_size)
+    for step in engine.run(reqs):
+        out = check_step(step, engine, model.config.vocab_size)
         steps.append(out)
         scattered.append(any(np.any(np.diff(r.pages) != 1) for r in engine.running))
     return engine, reqs, steps, scattered
@@ -221,10 +219,10 @@ def test_one_reference_executor_across_models_equals_fresh_ones() -> None:
             adapter_for(model), tee, page_size=page_size, num_pages=KV_TOKENS // page_size,
             max_running=3, token_budget=16,
         )  # fmt: skip
-        for r in make_requests(model.config.vocab_size, model.config.is_encoder_decoder, 8, 6, 1):
-            engine.add(r)
-        while engine.has_work():
-            assert engine.step() is not None
+        for _ in engine.run(
+            make_requests(model.config.vocab_size, model.config.is_encoder_decoder, 8, 6, 1)
+        ):
+            pass
         assert tee.records and not tee.bad(0.0, 0.0), f"{name} {page_size}: {tee.summary()}"
 
 
@@ -248,17 +246,23 @@ def test_fp8_cache_parity_with_hf(name: str, kv_dtype: str) -> None:
     assert seen and set(seen) == {run.KV_DTYPES[kv_dtype]}
 
 
+def test_run_refuses_work_that_can_never_be_admitted() -> None:
+    """``Engine.run`` raises when work is left but no step can run (a prompt whose
+    pages the pool can never hold), instead of spinning or yielding nothing."""
+    model, _ = models("llama")
+    engine = Engine(adapter_for(model), fp.ReferenceExecutor(), page_size=4, num_pages=3)
+    with pytest.raises(RuntimeError, match="no request could be admitted"):
+        list(engine.run([Request(list(range(3, 23)), 4)]))
+
+
 def test_one_device_page_table_for_the_engine() -> None:
     """Every step plans over the same device page table (``Engine.device_table``),
     holding the host table's ids as the step sent them."""
     model, _ = models("llama")
     engine = Engine(adapter_for(model), fp.ReferenceExecutor(), page_size=4, num_pages=32)
-    engine.add(Request(list(range(3, 12)), 4))
-    engine.add(Request(list(range(5, 10)), 6))
     tables = []
-    while engine.has_work():
-        out = engine.step()
-        assert out is not None and out.table is not None
+    for out in engine.run([Request(list(range(3, 12)), 4), Request(list(range(5, 10)), 6)]):
+        assert out.table is not None
         assert out.table.pages is engine.device_table.pages
         rows = out.table.rows
         # the step's rows as the step sent them (finished requests clear theirs after)

@@ -50,12 +50,8 @@ def run(compile: Any, name: str = "llama") -> tuple[list[list[int]], list[torch.
         adapter, fp.ReferenceExecutor(), page_size=4, num_pages=64, max_running=4,
         token_budget=16, keep_all_logits=True, compile=compile,
     )  # fmt: skip
-    requests = [engine.add(Request(list(range(3, 3 + n)), 5)) for n in (7, 5, 11)]
-    logits = []
-    while engine.has_work():
-        out = engine.step()
-        assert out is not None
-        logits.append(out.logits)
+    requests = [Request(list(range(3, 3 + n)), 5) for n in (7, 5, 11)]
+    logits = [out.logits for out in engine.run(requests)]
     return [r.output for r in requests], logits
 
 

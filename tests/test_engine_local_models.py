@@ -88,12 +88,8 @@ def run_engine(
         keep_all_logits=True,
     )
     reqs = [Request(p, 10 + i % 3) for i, p in enumerate(prompts(PROMPT_LENS))]
-    for r in reqs:
-        engine.add(r)
     steps = []
-    while engine.has_work():
-        out = engine.step()
-        assert out is not None
+    for out in engine.run(reqs):
         counts = [n for _, n in out.batch]
         assert out.layout.extend_lens.tolist() == counts
         assert out.owners == [r for r, n in out.batch for _ in range(n)]
@@ -250,10 +246,8 @@ def test_sinks_through_comparing_executor() -> None:
     model, _ = models("gpt-oss")
     tee = ComparingExecutor(fp.ReferenceExecutor())
     engine = Engine(adapter_for(model), tee, num_pages=KV_TOKENS // 16, max_running=3)
-    for r in [Request(p, 4) for p in prompts(PROMPT_LENS[:3])]:
-        engine.add(r)
-    while engine.has_work():
-        assert engine.step() is not None
+    for _ in engine.run(Request(p, 4) for p in prompts(PROMPT_LENS[:3])):
+        pass
     assert tee.records and not tee.bad(0.0, 0.0), tee.summary()
 
 

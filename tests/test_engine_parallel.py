@@ -101,12 +101,8 @@ def run(
         max_running=max_running, token_budget=16, keep_all_logits=True, cascade=cascade,
         eos_token_id=eos_token_id,
     )  # fmt: skip
-    for r in requests:
-        engine.add(r)
     steps = []
-    while engine.has_work():
-        out = engine.step()
-        assert out is not None
+    for out in engine.run(requests):
         if out.shared_prefix is not None:
             assert out.table is not None
             fp.check_shared_pages(out.shared_prefix, out.table.pages, out.table.rows, PAGE)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -492,6 +492,22 @@ class Engine:
             for i, r in enumerate(samplers)
         ]
         return torch.cat(tokens).tolist()
+
+    def run(self, requests: Iterable[Request] = ()) -> Iterator[StepOutput]:
+        """Queue ``requests``, then step until no work is left, yielding each step's
+        output (the engine's state is the step's when it is yielded).
+
+        Raises:
+            RuntimeError: work is left but no step can run (no waiting request can be
+                admitted: too few pages or rows for it).
+        """
+        for r in requests:
+            self.add(r)
+        while self.has_work():
+            out = self.step()
+            if out is None:
+                raise RuntimeError("no request could be admitted: too few pages or rows")
+            yield out
 
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> StepOutput | None:

@@ -65,13 +65,7 @@ def run_steps(  # type: ignore[no-untyped-def]
         max_running=3, token_budget=16, keep_all_logits=True, cuda_graphs=cuda_graphs,
     )  # fmt: skip
     reqs = make_requests(adapter.model.config.vocab_size, False, requests, max_new_tokens, seed)
-    for r in reqs:
-        engine.add(r)
-    steps: list[StepOutput] = []
-    while engine.has_work():
-        out = engine.step()
-        assert out is not None
-        steps.append(out)
+    steps: list[StepOutput] = list(engine.run(reqs))
     return steps, [r.output for r in reqs]
 
 

@@ -80,18 +80,6 @@ def test_compiled_engine_with_graphs(name: str) -> None:
     assert engine.replayed_steps > 0
 
 
-def _run_to_end(engine: Engine, reqs: list) -> list:  # type: ignore[type-arg]
-    """Add ``reqs`` and step ``engine`` until it has no work; its step outputs."""
-    for r in reqs:
-        engine.add(r)
-    steps = []
-    while engine.has_work():
-        out = engine.step()
-        assert out is not None
-        steps.append(out)
-    return steps
-
-
 def _scenario(
     name: str,
     page_size: int,
@@ -117,7 +105,7 @@ def _scenario(
         compile=compile,
     )
     reqs = make_requests(model.config.vocab_size, model.config.is_encoder_decoder, 6, 8, 0)
-    steps = _run_to_end(engine, reqs)
+    steps = list(engine.run(reqs))
     # the plans ran on FlashInfer's kernels: the last eager step's on this executor (a
     # step replayed from a graph bucket applies its plan to the bucket's executor)
     eager = [s for s in steps if not s.replayed]
@@ -154,13 +142,9 @@ def test_engine_step_loop_matches_reference_step_by_step() -> None:
                 adapter_for(model), tee, page_size=page_size, num_pages=768 // page_size,
                 max_running=4, token_budget=24, extend_path="auto",
             )  # fmt: skip
-            for r in make_requests(model.config.vocab_size, model.config.is_encoder_decoder,
-                                   16, 12, page_size):  # fmt: skip
-                engine.add(r)
-            steps = 0
-            while engine.has_work():
-                assert engine.step() is not None
-                steps += 1
+            reqs = make_requests(model.config.vocab_size, model.config.is_encoder_decoder,
+                                 16, 12, page_size)  # fmt: skip
+            steps = sum(1 for _ in engine.run(reqs))
             assert steps >= 20 and engine.allocator.reused > 0
             lines.append(f"{name} page_size={page_size}: {tee.summary()}")
             assert not tee.bad(), lines[-1]
@@ -216,7 +200,7 @@ def test_parallel_samples_on_flashinfer(cascade: str) -> None:
         Request(rng.integers(3, 512, 23).tolist(), 5),
         Request(rng.integers(3, 512, 35).tolist(), 6, n=2),
     ]
-    steps = _run_to_end(engine, reqs)
+    steps = list(engine.run(reqs))
     assert (engine.cascade_steps > 0) == (cascade == "on")
     samples = [s for r in reqs for s in r.samples]
     assert len(samples) == 6
