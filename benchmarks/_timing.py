@@ -47,6 +47,32 @@ def alternating_us(
     return times
 
 
+def interleaved_us(
+    jobs: dict[str, Callable[[], object]], n: int = 200, warmup: int = 10
+) -> dict[str, list[float]]:
+    """Host times (µs) of every job, timed round by round: each round calls every job
+    once (the GPU synchronized before each call), the order rotated from one round to
+    the next. A noisy host's drift (its clock, other tenants) then reaches every job
+    alike, and round ``i``'s times of two jobs are a pair measured within microseconds
+    of each other (:func:`paired_ratio`). Returns ``n`` times per job, in round order."""
+    for _ in range(warmup):
+        for fn in jobs.values():
+            fn()
+    names = list(jobs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(n):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            times[name].append(idle_call_us(jobs[name]))
+    torch.cuda.synchronize()
+    return times
+
+
+def paired_ratio(a: list[float], b: list[float]) -> float:
+    """Median of ``a[i] / b[i]`` over the rounds of :func:`interleaved_us`."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
 def cold_us(
     jobs: dict[str, Callable[[], object]], n: int = 60, flush_mb: int = 64, warmup: int = 3
 ) -> dict[str, list[float]]:
