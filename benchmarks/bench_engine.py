@@ -28,7 +28,11 @@ Figures: wall seconds of the whole run (prefill + decode, synchronized), generat
 tokens per second over it, decode-only tokens/s (the engine: the decode steps' wall
 time; HF: the run minus a ``max_new_tokens=1`` run), and for the engine the share of a
 decode step that is flashplan's host work (layout + plan + apply, or a bucket's replay
-planning; ``Engine.decode_host_s``). One warm-up run of each (shorter) first.
+planning; ``Engine.decode_host_s``): the sum's mean per step, and the per-step median
+(``Engine.decode_host_samples``), both over the mean decode step. A mean well above the
+median is a few slow steps (a garbage collection, a page-table regrowth) landing inside
+the timers; ``--freeze-gc`` freezes the start-up objects out of the collector's scans,
+as serving engines do. One warm-up run of each first.
 
 ``--parts spec``: speculative decoding at batch 1 (``examples.engine.speculative``,
 eager, FlashInfer): a chain of ``--k`` drafts from a draft model made of the target's
@@ -55,6 +59,7 @@ same engine on one GPU; and the time of a decode step's all-reduces (two per lay
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -134,9 +139,15 @@ def run_engine(
     new: int,
     graphs: bool,
     compile: str | None = None,
+    freeze_gc: bool = False,
 ) -> dict[str, float]:
-    """One engine run: wall s, decode wall s, decode steps, flashplan's decode host s."""
+    """One engine run: wall s, decode wall s, decode steps, flashplan's decode host s
+    (sums, and per step: medians and the largest). ``freeze_gc``: ``gc.freeze()`` after
+    start-up."""
     engine = make_engine(model, batch, prompt, new, graphs, compile)
+    if freeze_gc:  # what serving engines do after start-up (vLLM, SGLang): the objects
+        gc.collect()  # made so far (model, graphs, the queued requests) are never
+        gc.freeze()  # scanned again by the cyclic collector
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     decode_start = None
@@ -147,7 +158,10 @@ def run_engine(
             decode_start = start  # the first step of decodes alone
     torch.cuda.synchronize()
     end = time.perf_counter()
+    if freeze_gc:
+        gc.unfreeze()
     assert decode_start is not None
+    samples = np.array(engine.decode_host_samples).reshape(-1, 3) * 1e6
     return {
         "wall_s": end - t0,
         "decode_s": end - decode_start,
@@ -158,6 +172,12 @@ def run_engine(
             k: v / max(engine.decode_steps, 1) * 1e6 for k, v in engine.decode_host_parts.items()
         },
         "replayed": engine.replayed_steps,
+        # per step, µs: the median of each part, and of their sum, and the sum's largest
+        "host_parts_median_us": dict(
+            zip(("layout", "plan", "apply"), np.median(samples, axis=0).tolist(), strict=True)
+        ),
+        "host_median_us": float(np.median(samples.sum(axis=1))),
+        "host_max_us": float(samples.sum(axis=1).max()),
     }
 
 
@@ -193,7 +213,10 @@ def bench_engine_and_hf(args: argparse.Namespace, parts: set[str]) -> list[dict[
             for key, graphs, backend in variants:
                 try:
                     run_engine(fp_model, batch, args.prompt, args.new, graphs, backend)  # warm-up
-                    r = run_engine(fp_model, batch, args.prompt, args.new, graphs, backend)
+                    r = run_engine(
+                        fp_model, batch, args.prompt, args.new, graphs, backend,
+                        freeze_gc=args.freeze_gc,
+                    )  # fmt: skip
                 except Exception as exc:  # reported; the other variants still run
                     if backend is None:
                         raise
@@ -206,6 +229,8 @@ def bench_engine_and_hf(args: argparse.Namespace, parts: set[str]) -> list[dict[
                 row[f"{key}_step_ms"] = step * 1e3
                 row[f"{key}_host_share"] = r["host_s"] / r["decode_steps"] / step
                 row[f"{key}_host_parts_us"] = r["host_parts_us"]
+                row[f"{key}_host_median_share"] = r["host_median_us"] * 1e-6 / step
+                row[f"{key}_host_parts_median_us"] = r["host_parts_median_us"]
                 row[f"{key}_replayed"] = r["replayed"]
                 print(f"batch {batch} engine {key}: {r}", flush=True)
         for compiled in (False, True) if hf_model is not None else ():
@@ -337,8 +362,9 @@ def table(rows: list[dict[str, object]], args: argparse.Namespace) -> list[str]:
         "| eager / HF | decode tok/s eager / graphs / HF | step ms eager / graphs / HF "
         "| flashplan host share eager / graphs | HF compiled tok/s | graphs / HF compiled "
         "| engine compiled+graphs tok/s | compiled / HF | compiled / HF compiled "
-        "| compiled decode tok/s, step ms, host share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| compiled decode tok/s, step ms, host share "
+        "| host share, per-step median: graphs / compiled |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = lambda k, base="hf_tok_s": (  # noqa: E731
@@ -356,7 +382,9 @@ def table(rows: list[dict[str, object]], args: argparse.Namespace) -> list[str]:
             f"| {f(r, 'compiled_tok_s', '.0f')} | {ratio('compiled_tok_s')} "
             f"| {ratio('compiled_tok_s', 'hfc_tok_s')} "
             f"| {f(r, 'compiled_decode_tok_s', '.0f')}, {f(r, 'compiled_step_ms', '.2f')}, "
-            f"{f(r, 'compiled_host_share', '.1%')} |"
+            f"{f(r, 'compiled_host_share', '.1%')} "
+            f"| {f(r, 'graphs_host_median_share', '.1%')} / "
+            f"{f(r, 'compiled_host_median_share', '.1%')} |"
         )
     return lines
 
@@ -373,6 +401,11 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--parts", default="engine,hf,spec")
     ap.add_argument("--hf-compile", action="store_true")
+    ap.add_argument(
+        "--freeze-gc", action="store_true", help="gc.freeze() after each engine's start-up, "
+        "as serving engines do (the host-share columns then leave the collector's scans of "
+        "start-up objects out)",
+    )  # fmt: skip
     ap.add_argument(
         "--compile", action="store_true", help="also the engine with graphs over its forward "
         "compiled by torch.compile (inductor; attention through the custom op)",

@@ -313,6 +313,10 @@ class Engine:
         #: the same seconds by part ("layout", "plan" incl. the sharing, "apply": the
         #: eager apply or a bucket's replay planning)
         self.decode_host_parts = {"layout": 0.0, "plan": 0.0, "apply": 0.0}
+        #: the last decode-only steps' host seconds, one (layout, plan, apply) per step
+        #: (medians next to the sums' means: a Python garbage collection that lands in
+        #: a step's timers is not flashplan's work)
+        self.decode_host_samples: deque[tuple[float, float, float]] = deque(maxlen=4096)
         if cuda_graphs:
             if not isinstance(adapter, DecoderOnly):
                 raise ValueError("CUDA graphs are for decoder-only models")
@@ -581,6 +585,7 @@ class Engine:
             parts["layout"] += layout_s
             parts["plan"] += plan_s
             parts["apply"] += apply_s
+            self.decode_host_samples.append((layout_s, plan_s, apply_s))
             self.decode_steps += 1
         # 5. Sampling, for requests whose last new token is their last known token; a
         #    request with n > 1 whose prompt is now all in forks its samples first, and
