@@ -46,6 +46,7 @@ __all__ = [
     "gather_jobs_steps",
     "is_pages_region",
     "job_parts",
+    "job_table",
     "level_pages_region",
     "pages_region",
     "write_region",
@@ -231,7 +232,7 @@ def gather_jobs(
     parts[0:0] = [
         (level_pages_region(k), start, num, 1, 0) for k, (start, num) in enumerate(level_spans)
     ]
-    return _job_table(parts, r32, spec.batch_size)
+    return job_table(parts, r32, spec.batch_size)
 
 
 def gather_jobs_steps(
@@ -262,7 +263,7 @@ def gather_jobs_steps(
             )  # fmt: skip
         own = job_parts(spec, window_pool, spans[k] if spans else None, True)
         parts += [(prefix + p[0], p[1], p[2], p[3], p[4]) for p in own]
-    return _job_table(parts, np.asarray(rows, dtype=np.int32), bs)
+    return job_table(parts, np.asarray(rows, dtype=np.int32), bs)
 
 
 #: One part of a job table: region name, first (int32 ``[bs]``), counts (int32
@@ -312,8 +313,9 @@ def _divisors_and_flags(per_part: tuple[tuple[int, int], ...]) -> IntArray:
     return out
 
 
-def _job_table(parts: list[JobPart], rows: IntArray, bs: int) -> GatherJobs:
-    """The job table of ``parts`` (name, first, counts, div, use_map), each ``[bs]``.
+def job_table(parts: list[JobPart], rows: IntArray, bs: int) -> GatherJobs:
+    """The job table of ``parts`` (name, first, counts, div, use_map), each ``[bs]``,
+    over table rows ``rows`` (int ``[bs]``).
 
     Few numpy calls (this runs every step): the rows are broadcast into every part at
     once, each part's first and counts are filled by slice, the divisors and map flags

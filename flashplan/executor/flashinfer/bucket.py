@@ -36,6 +36,7 @@ from flashplan.executor.gathers import (
     WRITE,
     WRITE_WINDOW,
     GatherJobs,
+    JobPart,
     Region,
     is_pages_region,
     job_parts,
@@ -49,8 +50,11 @@ __all__ = [
     "BucketLayout",
     "GraphBucket",
     "bucket_gather_jobs",
+    "bucket_jobs",
     "check_fits",
+    "padded_indptr",
     "padded_inputs",
+    "padded_lengths",
     "padded_masks",
 ]
 
@@ -278,9 +282,23 @@ def bucket_gather_jobs(
         graph: the bucket.
         window_pool, spans: as :func:`~flashplan.executor.gathers.gather_jobs`.
     """
-    bs = spec.batch_size
     parts = job_parts(spec, window_pool, spans, False)
-    key = tuple([(p[0], p[3], p[4]) for p in parts])
+    return bucket_jobs(parts, rows, spec.batch_size, bucket, graph)
+
+
+def bucket_jobs(
+    parts: list[JobPart],
+    rows: npt.NDArray[np.integer],
+    bs: int,
+    bucket: BucketLayout,
+    graph: GraphBucket,
+    key: tuple[tuple[str, int, int], ...] | None = None,
+) -> GatherJobs:
+    """:func:`bucket_gather_jobs` of the job parts ``parts``
+    (:func:`~flashplan.executor.gathers.job_parts` of a ``bs``-request plan); ``key``:
+    their ``(region name, divisor, page-map flag)``, when the caller keeps them."""
+    if key is None:
+        key = tuple([(p[0], p[3], p[4]) for p in parts])
     fixed, template, bases, pad_offsets = _bucket_template(bucket, key, bs, graph)
     table = template.copy()
     table[0, :, :bs] = np.asarray(rows, dtype=np.int32)
@@ -325,19 +343,30 @@ def padded_inputs(
         parsed = names.parse(name)
         field = parsed.field
         if field in ("qo_indptr", "page_indptr") and not parsed.kind:
-            if pads:  # the padded end fits int32: the bucket's sizes do
-                tail = _pad_tail(pads, n if field == "qo_indptr" else 1) + values[-1]
-                values = seal_inplace(np.concatenate([values, tail]))
-            out[name] = values
+            out[name] = padded_indptr(values, pads, n if field == "qo_indptr" else 1)
         elif parsed.kind == "mask":
             out[name] = _padded_mask_array(name, field, values, host, pads, n)
         elif field in ("last_page_len", "kv_lens"):  # one key per padding request
-            if pads:
-                values = seal_inplace(np.concatenate([values, _pad_tail(pads, 0)]))
-            out[name] = values
+            out[name] = padded_lengths(values, pads)
         else:
             raise BucketError(name, "this host array cannot be padded to a bucket")
     return out
+
+
+def padded_indptr(values: IntArray, pads: int, step: int) -> IntArray:
+    """An indptr (int32 ``[bs + 1]``) run on by ``pads`` padding requests of ``step``
+    entries each (the padded end fits int32: the bucket's sizes do)."""
+    if not pads:
+        return values
+    return seal_inplace(np.concatenate([values, _pad_tail(pads, step) + values[-1]]))
+
+
+def padded_lengths(values: IntArray, pads: int) -> IntArray:
+    """Per-request lengths (int32 ``[bs]``: last-page lengths, KV lengths) with one key
+    per padding request (the dummy page's slot 0)."""
+    if not pads:
+        return values
+    return seal_inplace(np.concatenate([values, _pad_tail(pads, 0)]))
 
 
 @functools.lru_cache(maxsize=256)

@@ -10,6 +10,7 @@ import torch
 
 from flashplan.executor.flashinfer.buffers import DeviceBuffer, WrapperPool, WrapperSlot
 from flashplan.executor.flashinfer.calls import call_inputs, call_skeleton, skeleton_key
+from flashplan.executor.flashinfer.decode_lane import lane_of
 from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
 from flashplan.executor.flashinfer.strategy import OwnedBuffers
 from flashplan.executor.gathers import gather_jobs, gather_jobs_steps
@@ -66,10 +67,15 @@ class EagerBuffers:
     def device_plan(
         self, spec: PlanSpec, calls: tuple[GroupCalls, ...], table: PageTable
     ) -> DevicePlan:
-        """``spec``'s gather jobs, staged arrays and masks."""
+        """``spec``'s gather jobs, staged arrays and masks (a plain decode's through
+        its skeleton's :class:`~.decode_lane.DecodeLane`)."""
+        window_pool = self.settings.page_map is not None
+        lane = lane_of(self.owned.lanes, spec, calls, window_pool)
+        if lane is not None:
+            return lane.device_plan(spec, table.rows)
         inputs = call_inputs(spec, calls)
         jobs = gather_jobs(
-            spec, table.rows, window_pool=self.settings.page_map is not None, spans=inputs.spans,
+            spec, table.rows, window_pool=window_pool, spans=inputs.spans,
             level_spans=inputs.level_spans,
         )  # fmt: skip
         return device_plan(

@@ -35,6 +35,7 @@ from flashplan.executor.flashinfer.calls import (
     call_skeleton,
     skeleton_key,
 )
+from flashplan.executor.flashinfer.decode_lane import lane_of
 from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
 from flashplan.executor.flashinfer.strategy import OwnedBuffers
 from flashplan.executor.gathers import GatherJobs, concat_jobs, pages_region
@@ -222,8 +223,13 @@ class GraphBuffers:
         """``spec`` padded to the bucket, in its fixed regions; fixes the shape on the
         first apply."""
         self._check_steps(1)
-        layout, fixed, host, masks = self._bucket_parts(spec, calls, table)
-        dplan = device_plan(calls, fixed, host, masks)
+        lane = lane_of(self.owned.lanes, spec, calls, self.settings.page_map is not None)
+        if lane is not None:  # a plain decode: no masks to check or pad
+            layout = self._bucket_layout(spec)
+            dplan = lane.bucket_plan(spec, table.rows, layout, self.bucket)
+        else:
+            layout, fixed, host, masks = self._bucket_parts(spec, calls, table)
+            dplan = device_plan(calls, fixed, host, masks)
         self._fix(spec.key, layout, calls)  # nothing above refused the plan
         return dplan
 

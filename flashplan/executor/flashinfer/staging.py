@@ -71,6 +71,12 @@ class StagingManifest:
         and again (a manifest is immutable, so one object serves them all)."""
         return _laid_out(tuple(arrays), tuple([values.shape[0] for values in arrays.values()]))
 
+    @classmethod
+    def named(cls, names: tuple[str, ...], sizes: tuple[int, ...]) -> StagingManifest:
+        """The manifest of slices ``names`` of ``sizes`` entries, end to end (memoized
+        as :meth:`of`)."""
+        return _laid_out(names, sizes)
+
 
 @functools.lru_cache(maxsize=256)
 def _laid_out(names: tuple[str, ...], sizes: tuple[int, ...]) -> StagingManifest:

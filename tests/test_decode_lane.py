@@ -1,0 +1,154 @@
+"""The decode lane (``executor/flashinfer/decode_lane.py``) lays out exactly what the
+general translation lays out, eager and in CUDA-graph buckets, and covers exactly the
+plain decode skeletons."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flashplan as fp
+from flashplan.executor.flashinfer.bucket import (
+    GraphBucket,
+    bucket_gather_jobs,
+    padded_inputs,
+    padded_masks,
+)
+from flashplan.executor.flashinfer.calls import call_inputs, call_skeleton
+from flashplan.executor.flashinfer.decode_lane import DecodeLane, lane_of
+from flashplan.executor.flashinfer.policy import ExecutorPolicy
+from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
+from flashplan.executor.gathers import gather_jobs
+from flashplan.planning.spec import KernelPath
+from flashplan.testing import decode_layouts, page_tables
+
+HEADS = fp.HeadConfig(num_qo_heads=8, num_kv_heads=2, head_dim=64)
+#: decode kernel kinds: the policy's default (by batch size), CUDA cores, tensor cores
+POLICIES = st.sampled_from(
+    [ExecutorPolicy(), ExecutorPolicy(decode_tensor_cores=False),
+     ExecutorPolicy(decode_tensor_cores=True)]
+)  # fmt: skip
+
+
+def _covered(spec: fp.PlanSpec, window_pool: bool) -> bool:
+    """What the lane is documented to cover, from the plan itself."""
+    return spec.cascade is None and all(
+        gp.path is KernelPath.DECODE
+        and gp.paged is not None
+        and gp.ragged is None
+        and gp.virtual is None
+        and not gp.uses_custom_mask
+        and not gp.group.cross_attention
+        and not (window_pool and gp.group.uses_window_pool)
+        for gp in spec.group_plans
+    )
+
+
+def _check_same(got: DevicePlan, want: DevicePlan) -> None:
+    assert got.calls is want.calls
+    assert got.manifest.slices == want.manifest.slices
+    assert got.manifest.total == want.manifest.total
+    assert len(got.parts) == len(want.parts)
+    for a, b in zip(got.parts, want.parts, strict=True):
+        assert a.dtype == b.dtype == np.int32
+        assert a.tolist() == b.tolist()
+    assert got.jobs.table.flags.c_contiguous and not got.jobs.table.flags.writeable
+    assert got.jobs.table.tolist() == want.jobs.table.tolist()
+    assert got.jobs.regions == want.jobs.regions
+    assert got.jobs.total == want.jobs.total
+    assert dict(got.masks) == dict(want.masks)
+    assert dict(got.ints) == dict(want.ints)
+    assert dict(got.elements) == dict(want.elements)
+    assert got.data.tolist() == want.data.tolist()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    layout=decode_layouts(max_batch=6, max_len=70, long_len=200, page_sizes=(1, 2, 16)),
+    policy=POLICIES,
+    window_pool=st.booleans(),
+    data=st.data(),
+)
+def test_lane_lays_out_what_the_general_path_does(
+    layout: fp.BatchLayout, policy: ExecutorPolicy, window_pool: bool, data: st.DataObject
+) -> None:
+    spec = fp.plan(layout, HEADS)
+    calls = call_skeleton(spec, policy, sm90=True)
+    lane = DecodeLane.of(spec, calls, window_pool=window_pool)
+    assert (lane is not None) == _covered(spec, window_pool)
+    if lane is None:
+        return
+    table, _ = data.draw(page_tables(spec))
+    inputs = call_inputs(spec, calls)
+    jobs = gather_jobs(spec, table.rows, window_pool=window_pool, spans=inputs.spans)
+    want = device_plan(
+        calls, jobs, inputs.host, inputs.masks, ints=inputs.ints, elements=inputs.elements
+    )
+    _check_same(lane.device_plan(spec, table.rows), want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=decode_layouts(
+        min_batch=1, max_batch=6, max_len=70, long_len=90, encoder=False, page_sizes=(1, 2, 16)
+    ).filter(lambda lay: not any(g.cross_attention for g in lay.groups)),
+    extra=st.integers(0, 5),
+    policy=POLICIES,
+    window_pool=st.booleans(),
+    data=st.data(),
+)
+def test_lane_pads_to_a_bucket_as_the_general_path_does(
+    layout: fp.BatchLayout,
+    extra: int,
+    policy: ExecutorPolicy,
+    window_pool: bool,
+    data: st.DataObject,
+) -> None:
+    spec = fp.plan(layout, HEADS)
+    max_pages = max(int(gp.paged.num_pages.max()) for gp in spec.group_plans if gp.paged) + 1
+    bucket = GraphBucket.decode(layout.batch_size + extra, max_pages, dummy_page=3)
+    calls = call_skeleton(spec, policy, sm90=True, batch_size=bucket.batch_size)
+    lane = DecodeLane.of(spec, calls, window_pool=window_pool)
+    assert (lane is not None) == _covered(spec, window_pool)
+    if lane is None:
+        return
+    table, _ = data.draw(page_tables(spec))
+    fixed_layout = bucket.layout(spec.key, window_pool=window_pool)
+    inputs = call_inputs(spec, calls)
+    jobs = bucket_gather_jobs(
+        spec, table.rows, fixed_layout, bucket, window_pool=window_pool, spans=inputs.spans
+    )
+    host = padded_inputs(inputs.host, spec.batch_size, bucket)
+    want = device_plan(calls, jobs, host, padded_masks(inputs.masks, spec.batch_size, bucket))
+    _check_same(lane.bucket_plan(spec, table.rows, fixed_layout, bucket), want)
+
+
+def test_lanes_are_kept_per_skeleton_and_refused_where_they_do_not_apply() -> None:
+    spec = fp.plan(fp.BatchLayout.decode([5, 9], page_size=4), HEADS)
+    calls = call_skeleton(spec, ExecutorPolicy(), sm90=True)
+    lanes: dict = {}
+    lane = lane_of(lanes, spec, calls, False)
+    assert lane is not None and lane_of(lanes, spec, calls, False) is lane
+    # an extend, a cross group, a verify tree (custom mask): the general path
+    extend = fp.plan(fp.BatchLayout.extend([5, 9], [3, 4], page_size=4), HEADS)
+    assert DecodeLane.of(extend, call_skeleton(extend, ExecutorPolicy(), sm90=True)) is None
+    cross = fp.plan(
+        fp.BatchLayout.decode(
+            [5, 9], page_size=4, encoder_lens=[3, 2],
+            groups=[fp.AttentionGroup(), fp.AttentionGroup(cross_attention=True, causal=False)],
+        ),
+        HEADS,
+    )  # fmt: skip
+    assert DecodeLane.of(cross, call_skeleton(cross, ExecutorPolicy(), sm90=True)) is None
+    tree = fp.DraftTree.from_parents([[-1, 0, 0], [-1, 0, 1]])
+    verify = fp.plan(fp.BatchLayout.verify([5, 9], tree, page_size=4), HEADS)
+    assert DecodeLane.of(verify, call_skeleton(verify, ExecutorPolicy(), sm90=True)) is None
+    # a windowed group kept in a sliding-window pool (the executor has a page map)
+    windowed = fp.plan(
+        fp.BatchLayout.decode([5, 9], page_size=4, groups=[fp.AttentionGroup(window_left=3)]),
+        HEADS,
+    )
+    w_calls = call_skeleton(windowed, ExecutorPolicy(), sm90=True)
+    assert DecodeLane.of(windowed, w_calls, window_pool=False) is not None
+    assert DecodeLane.of(windowed, w_calls, window_pool=True) is None
