@@ -230,7 +230,9 @@ def replan_decode(
     an FA2 wrapper and ``slot.planned_with`` equal to the call's constants (``kwargs``:
     its ``plan()`` keyword arguments). ``schedule=False``: the scheduler's inputs equal
     its last call's, whose plan (``_plan_info``, the int workspace) stands: skipped.
-    Issues no sync.
+    The fields ``run()`` reads besides (window, soft cap, scales, position encoding,
+    queries per request) are left as the wrapper's last full ``plan()`` set them from
+    the same constants. Issues no sync.
     """
     w = slot.wrapper
     tensor_cores = bool(w.use_tensor_cores)
@@ -243,14 +245,16 @@ def replan_decode(
         w._paged_kv_last_page_len_buf = arrays.last_page_len_device
         if tensor_cores:
             w._qo_indptr_buf = arrays.qo_indptr_device
+    if not schedule:
+        return
     bs = arrays.last_page_len_host.shape[0]
     hq, hkv, dim = kwargs["num_qo_heads"], kwargs["num_kv_heads"], kwargs["head_dim"]
     window = kwargs.get("window_left", -1)
     soft_cap = kwargs.get("logits_soft_cap")
     graph_enabled = w.is_cuda_graph_enabled
-    switch = schedule and torch.cuda.current_device() != w.device.index
+    switch = torch.cuda.current_device() != w.device.index
     with torch.cuda.device(w.device) if switch else contextlib.nullcontext():
-        if schedule and tensor_cores:
+        if tensor_cores:
             split = kwargs.get("fixed_split_size")
             w._plan_info = w._cached_module.plan(
                 w._float_workspace_buffer, w._int_workspace_buffer,
@@ -259,7 +263,7 @@ def replan_decode(
                 dim, dim, False, window, -1 if split is None else split,
                 kwargs.get("disable_split_kv", False), 0, 1, True,
             )  # fmt: skip
-        elif schedule:
+        else:
             q_dtype = kwargs.get("q_data_type") or kwargs.get("data_type") or torch.float16
             kv_dtype = kwargs.get("kv_data_type") or kwargs.get("data_type") or q_dtype
             w._plan_info = w._cached_module.plan(
@@ -269,13 +273,6 @@ def replan_decode(
                 0.0 if soft_cap is None else soft_cap, dim, dim,
                 _empty(q_dtype, w.device), _empty(kv_dtype, w.device),
             )  # fmt: skip
-    w._q_len_per_req = 1
-    w._pos_encoding_mode = kwargs.get("pos_encoding_mode", "NONE")
-    w._window_left = window
-    w._logits_soft_cap = 0.0 if soft_cap is None else soft_cap
-    w._sm_scale = kwargs.get("sm_scale")
-    w._rope_scale = kwargs.get("rope_scale")
-    w._rope_theta = kwargs.get("rope_theta")
 
 
 # -- paged prefill: the scheduler without plan() -----------------------------------------

@@ -51,14 +51,17 @@ class PinnedSlot:
     host: torch.Tensor
     event: torch.cuda.Event | None = None
     array: np.ndarray = attrs.field(init=False, repr=False)
+    capacity: int = attrs.field(init=False)  # entries the slot holds
 
     def __attrs_post_init__(self) -> None:
-        self.array = self.host.numpy()  # a view: numpy writes land in the pinned memory
+        self.replace(self.host)
 
-    @property
-    def capacity(self) -> int:
-        """Entries the slot holds."""
-        return int(self.host.shape[0])
+    def replace(self, host: torch.Tensor) -> None:
+        """Hold ``host`` (pinned, 1-D) from now on: its numpy view (writes land in the
+        pinned memory) and size."""
+        self.host = host
+        self.array = host.numpy()
+        self.capacity = int(host.shape[0])
 
     def idle(self) -> bool:
         """No queued copy may still read the slot (never waits)."""
@@ -90,10 +93,9 @@ class PinnedRing:
                 return slot
         for slot in self.slots:
             if slot.idle():
-                slot.host = torch.empty(
-                    _grown(slot.capacity, size), dtype=self.dtype, pin_memory=True
+                slot.replace(
+                    torch.empty(_grown(slot.capacity, size), dtype=self.dtype, pin_memory=True)
                 )
-                slot.array = slot.host.numpy()
                 return slot
         largest = max((s.capacity for s in self.slots), default=0)
         slot = PinnedSlot(torch.empty(_grown(largest, size), dtype=self.dtype, pin_memory=True))
@@ -246,8 +248,8 @@ class WrapperPool:
         self.max_per_key = max_per_key if grow else 1
         self.slots: dict[Any, list[WrapperSlot]] = {}
 
-    def acquire(self, key: Any, make: Callable[[], WrapperSlot]) -> WrapperSlot:
-        """An idle wrapper for ``key`` (``make()`` makes a new slot when needed)."""
+    def acquire(self, key: Any, make: Callable[..., WrapperSlot], *args: Any) -> WrapperSlot:
+        """An idle wrapper for ``key`` (``make(*args)`` makes a new slot when needed)."""
         slots = self.slots.setdefault(key, [])
         for slot in slots:
             if slot.idle():
@@ -258,7 +260,7 @@ class WrapperPool:
             assert slot.event is not None
             slot.event.synchronize()  # documented: the host is max_per_key steps ahead
             return slot
-        slot = make()
+        slot = make(*args)
         slots.append(slot)
         return slot
 

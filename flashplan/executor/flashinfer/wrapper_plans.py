@@ -240,38 +240,45 @@ def plan_calls(
             if call is None:
                 continue
             key, index = call.wrapper, gc.group_index
-            held = owned.pool.acquire(
-                (prefix, key), partial(strategy.make_wrapper, key, index, prefix)
-            )
+            held = owned.pool.acquire((prefix, key), strategy.make_wrapper, key, index, prefix)
             bound = bound_call(call, host, staged, prefix, index, part)
             if strategy.graph and strategy.captured is None and bound.decode and held.fixed:
                 owned.refresh[(prefix, key)] = (
                     (held.fixed["indptr"], bound.decode[1]),
                     (held.fixed["last_page_len"], bound.decode[3]),
                 )
-            kwargs = dict(bound.kwargs)
-            for name, value in bound.dynamic:
-                kwargs[name] = resolve(value)
+            same_constants = held.planned_with is call.constants or (
+                held.planned_with == call.constants  # None before a full plan()
+            )
             if (
                 settings.fast_decode
                 and bound.decode is not None
                 and key.sink is None  # a sink wrapper's JIT module: plan() each time
-                and held.planned_with == call.constants  # None before a full plan()
+                and same_constants
             ):
-                arrays = DecodeArrays(*bound.decode, indices=kwargs["indices"])
+                # a decode re-plan's one per-batch argument: the gathered page ids (it
+                # reads only constants from the bound arguments)
+                indices = next(v for n, v in bound.dynamic if n == "indices")
+                arrays = DecodeArrays(*bound.decode, indices=resolve(indices))
                 schedule = _schedule_changed(held, spec, _decode_inputs(bound.decode))
                 replan_decode(
-                    held, kwargs, arrays, graph=strategy.graph, schedule=schedule,
+                    held, bound.kwargs, arrays, graph=strategy.graph, schedule=schedule,
                     refresh=strategy.captured is None,  # else the graph copies them
                 )  # fmt: skip
                 counts.decode_replans += 1
                 held.plan_inputs = None  # the wrapper now holds this re-plan
                 counts.schedules_kept += not schedule
-            elif (
+                owned.pool.mark_planned(held, stream)
+                planned[(index, part)] = held.wrapper
+                continue
+            kwargs = dict(bound.kwargs)
+            for name, value in bound.dynamic:
+                kwargs[name] = resolve(value)
+            if (
                 strategy.fast_prefill
                 and bound.prefill is not None
                 and held.replannable  # its last full plan() took replan_prefill's path
-                and held.planned_with == call.constants
+                and same_constants
             ):
                 ints = dplan.ints
                 total, max_q, max_kv = bound.prefill_ints
@@ -289,7 +296,7 @@ def plan_calls(
                 settings.fast_plan
                 and not strategy.graph
                 and key.sink is None  # a sink wrapper's JIT module: not checked, plan()
-                and held.planned_with == call.constants
+                and same_constants
                 and _same_plan_inputs(held.plan_inputs, kwargs)
             ):
                 counts.plans_kept += 1  # plan() on these very inputs stands
