@@ -224,8 +224,9 @@ class GraphBuffers:
         first apply."""
         self._check_steps(1)
         lane = lane_of(self.owned.lanes, spec, calls, self.settings.page_map is not None)
-        if lane is not None:  # a plain decode: no masks to check or pad
+        if lane is not None:  # a plain decode: no masks to pad
             layout = self._bucket_layout(spec)
+            self._check_masks(calls, spec.page_size)
             dplan = lane.bucket_plan(spec, table.rows, layout, self.bucket)
         else:
             layout, fixed, host, masks = self._bucket_parts(spec, calls, table)
