@@ -24,8 +24,8 @@ Rows:
                 + ``padded_inputs`` + device_plan
   step (pure)   layout + plan + apply (pure): the host work of an eager step before any
                 copy, launch or FlashInfer ``plan()``
-  ... lane      the same through the skeleton's decode lane (``DecodeLane``), which the
-                executors take for a plain decode instead of the general translation
+  ... lane      the same through the skeleton's paged lane (``PagedLane``), which the
+                executors take for a plain paged batch instead of the general translation
 
 Every derived array of a plan is a ``cached_property``, so the stages are timed on
 *fresh* plans in pipeline order (as a step loop meets them): each stage pays for the
@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flashplan as fp
 from flashplan.executor.flashinfer.bucket import GraphBucket, bucket_gather_jobs, padded_inputs
 from flashplan.executor.flashinfer.calls import call_inputs, call_skeleton, translate
-from flashplan.executor.flashinfer.decode_lane import DecodeLane
+from flashplan.executor.flashinfer.paged_lane import PagedLane
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import device_plan
 from flashplan.executor.gathers import gather_jobs
@@ -181,9 +181,9 @@ def measure(bs: int, reps: int) -> dict[str, float]:
 
     out["step_pure_us"] = median_us(step, reps)
 
-    # the executors' path for a plain decode: its skeleton's decode lane
-    lane = DecodeLane.of(spec0, calls)
-    graph_lane = DecodeLane.of(spec0, graph_calls)
+    # the executors' path for a plain decode: its skeleton's paged lane
+    lane = PagedLane.of(spec0, calls)
+    graph_lane = PagedLane.of(spec0, graph_calls)
     assert lane is not None and graph_lane is not None
     out["lane_us"] = staged_us(make, [("l", lambda s, st: lane.device_plan(s, rows))], reps)["l"]
     out["lane_replay_us"] = staged_us(
@@ -278,9 +278,9 @@ ROWS = [
     ("bucket_gather_jobs + padded_inputs", "bucket_pad_us"),
     ("replay (pure) = inputs + bucket jobs + padding + device_plan", "replay_pure_us"),
     ("step (pure) = layout + plan + apply (pure)", "step_pure_us"),
-    ("apply (pure), decode lane (what the eager executor runs)", "lane_us"),
-    ("replay (pure), decode lane (what a bucket runs)", "lane_replay_us"),
-    ("step (pure), decode lane", "lane_step_us"),
+    ("apply (pure), paged lane (what the eager executor runs)", "lane_us"),
+    ("replay (pure), paged lane (what a bucket runs)", "lane_replay_us"),
+    ("step (pure), paged lane", "lane_step_us"),
 ]
 
 

@@ -27,7 +27,7 @@ call skeleton                :func:`~.calls.skeleton_key` (plan   the policy and
 (``OwnedBuffers.skeletons``) key, decode kernel kind, masked and  are the executor's own,
                              multi-item groups; a graph's bucket  fixed at construction
                              batch size)
-a skeleton's decode lane     ``id`` of the skeleton tuple (which  the tuple (``is``: the
+a skeleton's paged lane      ``id`` of the skeleton tuple (which  the tuple (``is``: the
 (``OwnedBuffers.lanes``)     holds its key's consequences); the   entry holds it)
                              page map's presence is fixed at
                              construction

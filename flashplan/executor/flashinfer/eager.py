@@ -10,7 +10,7 @@ import torch
 
 from flashplan.executor.flashinfer.buffers import DeviceBuffer, WrapperPool, WrapperSlot
 from flashplan.executor.flashinfer.calls import call_inputs, call_skeleton, skeleton_key
-from flashplan.executor.flashinfer.decode_lane import lane_of
+from flashplan.executor.flashinfer.paged_lane import lane_of
 from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
 from flashplan.executor.flashinfer.strategy import OwnedBuffers
 from flashplan.executor.gathers import gather_jobs, gather_jobs_steps
@@ -67,8 +67,8 @@ class EagerBuffers:
     def device_plan(
         self, spec: PlanSpec, calls: tuple[GroupCalls, ...], table: PageTable
     ) -> DevicePlan:
-        """``spec``'s gather jobs, staged arrays and masks (a plain decode's through
-        its skeleton's :class:`~.decode_lane.DecodeLane`)."""
+        """``spec``'s gather jobs, staged arrays and masks (a plain paged batch's
+        through its skeleton's :class:`~.paged_lane.PagedLane`)."""
         window_pool = self.settings.page_map is not None
         lane = lane_of(self.owned.lanes, spec, calls, window_pool)
         if lane is not None:

@@ -35,7 +35,7 @@ from flashplan.executor.flashinfer.calls import (
     call_skeleton,
     skeleton_key,
 )
-from flashplan.executor.flashinfer.decode_lane import lane_of
+from flashplan.executor.flashinfer.paged_lane import lane_of
 from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
 from flashplan.executor.flashinfer.strategy import OwnedBuffers
 from flashplan.executor.gathers import GatherJobs, concat_jobs, pages_region

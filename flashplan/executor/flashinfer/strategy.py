@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from flashplan.executor.flashinfer.bucket import GraphBucket
     from flashplan.executor.flashinfer.buffers import WrapperSlot
     from flashplan.executor.flashinfer.calls import GroupCalls, WrapperKey
-    from flashplan.executor.flashinfer.decode_lane import DecodeLane
+    from flashplan.executor.flashinfer.paged_lane import PagedLane
     from flashplan.executor.flashinfer.settings import ExecutorSettings
     from flashplan.executor.flashinfer.staging import DevicePlan
     from flashplan.kernels.fused import BoundGatherAndMask
@@ -72,7 +72,7 @@ class OwnedBuffers:
     Attributes:
         pool: FlashInfer wrappers by ``(step prefix, WrapperKey)``.
         skeletons: call skeletons by their static key.
-        lanes: each skeleton's decode lane (``None``: the general translation), by the
+        lanes: each skeleton's paged lane (``None``: the general translation), by the
             skeleton tuple's ``id`` (the entry holds the tuple).
         ring: pinned host staging slots.
         staged: the device copy of the staging data (int32).
@@ -98,7 +98,7 @@ class OwnedBuffers:
     device: torch.device
     pool: WrapperPool
     skeletons: dict[object, tuple[GroupCalls, ...]] = attrs.field(factory=dict)
-    lanes: dict[int, tuple[tuple[GroupCalls, ...], DecodeLane | None]] = attrs.field(factory=dict)
+    lanes: dict[int, tuple[tuple[GroupCalls, ...], PagedLane | None]] = attrs.field(factory=dict)
     ring: PinnedRing = attrs.field(factory=PinnedRing)
     views: SliceViews = attrs.field(factory=SliceViews)
     item_bufs: dict[str, DeviceBuffer] = attrs.field(factory=dict)

@@ -1,21 +1,22 @@
-"""The device work of a plain decode batch, laid out without the general translation.
+"""The device work of a plain paged batch, laid out without the general translation.
 
-Most steps an engine plans are decodes of one token per request, every group on the
-decode kernel, with no mask, multi-item tensor, virtual request, cascade level,
-encoder or window-pool page map. For such a batch :func:`~.batch_arrays.call_inputs`,
+Most steps an engine plans are decodes, and most of the rest paged extends: every group
+on one paged call (the decode kernel, or one paged prefill), with no mask, multi-item
+tensor, virtual request, ragged part, cascade level, encoder or window-pool page map.
+For such a batch :func:`~.batch_arrays.call_inputs`,
 :func:`~flashplan.executor.gathers.job_parts`, :func:`~.bucket.padded_inputs` and
 :func:`~.staging.device_plan` spend most of their host time on generality (dicts of
 named arrays built, parsed and merged, each group's job parts worked out, the staging
-layout looked up from the names and sizes). A :class:`DecodeLane` is what those steps
+layout looked up from the names and sizes). A :class:`PagedLane` is what those steps
 derive from the call skeleton alone, worked out once per skeleton: the staged arrays'
-names, the job table's regions, divisors and map flags. Per batch it lists the arrays
-and builds the job table (with the general path's own table builders,
-:func:`~flashplan.executor.gathers.job_table` and :func:`~.bucket.bucket_jobs`).
+names, the batch integers' names, the job table's regions, divisors and map flags. Per
+batch it lists the arrays and builds the job table (with the general path's own table
+builders, :func:`~flashplan.executor.gathers.job_table` and :func:`~.bucket.bucket_jobs`).
 
 The result is the general path's :class:`~.staging.DevicePlan`, field for field (the
-CPU suite checks it against the general path over random decode batches, eager and in
-CUDA-graph buckets); a skeleton the lane does not cover gets ``None`` from
-:meth:`DecodeLane.of`, and the executor takes the general path.
+CPU suite checks it against the general path over random decode and extend batches,
+eager and in CUDA-graph buckets); a skeleton the lane does not cover gets ``None`` from
+:meth:`PagedLane.of`, and the executor takes the general path.
 """
 
 from __future__ import annotations
@@ -39,25 +40,27 @@ if TYPE_CHECKING:
     from flashplan.executor.gathers import GatherJobs, JobPart
     from flashplan.planning.spec import PlanSpec
 
-__all__ = ["DecodeLane", "lane_of"]
+__all__ = ["PagedLane", "lane_of"]
 
 
 @attrs.frozen(eq=False)
-class DecodeLane:
-    """The staging of a plain decode skeleton (see module docstring).
+class PagedLane:
+    """The staging of a plain paged skeleton (see module docstring).
 
     Attributes:
-        calls: the skeleton (one decode call per group, in group order).
-        tensor_cores: per call, whether its decode wrapper uses tensor cores (its
-            scheduler then also reads ``qo_indptr`` and the KV lengths).
+        calls: the skeleton (one paged call per group, in group order).
+        prefill: per call, whether it is a paged prefill (FlashInfer derives its KV
+            lengths and longest KV on the host: staged as ``g<i>.kv_lens`` and
+            ``g<i>.max_kv_len``) rather than a decode.
+        tensor_cores: per call, whether it is a decode on tensor cores (its scheduler
+            also reads ``qo_indptr`` and the KV lengths).
         manifest_names: the staged arrays' names in buffer order, the job table first.
-        regions: the job table's region names: each group's page ids, then the write
-            slots.
-        region_key: per region, ``(name, divisor, page-map flag)``: divisor 1 for page
-            ids, the page size for write slots; no page map.
+        region_key: per region, ``(name, divisor, page-map flag)``: each group's page
+            ids (divisor 1), then the write slots (divisor the page size); no page map.
     """
 
     calls: tuple[GroupCalls, ...]
+    prefill: tuple[bool, ...]
     tensor_cores: tuple[bool, ...]
     manifest_names: tuple[str, ...]
     region_key: tuple[tuple[str, int, int], ...]
@@ -65,22 +68,22 @@ class DecodeLane:
     @classmethod
     def of(
         cls, spec: PlanSpec, calls: tuple[GroupCalls, ...], *, window_pool: bool = False
-    ) -> DecodeLane | None:
+    ) -> PagedLane | None:
         """The lane of ``calls`` (``spec``'s skeleton), or ``None`` where it does not
-        apply: a call off the decode kernel, with a mask, multi-item tensors, a ragged
-        part or cascade levels, a group over virtual requests, a cross-attention group,
-        a group kept in a sliding-window pool (``window_pool``: the executor has a page
-        map), or a skeleton that skips a group. Depends only on what the skeleton's key
-        fixes (the executor keeps one per skeleton)."""
+        apply: a group without a paged call or with a ragged one, a masked call, one with
+        multi-item tensors or cascade levels, a group over virtual requests, a
+        cross-attention group, a group kept in a sliding-window pool (``window_pool``:
+        the executor has a page map), or a skeleton that skips a group. Depends only on
+        what the skeleton's key fixes (the executor keeps one per skeleton)."""
         plans = spec.group_plans
         if spec.cascade is not None or len(calls) != len(plans):
             return None
-        tensor_cores = []
+        prefill, tensor_cores = [], []
         for k, gc in enumerate(calls):
             gp = plans[k]
             if (
                 gc.group_index != k
-                or gc.path is not KernelPath.DECODE
+                or gc.path not in (KernelPath.DECODE, KernelPath.PAGED)
                 or gc.paged is None
                 or gc.ragged is not None
                 or gc.masked
@@ -92,18 +95,19 @@ class DecodeLane:
                 or gp.paged is None
             ):
                 return None
-            tensor_cores.append(bool(gc.paged.wrapper.use_tensor_cores))
+            prefill.append(gc.path is KernelPath.PAGED)
+            tensor_cores.append(not prefill[-1] and bool(gc.paged.wrapper.use_tensor_cores))
         manifest_names = [names.JOBS]
-        if any(tensor_cores):
+        if any(prefill) or any(tensor_cores):
             manifest_names.append(names.QO_INDPTR)
-        for k, tc in enumerate(tensor_cores):
+        for k, (pf, tc) in enumerate(zip(prefill, tensor_cores, strict=True)):
             manifest_names += [names.group_array(k, "page_indptr"),
                                names.group_array(k, "last_page_len")]  # fmt: skip
-            if tc:
+            if pf or tc:
                 manifest_names.append(names.group_array(k, "kv_lens"))
         pages = tuple((pages_region(k), 1, 0) for k in range(len(calls)))
         return cls(
-            calls, tuple(tensor_cores), tuple(manifest_names),
+            calls, tuple(prefill), tuple(tensor_cores), tuple(manifest_names),
             (*pages, (WRITE, spec.page_size, 0)),
         )  # fmt: skip
 
@@ -125,20 +129,38 @@ class DecodeLane:
         arrays: list[IntArray] = []
         if len(self.manifest_names) > 1 and self.manifest_names[1] == names.QO_INDPTR:
             arrays.append(padded_indptr(spec.qo_indptr, pads, tokens))
-        for tc, gp in zip(self.tensor_cores, spec.group_plans, strict=True):
+        for pf, tc, gp in zip(self.prefill, self.tensor_cores, spec.group_plans, strict=True):
             part = gp.paged
             assert part is not None
             spans = part.spans
             arrays += [padded_indptr(spans.pages.indptr, pads, 1),
                        padded_lengths(spans.last_page_len, pads)]  # fmt: skip
-            if tc:
+            if pf:
+                arrays.append(padded_lengths(spans.kv_lens, pads))
+            elif tc:
                 arrays.append(padded_lengths(decode_scheduler_kv_lens(part), pads))
         return arrays
 
-    def _plan(self, jobs: GatherJobs, arrays: list[IntArray]) -> DevicePlan:
+    def _ints(self, spec: PlanSpec) -> dict[str, int]:
+        """The batch integers a paged prefill re-plan reads (eager only: FlashInfer's
+        ``plan()`` derives them itself)."""
+        if not any(self.prefill):
+            return {}
+        qo = spec.qo_lens
+        ints = {
+            names.batch_int("qo.total"): spec.total_q,
+            names.batch_int("qo.max_len"): int(np.maximum.reduce(qo)) if qo.size else 0,
+        }
+        for k, (pf, gp) in enumerate(zip(self.prefill, spec.group_plans, strict=True)):
+            if pf:
+                assert gp.paged is not None
+                ints[names.group_int(k, "max_kv_len")] = gp.paged.spans.max_kv_len
+        return ints
+
+    def _plan(self, jobs: GatherJobs, arrays: list[IntArray], ints: dict[str, int]) -> DevicePlan:
         arrays.insert(0, jobs.table.reshape(-1))
         manifest = StagingManifest.named(self.manifest_names, tuple([a.shape[0] for a in arrays]))
-        return DevicePlan(self.calls, jobs, manifest, tuple(arrays), {}, {}, {})
+        return DevicePlan(self.calls, jobs, manifest, tuple(arrays), {}, ints, {})
 
     def device_plan(self, spec: PlanSpec, rows: IntArray) -> DevicePlan:
         """``spec``'s device work for a table whose request ``i`` sits in ``rows[i]``:
@@ -149,31 +171,32 @@ class DecodeLane:
                 reach (as the general path).
         """
         jobs = job_table(self._parts(spec), np.asarray(rows, dtype=np.int32), spec.batch_size)
-        return self._plan(jobs, self._arrays(spec))
+        return self._plan(jobs, self._arrays(spec), self._ints(spec))
 
     def bucket_plan(
         self, spec: PlanSpec, rows: IntArray, layout: BucketLayout, bucket: GraphBucket
     ) -> DevicePlan:
         """``spec``'s device work padded to ``bucket`` in its fixed regions (``layout``):
-        what the general path gives a CUDA-graph bucket (``spec`` fits it)."""
+        what the general path gives a CUDA-graph bucket (``spec`` fits it; no batch
+        integers: a bucket's wrappers are planned by ``plan()``, which derives them)."""
         bs = spec.batch_size
         jobs = bucket_jobs(self._parts(spec), rows, bs, layout, bucket, self.region_key)
         pads = bucket.batch_size - bs
-        return self._plan(jobs, self._arrays(spec, pads, bucket.tokens_per_request))
+        return self._plan(jobs, self._arrays(spec, pads, bucket.tokens_per_request), {})
 
 
 def lane_of(
-    lanes: dict[int, tuple[tuple[GroupCalls, ...], DecodeLane | None]],
+    lanes: dict[int, tuple[tuple[GroupCalls, ...], PagedLane | None]],
     spec: PlanSpec,
     calls: tuple[GroupCalls, ...],
     window_pool: bool,
-) -> DecodeLane | None:
-    """The decode lane of skeleton ``calls`` (``spec``'s), made once and kept in
+) -> PagedLane | None:
+    """The paged lane of skeleton ``calls`` (``spec``'s), made once and kept in
     ``lanes`` (an executor's :attr:`~.strategy.OwnedBuffers.lanes`) by the skeleton
     tuple's ``id``, checked against it (the entry holds the tuple)."""
     held = lanes.get(id(calls))
     if held is not None and held[0] is calls:
         return held[1]
-    lane = DecodeLane.of(spec, calls, window_pool=window_pool)
+    lane = PagedLane.of(spec, calls, window_pool=window_pool)
     lanes[id(calls)] = (calls, lane)
     return lane

@@ -1,6 +1,6 @@
-"""The decode lane (``executor/flashinfer/decode_lane.py``) lays out exactly what the
-general translation lays out, eager and in CUDA-graph buckets, and covers exactly the
-plain decode skeletons."""
+"""The paged lane (``executor/flashinfer/paged_lane.py``) lays out exactly what the
+general translation lays out, eager and in CUDA-graph buckets, for decodes and paged
+extends, and covers exactly the plain paged skeletons."""
 
 from __future__ import annotations
 
@@ -12,16 +12,17 @@ import flashplan as fp
 from flashplan.executor.flashinfer.bucket import (
     GraphBucket,
     bucket_gather_jobs,
+    check_fits,
     padded_inputs,
     padded_masks,
 )
 from flashplan.executor.flashinfer.calls import call_inputs, call_skeleton
-from flashplan.executor.flashinfer.decode_lane import DecodeLane, lane_of
+from flashplan.executor.flashinfer.paged_lane import PagedLane, lane_of
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
 from flashplan.executor.gathers import gather_jobs
 from flashplan.planning.spec import KernelPath
-from flashplan.testing import decode_layouts, page_tables
+from flashplan.testing import attention_groups, decode_layouts, extend_layouts, page_tables
 
 HEADS = fp.HeadConfig(num_qo_heads=8, num_kv_heads=2, head_dim=64)
 #: decode kernel kinds: the policy's default (by batch size), CUDA cores, tensor cores
@@ -34,7 +35,7 @@ POLICIES = st.sampled_from(
 def _covered(spec: fp.PlanSpec, window_pool: bool) -> bool:
     """What the lane is documented to cover, from the plan itself."""
     return spec.cascade is None and all(
-        gp.path is KernelPath.DECODE
+        gp.path in (KernelPath.DECODE, KernelPath.PAGED)
         and gp.paged is not None
         and gp.ragged is None
         and gp.virtual is None
@@ -63,19 +64,27 @@ def _check_same(got: DevicePlan, want: DevicePlan) -> None:
     assert got.data.tolist() == want.data.tolist()
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(
-    layout=decode_layouts(max_batch=6, max_len=70, long_len=200, page_sizes=(1, 2, 16)),
+    layout=st.one_of(
+        decode_layouts(max_batch=6, max_len=70, long_len=200, page_sizes=(1, 2, 16)),
+        extend_layouts(max_batch=6, max_len=70, long_len=200, page_sizes=(1, 2, 16)),
+    ),
+    extend_path=st.sampled_from(["paged", "auto"]),
     policy=POLICIES,
     window_pool=st.booleans(),
     data=st.data(),
 )
 def test_lane_lays_out_what_the_general_path_does(
-    layout: fp.BatchLayout, policy: ExecutorPolicy, window_pool: bool, data: st.DataObject
+    layout: fp.BatchLayout,
+    extend_path: str,
+    policy: ExecutorPolicy,
+    window_pool: bool,
+    data: st.DataObject,
 ) -> None:
-    spec = fp.plan(layout, HEADS)
+    spec = fp.plan(layout, HEADS, extend_path=extend_path)
     calls = call_skeleton(spec, policy, sm90=True)
-    lane = DecodeLane.of(spec, calls, window_pool=window_pool)
+    lane = PagedLane.of(spec, calls, window_pool=window_pool)
     assert (lane is not None) == _covered(spec, window_pool)
     if lane is None:
         return
@@ -109,7 +118,7 @@ def test_lane_pads_to_a_bucket_as_the_general_path_does(
     max_pages = max(int(gp.paged.num_pages.max()) for gp in spec.group_plans if gp.paged) + 1
     bucket = GraphBucket.decode(layout.batch_size + extra, max_pages, dummy_page=3)
     calls = call_skeleton(spec, policy, sm90=True, batch_size=bucket.batch_size)
-    lane = DecodeLane.of(spec, calls, window_pool=window_pool)
+    lane = PagedLane.of(spec, calls, window_pool=window_pool)
     assert (lane is not None) == _covered(spec, window_pool)
     if lane is None:
         return
@@ -130,9 +139,13 @@ def test_lanes_are_kept_per_skeleton_and_refused_where_they_do_not_apply() -> No
     lanes: dict = {}
     lane = lane_of(lanes, spec, calls, False)
     assert lane is not None and lane_of(lanes, spec, calls, False) is lane
-    # an extend, a cross group, a verify tree (custom mask): the general path
-    extend = fp.plan(fp.BatchLayout.extend([5, 9], [3, 4], page_size=4), HEADS)
-    assert DecodeLane.of(extend, call_skeleton(extend, ExecutorPolicy(), sm90=True)) is None
+    # a paged extend takes the lane; a ragged one, a cross group, a verify tree (custom
+    # mask) the general path
+    extend = fp.BatchLayout.extend([5, 9], [3, 4], page_size=4)
+    paged = fp.plan(extend, HEADS, extend_path="paged")
+    assert PagedLane.of(paged, call_skeleton(paged, ExecutorPolicy(), sm90=True)) is not None
+    ragged = fp.plan(extend, HEADS, extend_path="ragged")
+    assert PagedLane.of(ragged, call_skeleton(ragged, ExecutorPolicy(), sm90=True)) is None
     cross = fp.plan(
         fp.BatchLayout.decode(
             [5, 9], page_size=4, encoder_lens=[3, 2],
@@ -140,15 +153,50 @@ def test_lanes_are_kept_per_skeleton_and_refused_where_they_do_not_apply() -> No
         ),
         HEADS,
     )  # fmt: skip
-    assert DecodeLane.of(cross, call_skeleton(cross, ExecutorPolicy(), sm90=True)) is None
+    assert PagedLane.of(cross, call_skeleton(cross, ExecutorPolicy(), sm90=True)) is None
     tree = fp.DraftTree.from_parents([[-1, 0, 0], [-1, 0, 1]])
     verify = fp.plan(fp.BatchLayout.verify([5, 9], tree, page_size=4), HEADS)
-    assert DecodeLane.of(verify, call_skeleton(verify, ExecutorPolicy(), sm90=True)) is None
+    assert PagedLane.of(verify, call_skeleton(verify, ExecutorPolicy(), sm90=True)) is None
     # a windowed group kept in a sliding-window pool (the executor has a page map)
     windowed = fp.plan(
         fp.BatchLayout.decode([5, 9], page_size=4, groups=[fp.AttentionGroup(window_left=3)]),
         HEADS,
     )
     w_calls = call_skeleton(windowed, ExecutorPolicy(), sm90=True)
-    assert DecodeLane.of(windowed, w_calls, window_pool=False) is not None
-    assert DecodeLane.of(windowed, w_calls, window_pool=True) is None
+    assert PagedLane.of(windowed, w_calls, window_pool=False) is not None
+    assert PagedLane.of(windowed, w_calls, window_pool=True) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    groups=st.lists(
+        attention_groups(kinds=("full", "sliding")), min_size=1, max_size=2, unique=True
+    ),
+    tokens=st.integers(1, 4),
+    extra=st.integers(0, 3),
+    page_size=st.sampled_from([1, 2, 16]),
+    data=st.data(),
+)
+def test_lane_pads_a_fixed_token_extend_as_the_general_path_does(
+    groups: list[fp.AttentionGroup], tokens: int, extra: int, page_size: int, data: st.DataObject
+) -> None:
+    bs = data.draw(st.integers(1, 4))
+    prefix = data.draw(st.lists(st.integers(0, 30), min_size=bs, max_size=bs))
+    layout = fp.BatchLayout.from_extend_lens(
+        [tokens] * bs, prefix, page_size=page_size, groups=groups
+    )
+    spec = fp.plan(layout, HEADS, extend_path="paged")
+    bucket = GraphBucket.extend(bs + extra, 64, tokens, dummy_page=0)
+    check_fits(spec, bucket)
+    calls = call_skeleton(spec, ExecutorPolicy(), sm90=True, batch_size=bucket.batch_size)
+    lane = PagedLane.of(spec, calls)
+    assert (lane is not None) == _covered(spec, False)
+    if lane is None:
+        return
+    table, _ = data.draw(page_tables(spec))
+    fixed_layout = bucket.layout(spec.key, window_pool=False)
+    inputs = call_inputs(spec, calls)
+    jobs = bucket_gather_jobs(spec, table.rows, fixed_layout, bucket, spans=inputs.spans)
+    host = padded_inputs(inputs.host, bs, bucket)
+    want = device_plan(calls, jobs, host, padded_masks(inputs.masks, bs, bucket))
+    _check_same(lane.bucket_plan(spec, table.rows, fixed_layout, bucket), want)
