@@ -224,7 +224,7 @@ class GraphBuffers:
         first apply."""
         self._check_steps(1)
         lane = lane_of(self.owned.lanes, spec, calls, self.settings.page_map is not None)
-        if lane is not None:  # a plain decode: no masks to pad
+        if lane is not None:  # a plain paged batch: no masks to pad
             layout = self._bucket_layout(spec)
             self._check_masks(calls, spec.page_size)
             dplan = lane.bucket_plan(spec, table.rows, layout, self.bucket)
