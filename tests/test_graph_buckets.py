@@ -31,7 +31,12 @@ from flashplan.executor.flashinfer.calls import (
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.gathers import GatherJobs, gather_jobs, pages_region
 from flashplan.kernels import build_custom_mask_torch, gather_slots_torch
-from flashplan.testing import attention_groups, decode_layouts, page_tables, verify_layouts
+from flashplan.testing import (
+    decode_layouts,
+    fixed_token_extend_layouts,
+    page_tables,
+    verify_layouts,
+)
 
 HEADS = fp.HeadConfig(8, 2, 64)
 
@@ -188,19 +193,15 @@ def test_padded_gather_matches_unpadded_and_pads_harmlessly(
 
 @settings(max_examples=30, deadline=None)
 @given(
-    groups=st.lists(
-        attention_groups(kinds=("full", "sliding")), min_size=1, max_size=2, unique=True
-    ),
-    tokens=st.integers(1, 4),
+    layout=fixed_token_extend_layouts(page_size=2),
     extra=st.integers(0, 3),
     data=st.data(),
 )
 def test_fixed_token_extend_bucket_pads_every_token(
-    groups: list[fp.AttentionGroup], tokens: int, extra: int, data: st.DataObject
+    layout: fp.BatchLayout, extra: int, data: st.DataObject
 ) -> None:
-    bs = data.draw(st.integers(1, 4))
-    prefix = data.draw(st.lists(st.integers(0, 30), min_size=bs, max_size=bs))
-    layout = fp.BatchLayout.from_extend_lens([tokens] * bs, prefix, page_size=2, groups=groups)
+    bs = layout.batch_size
+    tokens = int(layout.seq_lens[0] - layout.prefix_lens[0])
     spec = fp.plan(layout, HEADS, extend_path="paged")
     bucket = GraphBucket.extend(bs + extra, 32, tokens, dummy_page=0)
     check_fits(spec, bucket)

@@ -22,7 +22,12 @@ from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
 from flashplan.executor.gathers import gather_jobs
 from flashplan.planning.spec import KernelPath
-from flashplan.testing import attention_groups, decode_layouts, extend_layouts, page_tables
+from flashplan.testing import (
+    decode_layouts,
+    extend_layouts,
+    fixed_token_extend_layouts,
+    page_tables,
+)
 
 HEADS = fp.HeadConfig(num_qo_heads=8, num_kv_heads=2, head_dim=64)
 #: decode kernel kinds: the policy's default (by batch size), CUDA cores, tensor cores
@@ -97,6 +102,43 @@ def test_lane_lays_out_what_the_general_path_does(
     _check_same(lane.device_plan(spec, table.rows), want)
 
 
+def _general_bucket_plan(
+    spec: fp.PlanSpec,
+    calls: tuple,  # type: ignore[type-arg]
+    rows: np.ndarray,
+    bucket: GraphBucket,
+    window_pool: bool,
+) -> DevicePlan:
+    """What a graph executor's general path lays out for ``spec`` in ``bucket``."""
+    fixed = bucket.layout(spec.key, window_pool=window_pool)
+    inputs = call_inputs(spec, calls)
+    jobs = bucket_gather_jobs(
+        spec, rows, fixed, bucket, window_pool=window_pool, spans=inputs.spans
+    )
+    host = padded_inputs(inputs.host, spec.batch_size, bucket)
+    return device_plan(calls, jobs, host, padded_masks(inputs.masks, spec.batch_size, bucket))
+
+
+def _check_bucket_lane(
+    spec: fp.PlanSpec,
+    bucket: GraphBucket,
+    policy: ExecutorPolicy,
+    window_pool: bool,
+    data: st.DataObject,
+) -> None:
+    """The lane of ``spec`` in ``bucket`` exists exactly where documented and lays out
+    what the general path does."""
+    calls = call_skeleton(spec, policy, sm90=True, batch_size=bucket.batch_size)
+    lane = PagedLane.of(spec, calls, window_pool=window_pool)
+    assert (lane is not None) == _covered(spec, window_pool)
+    if lane is None:
+        return
+    table, _ = data.draw(page_tables(spec))
+    fixed = bucket.layout(spec.key, window_pool=window_pool)
+    want = _general_bucket_plan(spec, calls, table.rows, bucket, window_pool)
+    _check_same(lane.bucket_plan(spec, table.rows, fixed, bucket), want)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     layout=decode_layouts(
@@ -107,7 +149,7 @@ def test_lane_lays_out_what_the_general_path_does(
     window_pool=st.booleans(),
     data=st.data(),
 )
-def test_lane_pads_to_a_bucket_as_the_general_path_does(
+def test_lane_pads_to_a_decode_bucket_as_the_general_path_does(
     layout: fp.BatchLayout,
     extra: int,
     policy: ExecutorPolicy,
@@ -117,20 +159,23 @@ def test_lane_pads_to_a_bucket_as_the_general_path_does(
     spec = fp.plan(layout, HEADS)
     max_pages = max(int(gp.paged.num_pages.max()) for gp in spec.group_plans if gp.paged) + 1
     bucket = GraphBucket.decode(layout.batch_size + extra, max_pages, dummy_page=3)
-    calls = call_skeleton(spec, policy, sm90=True, batch_size=bucket.batch_size)
-    lane = PagedLane.of(spec, calls, window_pool=window_pool)
-    assert (lane is not None) == _covered(spec, window_pool)
-    if lane is None:
-        return
-    table, _ = data.draw(page_tables(spec))
-    fixed_layout = bucket.layout(spec.key, window_pool=window_pool)
-    inputs = call_inputs(spec, calls)
-    jobs = bucket_gather_jobs(
-        spec, table.rows, fixed_layout, bucket, window_pool=window_pool, spans=inputs.spans
-    )
-    host = padded_inputs(inputs.host, spec.batch_size, bucket)
-    want = device_plan(calls, jobs, host, padded_masks(inputs.masks, spec.batch_size, bucket))
-    _check_same(lane.bucket_plan(spec, table.rows, fixed_layout, bucket), want)
+    _check_bucket_lane(spec, bucket, policy, window_pool, data)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layout=fixed_token_extend_layouts(page_sizes=(1, 2, 16)),
+    extra=st.integers(0, 3),
+    data=st.data(),
+)
+def test_lane_pads_a_fixed_token_extend_as_the_general_path_does(
+    layout: fp.BatchLayout, extra: int, data: st.DataObject
+) -> None:
+    spec = fp.plan(layout, HEADS, extend_path="paged")
+    tokens = int(layout.seq_lens[0] - layout.prefix_lens[0])
+    bucket = GraphBucket.extend(layout.batch_size + extra, 64, tokens, dummy_page=0)
+    check_fits(spec, bucket)
+    _check_bucket_lane(spec, bucket, ExecutorPolicy(), False, data)
 
 
 def test_lanes_are_kept_per_skeleton_and_refused_where_they_do_not_apply() -> None:
@@ -165,38 +210,3 @@ def test_lanes_are_kept_per_skeleton_and_refused_where_they_do_not_apply() -> No
     w_calls = call_skeleton(windowed, ExecutorPolicy(), sm90=True)
     assert PagedLane.of(windowed, w_calls, window_pool=False) is not None
     assert PagedLane.of(windowed, w_calls, window_pool=True) is None
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    groups=st.lists(
-        attention_groups(kinds=("full", "sliding")), min_size=1, max_size=2, unique=True
-    ),
-    tokens=st.integers(1, 4),
-    extra=st.integers(0, 3),
-    page_size=st.sampled_from([1, 2, 16]),
-    data=st.data(),
-)
-def test_lane_pads_a_fixed_token_extend_as_the_general_path_does(
-    groups: list[fp.AttentionGroup], tokens: int, extra: int, page_size: int, data: st.DataObject
-) -> None:
-    bs = data.draw(st.integers(1, 4))
-    prefix = data.draw(st.lists(st.integers(0, 30), min_size=bs, max_size=bs))
-    layout = fp.BatchLayout.from_extend_lens(
-        [tokens] * bs, prefix, page_size=page_size, groups=groups
-    )
-    spec = fp.plan(layout, HEADS, extend_path="paged")
-    bucket = GraphBucket.extend(bs + extra, 64, tokens, dummy_page=0)
-    check_fits(spec, bucket)
-    calls = call_skeleton(spec, ExecutorPolicy(), sm90=True, batch_size=bucket.batch_size)
-    lane = PagedLane.of(spec, calls)
-    assert (lane is not None) == _covered(spec, False)
-    if lane is None:
-        return
-    table, _ = data.draw(page_tables(spec))
-    fixed_layout = bucket.layout(spec.key, window_pool=False)
-    inputs = call_inputs(spec, calls)
-    jobs = bucket_gather_jobs(spec, table.rows, fixed_layout, bucket, spans=inputs.spans)
-    host = padded_inputs(inputs.host, bs, bucket)
-    want = device_plan(calls, jobs, host, padded_masks(inputs.masks, bs, bucket))
-    _check_same(lane.bucket_plan(spec, table.rows, fixed_layout, bucket), want)

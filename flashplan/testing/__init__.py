@@ -40,6 +40,7 @@ _HOMES = {
     "attention_groups": "valid",
     "decode_layouts": "valid",
     "extend_layouts": "valid",
+    "fixed_token_extend_layouts": "valid",
     "item_requests": "valid",
     "layouts": "valid",
     "multi_item_layouts": "valid",

@@ -36,6 +36,7 @@ __all__ = [
     "decode_layouts",
     "draft_trees",
     "extend_layouts",
+    "fixed_token_extend_layouts",
     "item_requests",
     "layouts",
     "multi_item_layouts",
@@ -260,6 +261,40 @@ def extend_layouts(
         else None
     )
     return BatchLayout.extend(seq, pre, page_size=ps, groups=gs, encoder_lens=enc)
+
+
+@st.composite
+def fixed_token_extend_layouts(
+    draw: st.DrawFn,
+    *,
+    min_batch: int = 1,
+    max_batch: int = 4,
+    max_tokens: int = 4,
+    max_prefix: int = 30,
+    page_size: int | None = None,
+    page_sizes: Sequence[int] = PAGE_SIZES,
+    kinds: Sequence[str] = ("full", "sliding"),
+    max_groups: int = 2,
+) -> BatchLayout:
+    """Draw an extend :class:`~flashplan.BatchLayout` whose every request adds the same
+    number of new tokens (1 to ``max_tokens``) after a cached prefix of 0 to
+    ``max_prefix`` tokens: the batches a fixed-token extend bucket replays (CUDA graphs
+    of a draft extend or a verify chain).
+
+    Args:
+        min_batch, max_batch: bounds on the number of requests (at least 1).
+        page_size: fix the page size; otherwise drawn from ``page_sizes``.
+        kinds: the group kinds drawn (1 to ``max_groups`` distinct groups; no cross
+            group: a bucket writes no encoder K/V).
+    """
+    ps = _page_size(draw, page_size, page_sizes)
+    groups = draw(
+        st.lists(attention_groups(kinds=kinds), min_size=1, max_size=max_groups, unique=True)
+    )
+    tokens = draw(st.integers(1, max_tokens))
+    bs = draw(st.integers(max(min_batch, 1), max(max_batch, 1)))
+    prefix = draw(st.lists(st.integers(0, max_prefix), min_size=bs, max_size=bs))
+    return BatchLayout.from_extend_lens([tokens] * bs, prefix, page_size=ps, groups=groups)
 
 
 def layouts(
