@@ -12,6 +12,15 @@ import torch
 import triton
 
 
+def pinned(values: object) -> torch.Tensor:
+    """``values`` (integers) as a pinned int32 host tensor of their shape (a copy): the
+    ready host inputs a bare ``plan()`` is timed with."""
+    array = np.asarray(values)
+    out = torch.empty(array.shape, dtype=torch.int32, pin_memory=True)
+    out.numpy()[...] = array
+    return out
+
+
 def idle_call_us(fn: Callable[[], object]) -> float:
     """Host time (µs) of one call of ``fn`` issued on an idle GPU (synchronized first)."""
     torch.cuda.synchronize()
@@ -35,16 +44,10 @@ def alternating_us(
     """Host times (µs) of ``a`` and ``b`` timed call by call in the order a b b a a b …
     (the GPU synchronized before each call): each job follows the other as often as it
     follows itself, so drift of a noisy host and the state one job leaves behind (CPU
-    caches) reach both alike. Returns both lists of ``n`` times."""
-    for _ in range(warmup):
-        a()
-        b()
-    times: tuple[list[float], list[float]] = ([], [])
-    for i in range(n):
-        for k in (0, 1) if i % 2 == 0 else (1, 0):
-            times[k].append(idle_call_us(a if k == 0 else b))
-    torch.cuda.synchronize()
-    return times
+    caches) reach both alike. Returns both lists of ``n`` times (:func:`interleaved_us`
+    of the two jobs)."""
+    times = interleaved_us({"a": a, "b": b}, n=n, warmup=warmup)
+    return times["a"], times["b"]
 
 
 def interleaved_us(

@@ -39,7 +39,7 @@ import time
 import flashinfer
 import numpy as np
 import torch
-from _timing import interleaved_us, paired_ratio
+from _timing import interleaved_us, paired_ratio, pinned
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,10 +51,6 @@ HEADS = fp.HeadConfig(num_qo_heads=32, num_kv_heads=8, head_dim=128)
 PAGE = 16
 TARGET = 1.3
 CASES = {"long": (16, 2048, 512), "short": (256, 64, 16)}
-
-
-def pinned(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, np.int32)).pin_memory()
 
 
 def measure(name: str, reps: int) -> dict[str, object]:

@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _timing import host_us, kernel_ms
+from _timing import host_us, kernel_ms, pinned
 
 import flashplan as fp
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
@@ -117,13 +117,12 @@ def measure(name: str, tensor_cores: bool) -> dict[str, float | str]:
     idx = torch.cat(
         [pages[r, s : s + n] for r, s, n in zip(rows, part.start_page, part.num_pages, strict=True)]
     ).to(DEV)
-    pin = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32)).pin_memory()  # noqa: E731
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device=DEV)
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         ws, "NHD", use_tensor_cores=tensor_cores, backend="fa2"
     )
     w.plan(
-        pin(part.page_indptr), idx, pin(part.last_page_len), HQ, HKV, D, PAGE,
+        pinned(part.page_indptr), idx, pinned(part.last_page_len), HQ, HKV, D, PAGE,
         q_data_type=torch.bfloat16, kv_data_type=dtype, non_blocking=True,
     )  # fmt: skip
     out["raw_ms"] = kernel_ms(lambda: w.run(q, cache, k_scale=numbers[0], v_scale=numbers[1]))
@@ -219,7 +218,6 @@ def probe_splits() -> list[str]:
         shuffled = torch.randperm(n, device=DEV).to(torch.int32)
         sequential = torch.arange(n, device=DEV, dtype=torch.int32)
         q = torch.randn(BATCH, HQ, D, device=DEV).to(torch.bfloat16)
-        pin = lambda a: torch.from_numpy(np.array(a, np.int32)).pin_memory()  # noqa: E731
         ws = torch.zeros(256 << 20, dtype=torch.uint8, device=DEV)
         read = BATCH * KV_LEN * 2 * HKV * D * cache.element_size()
         variants: list[tuple[str, dict[str, object], torch.Tensor]] = [
@@ -235,7 +233,7 @@ def probe_splits() -> list[str]:
                 ws, "NHD", use_tensor_cores=True, backend="fa2"
             )
             w.plan(
-                pin(part.page_indptr), ids, pin(part.last_page_len), HQ, HKV, D, PAGE,
+                pinned(part.page_indptr), ids, pinned(part.last_page_len), HQ, HKV, D, PAGE,
                 q_data_type=torch.bfloat16, kv_data_type=dtype, **kwargs,
             )  # fmt: skip
             ms = kernel_ms(lambda w=w: w.run(q, cache))

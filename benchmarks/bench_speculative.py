@@ -47,7 +47,7 @@ with warnings.catch_warnings():
 import triton
 import triton.language as tl
 from _ref_kernels import ref_kv_indices_kernel
-from _timing import alternating_us, blocked_us, cold_us, host_us, sleep_cycles
+from _timing import alternating_us, blocked_us, cold_us, host_us, pinned, sleep_cycles
 from _timing import kernel_ms as _kernel_ms
 
 import flashplan as fp
@@ -63,12 +63,6 @@ PS = 16
 
 def kernel_ms(fn: Callable[[], object]) -> float:
     return _kernel_ms(fn, rep=50, warmup=10)
-
-
-def pinned(a: np.ndarray) -> torch.Tensor:
-    t = torch.empty(a.shape, dtype=torch.int32, pin_memory=True)
-    t.numpy()[:] = a
-    return t
 
 
 def bare_verify_plan(

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from _timing import host_us, interleaved_us, paired_ratio
+from _timing import host_us, interleaved_us, paired_ratio, pinned
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -121,8 +121,7 @@ def measure(bs: int, reps: int) -> dict[str, float]:
     assert part is not None
 
     # the inputs a bare plan() gets: pinned host indptr / last page, device page ids
-    pin = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32)).pin_memory()  # noqa: E731
-    indptr, last = pin(part.page_indptr), pin(part.last_page_len)
+    indptr, last = pinned(part.page_indptr), pinned(part.last_page_len)
     rows = table.rows.astype(np.int64)
     pages = table.pages.cpu()
     idx = torch.cat(

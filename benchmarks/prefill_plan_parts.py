@@ -30,19 +30,13 @@ import bench_multi_item as B  # noqa: E402  (the scoring batch)
 import flashinfer  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from _timing import host_us  # noqa: E402  (median host time, GPU idle before each call)
+from _timing import host_us, pinned  # noqa: E402  (median host time, GPU idle before each call)
 
 import flashplan as fp  # noqa: E402
 from flashplan.executor.flashinfer.calls import flashinfer_mask_offsets  # noqa: E402
 
 DEV = "cuda"
 HEADS = fp.HeadConfig(32, 8, 128, q_dtype=torch.bfloat16)
-
-
-def pinned(values: np.ndarray) -> torch.Tensor:
-    out = torch.empty(len(values), dtype=torch.int32, pin_memory=True)
-    out.numpy()[:] = values
-    return out
 
 
 def to_device(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

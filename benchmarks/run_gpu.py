@@ -70,7 +70,7 @@ with warnings.catch_warnings():
     import flashinfer
 import triton
 from _ref_kernels import ref_kv_indices_kernel
-from _timing import blocked_us, kernel_ms, sleep_cycles
+from _timing import blocked_us, kernel_ms, pinned, sleep_cycles
 from _timing import host_us as _host_us
 
 import flashplan as fp
@@ -213,10 +213,6 @@ def shuffled_table(spec: fp.PlanSpec, seed: int) -> fp.PageTable:
 def kv_cache(table: fp.PageTable, page_size: int) -> torch.Tensor:
     assert table.num_pages is not None
     return torch.randn(table.num_pages, 2, page_size, HKV, D, device=DEV, dtype=DT)
-
-
-def pinned(values: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32)).pin_memory()
 
 
 def raw_decode_inputs(
