@@ -148,18 +148,20 @@ def run_engine(
     if freeze_gc:  # what serving engines do after start-up (vLLM, SGLang): the objects
         gc.collect()  # made so far (model, graphs, the queued requests) are never
         gc.freeze()  # scanned again by the cyclic collector
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    decode_start = None
-    while engine.has_work():
-        before, start = engine.decode_steps, time.perf_counter()
-        assert engine.step() is not None
-        if engine.decode_steps > before and decode_start is None:
-            decode_start = start  # the first step of decodes alone
-    torch.cuda.synchronize()
-    end = time.perf_counter()
-    if freeze_gc:
-        gc.unfreeze()
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        decode_start = None
+        while engine.has_work():
+            before, start = engine.decode_steps, time.perf_counter()
+            assert engine.step() is not None
+            if engine.decode_steps > before and decode_start is None:
+                decode_start = start  # the first step of decodes alone
+        torch.cuda.synchronize()
+        end = time.perf_counter()
+    finally:  # a failed variant (reported, the others run on) leaves the collector as it was
+        if freeze_gc:
+            gc.unfreeze()
     assert decode_start is not None
     samples = np.array(engine.decode_host_samples).reshape(-1, 3) * 1e6
     return {
