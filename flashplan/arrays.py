@@ -110,15 +110,30 @@ def checked_int32(field: str, values: npt.NDArray[Any], what: str) -> IntArray:
 
 
 def indptr(lengths: npt.NDArray[Any], field: str = "lengths") -> IntArray:
-    """``[0, l0, l0 + l1, …]``: read-only int32 ``[n + 1]`` index pointers.
+    """``[0, l0, l0 + l1, …]``: read-only int32 ``[n + 1]`` index pointers of lengths
+    ``>= 0``.
+
+    int32 lengths (the common case: sealed per-request arrays) are summed in int32: each
+    is below ``2**31``, so the first running sum to pass int32 lands in ``[2**31,
+    2**32)`` and reads negative, which one reduction finds (cheaper than an int64 sum
+    and a cast back).
 
     Raises:
         LayoutError: the total exceeds int32 (named after ``field``).
     """
-    out = running_sum(lengths)
-    if out[-1] > INT32_MAX:
-        raise LayoutError(field, "total exceeds int32", total=int(out[-1]))
-    return seal_inplace(out)
+    if lengths.dtype == np.int32:
+        out = np.empty(lengths.shape[0] + 1, dtype=np.int32)
+        out[0] = 0
+        np.add.accumulate(lengths, out=out[1:])
+        if np.minimum.reduce(out) < 0:
+            total = int(running_sum(lengths)[-1])
+            raise LayoutError(field, "total exceeds int32", total=total)
+        out.setflags(write=False)
+        return out
+    wide = running_sum(lengths)
+    if wide[-1] > INT32_MAX:
+        raise LayoutError(field, "total exceeds int32", total=int(wide[-1]))
+    return seal_inplace(wide)
 
 
 def concat_ranges(starts: npt.NDArray[Any], counts: npt.NDArray[Any]) -> npt.NDArray[np.int64]:
@@ -183,6 +198,9 @@ def int32_field(field: str, value: object) -> IntArray:
     Raises:
         LayoutError: not 1-D integers, or an entry beyond int32 (naming the request).
     """
+    if type(value) is np.ndarray and value.dtype == np.int32 and value.ndim == 1:
+        if not value.flags.writeable:  # sealed: kept as it is
+            return value
     arr = np.asarray(value)
     if arr.ndim == 1 and arr.size == 0 and arr.dtype.kind == "f":
         arr = arr.astype(np.int32)  # an empty list: numpy reads it as float64

@@ -231,13 +231,13 @@ def _bucket_template(
     parts: tuple[tuple[str, int, int], ...],
     batch_size: int,
     graph: GraphBucket,
-) -> tuple[tuple[Region, ...], IntArray, npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+) -> tuple[tuple[Region, ...], IntArray, IntArray, npt.NDArray[np.int64]]:
     """What the fixed job table of ``parts`` (region name, divisor, page-map flag) in
     ``bucket`` holds whatever the batch: ``(fixed regions, table template, region
     bases, padding offsets)``. The template is int32 ``[6, parts, graph.batch_size]``
     (read-only) with every job's divisor and map flag and the padding requests' fill
-    jobs but their destinations; the bases are int64 ``[parts]``; the padding offsets
-    int64 ``[parts, pads]``, each fill job's output after its region's real entries."""
+    jobs but their destinations; the bases are int32 ``[parts]`` (the regions' first
+    entries: a bucket's offsets are int32); the padding offsets int64 ``[parts, pads]``, each fill job's output after its region's real entries."""
     pads = graph.batch_size - batch_size
     fixed = tuple(bucket.region(name) for name, _, _ in parts)
     per_pad = np.array(
@@ -252,7 +252,7 @@ def _bucket_template(
     table[2, :, batch_size:] = per_pad[:, None].astype(np.int32)
     table[4:, :, batch_size:] = np.array([1, 0], np.int32)[:, None, None]  # ... as a column
     table.setflags(write=False)
-    bases = np.array([f.lo for f in fixed], dtype=np.int64)
+    bases = np.array([f.lo for f in fixed], dtype=np.int32)
     pad_offsets = per_pad[:, None] * np.arange(pads, dtype=np.int64)
     return fixed, table, bases, pad_offsets
 
@@ -306,19 +306,32 @@ def bucket_jobs(
         table[1, k, :bs] = part[1]
         table[2, k, :bs] = part[2]
     counts = table[2, :, :bs]
-    ends = counts.cumsum(axis=1, dtype=np.int64)  # [parts, bs]: each region's running sum
-    table[3, :, :bs] = ends - counts + bases[:, None]  # each job's first output
-    sizes = ends[:, -1] if bs else np.zeros(len(parts), np.int64)
+    # [parts, bs]: each region's running sum, in int32 (a region's real entries fit its
+    # int32 capacity), then each job's first output: the sum before it plus the base
+    ends = np.add.accumulate(counts, axis=1) if bs else np.zeros((len(parts), 1), np.int32)
+    first = table[3, :, :bs]
+    np.subtract(ends[:, :bs], counts, out=first)
+    first += bases[:, None]
+    sizes = tuple(ends[:, -1].tolist()) if bs else (0,) * len(parts)
     if pad_offsets.shape[1]:
-        table[3, :, bs:] = pad_offsets + (bases + sizes)[:, None]
-    regions = tuple(
-        Region(f.name, f.lo, f.lo + int(size) + pad_offsets.shape[1])
-        if is_pages_region(f.name)
-        else f
-        for f, size in zip(fixed, sizes.tolist(), strict=True)
-    )
+        table[3, :, bs:] = pad_offsets + (bases + np.array(sizes))[:, None]
     table.setflags(write=False)
+    regions = _filled_regions(fixed, sizes, pad_offsets.shape[1])
     return GatherJobs(table.reshape(6, -1), regions, bucket.total)
+
+
+@functools.lru_cache(maxsize=256)
+def _filled_regions(
+    fixed: tuple[Region, ...], sizes: tuple[int, ...], pads: int
+) -> tuple[Region, ...]:
+    """The regions of a bucket's job table holding ``sizes`` real entries each and
+    ``pads`` padding requests: a page-id region ends after its real pages and one page per
+    padding request (where FlashInfer's ``kv_indices`` end); a write region keeps its
+    fixed bounds. Memoized: a decode loop's page counts change once a page."""
+    return tuple(
+        Region(f.name, f.lo, f.lo + size + pads) if is_pages_region(f.name) else f
+        for f, size in zip(fixed, sizes, strict=True)
+    )
 
 
 def padded_inputs(
