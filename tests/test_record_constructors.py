@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import flashplan as fp
@@ -317,3 +317,33 @@ def test_constructors_refuse_records_that_contradict_themselves() -> None:
     assert info.value.field == "position_runs"
     with pytest.raises(FieldTypeError):
         PlanSpec.of(spec.key, [1, 1], group_plans=[plan], **kwargs)  # type: ignore[arg-type]
+
+
+@given(
+    st.lists(
+        st.one_of(st.integers(0, 40), st.integers(INT32_MAX // 3, INT32_MAX)), max_size=12
+    ),
+    st.sampled_from([np.int32, np.int64]),
+)
+@example([INT32_MAX, INT32_MAX, 2], np.int32)  # 2**32: the int32 end reads 0, not negative
+@example([INT32_MAX, 1], np.int32)
+def test_indptr_equals_a_python_running_sum_and_refuses_a_total_beyond_int32(
+    lengths: list[int], dtype: type
+) -> None:
+    """``indptr`` (summed in int32 for int32 lengths: a wrap reads negative) gives the
+    running sum of Python integers, and raises exactly when the total passes int32."""
+    from flashplan.arrays import indptr
+
+    values = np.array(lengths, dtype=dtype)
+    want = [0]
+    for n in lengths:
+        want.append(want[-1] + n)
+    if want[-1] > INT32_MAX:
+        with pytest.raises(LayoutError, match="total exceeds int32") as err:
+            indptr(values, "pages")
+        assert err.value.field == "pages"
+        assert f"total={want[-1]}" in str(err.value)
+        return
+    got = indptr(values, "pages")
+    assert got.dtype == np.int32 and not got.flags.writeable
+    assert got.tolist() == want
