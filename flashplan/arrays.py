@@ -198,9 +198,13 @@ def int32_field(field: str, value: object) -> IntArray:
     Raises:
         LayoutError: not 1-D integers, or an entry beyond int32 (naming the request).
     """
-    if type(value) is np.ndarray and value.dtype == np.int32 and value.ndim == 1:
-        if not value.flags.writeable:  # sealed: kept as it is
-            return value
+    if (
+        type(value) is np.ndarray
+        and value.dtype == np.int32
+        and value.ndim == 1
+        and not value.flags.writeable
+    ):  # sealed: kept as it is, before any conversion
+        return value
     arr = np.asarray(value)
     if arr.ndim == 1 and arr.size == 0 and arr.dtype.kind == "f":
         arr = arr.astype(np.int32)  # an empty list: numpy reads it as float64

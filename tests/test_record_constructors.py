@@ -320,9 +320,7 @@ def test_constructors_refuse_records_that_contradict_themselves() -> None:
 
 
 @given(
-    st.lists(
-        st.one_of(st.integers(0, 40), st.integers(INT32_MAX // 3, INT32_MAX)), max_size=12
-    ),
+    st.lists(st.one_of(st.integers(0, 40), st.integers(INT32_MAX // 3, INT32_MAX)), max_size=12),
     st.sampled_from([np.int32, np.int64]),
 )
 @example([INT32_MAX, INT32_MAX, 2], np.int32)  # 2**32: the int32 end reads 0, not negative

@@ -532,7 +532,9 @@ class Engine:
         kw = dict(page_size=self.page_size, groups=self.groups, **enc)
         t0 = time.perf_counter()
         if all(n == 1 for _, n in batch):
-            layout = fp.BatchLayout.decode(seq, **kw)
+            # an int32 array: the layout checks it in two reductions (a list of ints is
+            # first scanned for bools and converted)
+            layout = fp.BatchLayout.decode(np.array(seq, dtype=np.int32), **kw)
         else:
             layout = fp.BatchLayout.extend(seq, prefix, **kw)
         layout_s = time.perf_counter() - t0

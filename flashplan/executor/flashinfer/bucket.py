@@ -237,7 +237,8 @@ def _bucket_template(
     bases, padding offsets)``. The template is int32 ``[6, parts, graph.batch_size]``
     (read-only) with every job's divisor and map flag and the padding requests' fill
     jobs but their destinations; the bases are int32 ``[parts]`` (the regions' first
-    entries: a bucket's offsets are int32); the padding offsets int64 ``[parts, pads]``, each fill job's output after its region's real entries."""
+    entries: a bucket's offsets are int32); the padding offsets int64 ``[parts, pads]``,
+    each fill job's output after its region's real entries."""
     pads = graph.batch_size - batch_size
     fixed = tuple(bucket.region(name) for name, _, _ in parts)
     per_pad = np.array(

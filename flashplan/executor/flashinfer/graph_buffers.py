@@ -123,7 +123,7 @@ class GraphBuffers:
         """The fixed regions for ``spec``'s key (the key of the first applied plan)."""
         if self.fixed is None:
             return self.bucket.layout(spec.key, window_pool=self.settings.page_map is not None)
-        if spec.key != self.fixed.key:
+        if spec.key is not self.fixed.key and spec.key != self.fixed.key:
             raise PlanMismatchError(
                 "spec", "a graph executor runs plans of the key it was first applied with "
                 "(groups, paths, heads)", key=spec.key, fixed=self.fixed.key,
