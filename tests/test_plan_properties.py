@@ -41,6 +41,7 @@ from flashplan.testing import (
     extend_layouts,
     head_configs,
     layouts,
+    verify_layouts,
 )
 
 PATHS = ("auto", "paged", "ragged")
@@ -685,3 +686,34 @@ def test_paged_segments_brute_force(spans: list[tuple[int, int]], page_size: int
     for arr in (seg.start_page, seg.num_pages, seg.last_page_len, seg.kv_lens, seg.page_indptr):
         assert arr.dtype == np.int32
         assert not arr.flags.writeable
+
+
+@given(
+    st.one_of(layouts(), verify_layouts()),
+    st.sampled_from(PATHS),
+)
+def test_whole_row_calls_read_the_layouts_row_spans(layout: BatchLayout, path: str) -> None:
+    """A paged call that reads each request's whole row (a decode, a paged extend or a
+    verify of a group without window or chunks, no encoder) is planned on the layout's
+    own ``row_spans`` (derived once per layout, shared with ``pages_needed``), which are
+    the spans ``PageSpans.between`` gives for row token 0 to the row's end."""
+    if layout.mode is Mode.VERIFY:
+        path = "paged"  # (a verify runs on the paged path only)
+    spec = flashplan.plan(layout, HEADS, extend_path=path)
+    end = layout.decoder_start.astype(np.int64) + layout.seq_lens  # encoder, then decoder
+    whole = PageSpans.between(np.zeros_like(end), end, layout.page_size)
+    assert layout.row_spans == whole
+    for gp in spec.group_plans:
+        g = gp.group
+        reads_whole_rows = (
+            gp.paged is not None
+            and gp.path in (KernelPath.DECODE, KernelPath.PAGED)
+            and not g.cross_attention
+            and g.window_left < 0
+            and not g.has_chunks
+            and layout.encoder_lens is None
+            and gp.paged.position_mask is None
+        )
+        if reads_whole_rows:
+            assert gp.paged is not None
+            assert gp.paged.spans is layout.row_spans

@@ -440,20 +440,23 @@ def _plan_group(
         return _group_plan(
             group, path, paged_c, ragged_c, layout.decoder_start, layout.seq_lens, virtual
         )
-    seq = layout.seq_lens.astype(np.int64)
-    prefix = layout.prefix_lens.astype(np.int64)
     base = layout.decoder_start
     window = _window(group)
     ps = layout.page_size
     paged: PagedPart | None
     ragged: RaggedPart | None = None
-    end = _row_tokens(base + seq)  # validated to fit int32 when the layout was built
     if choice is ExtendPath.PAGED:
         path = KernelPath.PAGED
-        first = _row_tokens(base + np.maximum(prefix - window, 0)) if window >= 0 else base
-        spans = PageSpans.between(first, end, ps)
+        spans = _whole_rows(layout, window)
+        if spans is None:
+            # validated to fit int32 when the layout was built
+            end = _row_tokens(base + layout.seq_lens.astype(np.int64))
+            prefix = layout.prefix_lens.astype(np.int64)
+            first = _row_tokens(base + np.maximum(prefix - window, 0)) if window >= 0 else base
+            spans = PageSpans.between(first, end, ps)
         paged = PagedPart.over(spans, causal=group.causal, window_left=window, items=items)
     else:
+        prefix = layout.prefix_lens.astype(np.int64)
         ragged = RaggedPart.over(queries, causal=group.causal, window_left=window)
         if not np.any(prefix):
             path, paged = KernelPath.RAGGED, None
@@ -485,10 +488,12 @@ def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
     end = layout.seq_lens if layout.encoder_lens is None else base + layout.seq_lens
     window = _window(group)
     chunk = group.attention_chunk_size
-    first = base + np.maximum(prefix - window, 0) if window >= 0 else base
-    if chunk:  # the root's chunk: every draft token sits at or after it
-        first = base + prefix // chunk * chunk
-    spans = PageSpans.between(first, end, ps)
+    spans = None if chunk else _whole_rows(layout, window)
+    if spans is None:
+        first = base + np.maximum(prefix - window, 0) if window >= 0 else base
+        if chunk:  # the root's chunk: every draft token sits at or after it
+            first = base + prefix // chunk * chunk
+        spans = PageSpans.between(first, end, ps)
     mask = None
     use_mask = not draft.is_chain or chunk > 0  # a chunk boundary may cut a chain too
     if use_mask:
@@ -524,6 +529,16 @@ def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
         spans, causal=not use_mask, window_left=-1 if use_mask else window, mask=mask
     )
     return _group_plan(group, KernelPath.PAGED, paged, None, layout.decoder_start, layout.seq_lens)
+
+
+def _whole_rows(layout: BatchLayout, window: int) -> PageSpans | None:
+    """The layout's own :attr:`~flashplan.layout.batch.BatchLayout.row_spans` where a
+    call reads each request's whole row, row token 0 to its last token (no window, no
+    encoder: what ``PageSpans.between(decoder_start, decoder_start + seq_lens)`` gives,
+    already derived for ``pages_needed``); ``None`` otherwise."""
+    if window >= 0 or layout.encoder_lens is not None:
+        return None
+    return layout.row_spans
 
 
 def _plan_cross(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
