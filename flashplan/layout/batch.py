@@ -422,7 +422,9 @@ class BatchLayout:
     def row_spans(self) -> PageSpans:
         """Each request's whole row, row token 0 to its last token (encoder pages, then
         the decoder's ``seq_lens`` tokens), and the pages it covers
-        (:class:`~flashplan.lengths.PageSpans`): a decode step's keys without encoder.
+        (:class:`~flashplan.lengths.PageSpans`): without an encoder, the keys of a decode
+        step and of a paged extend's or a verify's call for a group without window or
+        chunks (the planner shares this record with those calls).
 
         Raises:
             LayoutError: the row's last token (encoder + decoder), or the pages of all
