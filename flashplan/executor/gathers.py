@@ -207,7 +207,6 @@ def gather_jobs(
     *,
     window_pool: bool = False,
     spans: Mapping[int, tuple[IntArray, IntArray]] | None = None,
-    encoder_writes: bool = True,
     level_spans: Sequence[tuple[IntArray, IntArray]] = (),
 ) -> GatherJobs:
     """The gather jobs of ``spec`` for a table whose request ``i`` sits in ``rows[i]``.
@@ -219,8 +218,6 @@ def gather_jobs(
             a page map: their page ids and writes are mapped.
         spans: per group index, ``(start_page, num_pages)`` to gather instead of the
             paged call's own span (an executor's quirk workaround).
-        encoder_writes: gather the encoder tokens' write slots (a CUDA-graph bucket,
-            which writes no encoder K/V, leaves them out).
         level_spans: per cascade level, ``(start_page, num_pages)``, int32 ``[bs]``:
             the pages each request's row gives the level (a group's shared pages at
             its first member, nothing at the others), gathered into region
@@ -228,7 +225,7 @@ def gather_jobs(
             keeps its place while its sharing does, however the own parts grow).
     """
     r32 = np.asarray(rows, dtype=np.int32)
-    parts = job_parts(spec, window_pool, spans, encoder_writes)
+    parts = job_parts(spec, window_pool, spans, True)
     parts[0:0] = [
         (level_pages_region(k), start, num, 1, 0) for k, (start, num) in enumerate(level_spans)
     ]
@@ -278,7 +275,9 @@ def job_parts(
     encoder_writes: bool,
 ) -> list[JobPart]:
     """The parts of :func:`gather_jobs`' table, in region order (one job per request
-    each; arguments as :func:`gather_jobs`')."""
+    each; arguments as :func:`gather_jobs`'). ``encoder_writes``: gather the encoder
+    tokens' write slots (a CUDA-graph bucket, which writes no encoder K/V, leaves them
+    out)."""
     bs = spec.batch_size
     ps = spec.page_size
     parts: list[JobPart] = []
