@@ -368,8 +368,8 @@ def _decode_group(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
         first = seal_inplace(base + chunk_decode_first(layout, group.attention_chunk_size))
         end = seq if layout.encoder_lens is None else seal_inplace(base + seq)
         spans = PageSpans.between(first, end, layout.page_size)
-    elif layout.encoder_lens is None and window < 0:
-        spans = layout.row_spans  # whole rows from row token 0: the layout's own
+    elif (whole := _whole_rows(layout, window)) is not None:
+        spans = whole
     else:
         end = seq if layout.encoder_lens is None else seal_inplace(base + seq)
         if window >= 0:
