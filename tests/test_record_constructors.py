@@ -20,7 +20,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import flashplan as fp
-from flashplan.arrays import INT32_MAX
+from flashplan.arrays import INT32_MAX, indptr
 from flashplan.errors import FieldTypeError, LayoutError
 from flashplan.layout.batch import BatchLayout, Mode
 from flashplan.lengths import Lengths, PageSpans, ceil_pages, page_split
@@ -330,8 +330,6 @@ def test_indptr_equals_a_python_running_sum_and_refuses_a_total_beyond_int32(
 ) -> None:
     """``indptr`` (summed in int32 for int32 lengths: a wrap reads negative) gives the
     running sum of Python integers, and raises exactly when the total passes int32."""
-    from flashplan.arrays import indptr
-
     values = np.array(lengths, dtype=dtype)
     want = [0]
     for n in lengths:
