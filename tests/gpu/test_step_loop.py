@@ -44,8 +44,14 @@ class Engine:
         policy: ExecutorPolicy,
         page_map: torch.Tensor | None = None,
         seed: int = 0,
+        busy: bool = False,
     ) -> None:
+        """``busy``: a long kernel is queued before the first apply and before every
+        step, so the host applies, captures, replays and runs the eager step far ahead
+        of the GPU (as under compute-sanitizer, or in an engine that runs ahead): no
+        buffer a queued copy or kernel still reads may be reused."""
         self.groups, self.bucket, self.policy, self.page_map = groups, bucket, policy, page_map
+        self.busy = busy
         self.gen = torch.Generator(device=DEV).manual_seed(seed)
         n, ps = bucket.total_q, first.page_size
         hq, hkv, d = HEADS.num_qo_heads, HEADS.num_kv_heads, HEADS.head_dim
@@ -54,6 +60,8 @@ class Engine:
         self.v = self.rand(n, hkv, d)
         self.caches = [self.rand(pool, 2, ps, hkv, d) for _ in groups]
         self.base = [c.clone() for c in self.caches]
+        if busy:
+            torch.cuda._sleep(int(2e8))
         self.gx = GraphExecutor(FlashInferExecutor(policy=policy, page_map=page_map), bucket)
         self.gx.apply(first, table)
         self.step = capture(self.gx, self.forward)
@@ -73,6 +81,8 @@ class Engine:
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per group: (replayed out, eager out, cache after replay, cache after eager)."""
         n = spec.total_q
+        if self.busy:
+            torch.cuda._sleep(int(2e8))
         self.q.copy_(self.rand(*self.q.shape))  # padding rows get garbage too
         self.k.copy_(self.rand(*self.k.shape))
         self.v.copy_(self.rand(*self.v.shape))
@@ -112,7 +122,8 @@ def _decode_batches(rng: np.random.Generator, page_size: int) -> list[np.ndarray
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("swa_pool", [False, True])
-def test_decode_replay_equals_eager(page_size: int, swa_pool: bool) -> None:
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+def test_decode_replay_equals_eager(page_size: int, swa_pool: bool, busy: bool) -> None:
     rng = np.random.default_rng(stable_seed("decode", page_size, swa_pool))
     groups = (FULL, W5, CAP, W70, CROSS)
     bucket = GraphBucket.decode(batch_size=8, max_pages=(512 + 64) // page_size + 2)
@@ -129,13 +140,21 @@ def test_decode_replay_equals_eager(page_size: int, swa_pool: bool) -> None:
     if swa_pool:  # window pool page of full page p: pool - 1 - p
         page_map = torch.arange(pool - 1, -1, -1, dtype=torch.int32, device=DEV)
     engine = Engine(
-        groups, bucket, specs[0], tables[0], pool, policy=ExecutorPolicy(), page_map=page_map
+        groups,
+        bucket,
+        specs[0],
+        tables[0],
+        pool,
+        policy=ExecutorPolicy(),
+        page_map=page_map,
+        busy=busy,
     )
     engine.check_replays(specs, tables)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_fixed_token_extend_replay_equals_eager(page_size: int) -> None:
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+def test_fixed_token_extend_replay_equals_eager(page_size: int, busy: bool) -> None:
     """The draft-extend shape: every request extends by the same number of tokens."""
     rng = np.random.default_rng(stable_seed("extend", page_size))
     tokens = 3
@@ -151,12 +170,13 @@ def test_fixed_token_extend_replay_equals_eager(page_size: int) -> None:
         specs.append(spec)
         tables.append(fp.PageTable.shuffled(spec.pages_needed, seed=bs, device=DEV))
     pool = max(int(t.num_pages or 0) for t in tables)
-    engine = Engine(groups, bucket, specs[0], tables[0], pool, policy=ExecutorPolicy())
+    engine = Engine(groups, bucket, specs[0], tables[0], pool, policy=ExecutorPolicy(), busy=busy)
     engine.check_replays(specs, tables)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_tree_verify_replay_equals_eager(page_size: int) -> None:
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+def test_tree_verify_replay_equals_eager(page_size: int, busy: bool) -> None:
     """Target verify in a graph: the tree masks are built into fixed buffers; windows
     that bite inside the tree, padding requests in every round but the first."""
     rng = np.random.default_rng(stable_seed("verify", page_size))
@@ -177,7 +197,7 @@ def test_tree_verify_replay_equals_eager(page_size: int) -> None:
         specs.append(spec)
         tables.append(fp.PageTable.shuffled(spec.pages_needed, seed=bs, device=DEV))
     pool = max(int(t.num_pages or 0) for t in tables)
-    engine = Engine(groups, bucket, specs[0], tables[0], pool, policy=ExecutorPolicy())
+    engine = Engine(groups, bucket, specs[0], tables[0], pool, policy=ExecutorPolicy(), busy=busy)
     engine.check_replays(specs, tables)
     chain = fp.plan(
         fp.BatchLayout.verify([9], fp.DraftTree.chain(1, n), page_size=page_size, groups=groups),
@@ -256,10 +276,14 @@ def check_draft_replays(
     bucket: GraphBucket,
     groups: tuple[fp.AttentionGroup, ...],
     table_of: Callable[[fp.PageTable], fp.PageTable] = lambda table: table,
+    *,
+    busy: bool = False,
 ) -> None:
     """Capture every draft step in one graph on ``executor`` (a bucket's graph executor;
     ``table_of`` gives each round's table as the executor takes it), then replay each
-    round: outputs and caches equal a fresh eager ``apply_steps`` of the same round."""
+    round: outputs and caches equal a fresh eager ``apply_steps`` of the same round.
+    ``busy``: a long kernel is queued before the capture and before every round (see
+    :class:`Engine`)."""
     page_size = rounds[0][0][0].page_size
     steps = len(rounds[0][0])
     gen = torch.Generator(device=DEV).manual_seed(page_size)
@@ -271,6 +295,8 @@ def check_draft_replays(
     qs, ks, vs = ([rand(n, h, d) for _ in range(steps)] for h in (hq, hkv, hkv))
     caches = [rand(pool, 2, page_size, hkv, d) for _ in groups]
     base = [c.clone() for c in caches]
+    if busy:
+        torch.cuda._sleep(int(2e8))
     views = executor.apply_steps(rounds[0][0], table_of(rounds[0][1]))
 
     def forward() -> list[torch.Tensor]:
@@ -282,6 +308,8 @@ def check_draft_replays(
 
     captured = capture(executor, forward)
     for specs, branches in rounds:
+        if busy:
+            torch.cuda._sleep(int(2e8))
         for t in (*qs, *ks, *vs):
             t.copy_(rand(*t.shape))
         for cache, b in zip(caches, base, strict=True):
@@ -303,14 +331,17 @@ def check_draft_replays(
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_multi_step_draft_replay_equals_eager(page_size: int) -> None:
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+def test_multi_step_draft_replay_equals_eager(page_size: int, busy: bool) -> None:
     """Every step of a multi-step draft decode in one graph, re-planned per round with one
     apply_steps: outputs and caches equal an eager apply_steps of the same round, with
     padding branches in every round."""
     topk, steps, groups = 2, 3, (FULL, W5)
     bucket = GraphBucket.decode(batch_size=4 * topk, max_pages=320 // page_size + 2)
     rounds, pool = draft_rounds(page_size, topk, steps, groups, "draft")
-    check_draft_replays(GraphExecutor(FlashInferExecutor(), bucket), rounds, pool, bucket, groups)
+    check_draft_replays(
+        GraphExecutor(FlashInferExecutor(), bucket), rounds, pool, bucket, groups, busy=busy
+    )
 
 
 def test_replay_planning_is_sync_free() -> None:
