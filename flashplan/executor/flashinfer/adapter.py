@@ -5,6 +5,7 @@ Everywhere else flashplan calls FlashInfer's public ``plan()`` / ``run()`` and l
 Triton kernels as ``kernel[grid](*args)``. Here, each only on a version in the table:
 
 * **decode re-plans** (:func:`replan_decode`): the compiled scheduler called directly;
+  a draft step's wrapper runs on another step's unsplit schedule (:func:`adopt_schedule`);
 * **paged prefill re-plans** (:func:`replan_prefill`): the private fields that paged
   prefill ``plan()`` sets, and its compiled scheduler called directly;
 * **direct Triton launches** (:class:`DirectLaunch`): a compiled kernel's launcher
@@ -14,18 +15,14 @@ On a FlashInfer version not in the table every wrapper is planned through ``plan
 and :func:`check_version` warns (:class:`FlashInferVersionWarning`) once per process and
 version; on a Triton version not in it every launch goes through ``kernel[grid]``.
 
-The table also vouches for two behaviours of flashinfer 0.7.4 that flashplan works around
-(checked by ``tests/test_flashinfer_calls.py``; a fix would make the workarounds misplace bits):
-
-* **Packed mask offsets.** Given ``packed_custom_mask``, ``plan()`` computes each
-  request's mask offset as a running sum of ``qo_len * kv_len`` — a count of bits —
-  and the kernel adds it to a byte pointer (flashinfer PR #2201). flashplan lays each
-  request's bytes at the offsets flashinfer computes
-  (:func:`~flashplan.executor.flashinfer.calls.flashinfer_mask_offsets`).
-* **Empty masked spans.** ``plan()`` sizes a masked request as
-  ``qo_len * ((pages - 1) * page_size + last_page_len)`` without clamping, so a span of
-  zero pages gives a negative size; flashplan gives such a span one unread page with
-  ``last_page_len = 0`` (:func:`~flashplan.executor.flashinfer.calls.call_inputs`).
+The table also vouches for two flashinfer 0.7.4 behaviours flashplan works around
+(``tests/test_flashinfer_calls.py``; a fix would make the workarounds misplace bits):
+**packed mask offsets** — ``plan()`` sums ``qo_len * kv_len`` (bits) into offsets the
+kernel adds to a byte pointer (flashinfer PR #2201), so flashplan lays each request's
+bytes there (:func:`~flashplan.executor.flashinfer.calls.flashinfer_mask_offsets`); and
+**empty masked spans** — a span of zero pages gets a negative mask size, so flashplan
+gives it one unread page with ``last_page_len = 0``
+(:func:`~flashplan.executor.flashinfer.calls.call_inputs`).
 
 A re-plan issues no sync and no copy, and runs only after a full ``plan()`` with the same
 constants (``WrapperSlot.planned_with``). This module imports no other executor module.
@@ -49,10 +46,10 @@ from flashplan.layout.heads import FP8_DTYPES
 
 __all__ = [
     "SUPPORTED", "DecodeArrays", "DirectLaunch", "FlashInferVersionWarning",
-    "PrefillArrays", "Slot", "Support", "VersionTable", "base_version", "check_version",
-    "direct_launch_known", "fast_decode_available", "fast_prefill_available",
+    "PrefillArrays", "Slot", "Support", "VersionTable", "adopt_schedule", "base_version",
+    "check_version", "direct_launch_known", "fast_decode_available", "fast_prefill_available",
     "flashinfer_support", "replan_decode", "replan_prefill", "replannable",
-    "restore_own_buffers",
+    "restore_own_buffers", "unsplit_schedule",
 ]  # fmt: skip
 
 
@@ -64,8 +61,8 @@ class Support:
 
     Attributes:
         flashinfer: the version, without a local ``+…`` suffix.
-        fast_decode: :func:`replan_decode` re-creates its decode ``plan()`` (GPU test
-            ``test_fast_decode_plan_equals_plan``).
+        fast_decode: :func:`replan_decode` re-creates its decode ``plan()`` and
+            :func:`unsplit_schedule` reads its plan info (GPU tests ``test_fast_plan``).
         fast_prefill: :func:`replan_prefill` re-creates its paged prefill ``plan()``
             (GPU test ``test_fast_prefill_plan_equals_plan``).
     """
@@ -84,11 +81,9 @@ class VersionTable:
     """The versions flashplan's private-API uses were checked against.
 
     Attributes:
-        flashinfer: :class:`Support` by flashinfer-python version (built from a sequence
-            of records; read-only).
+        flashinfer: :class:`Support` by flashinfer-python version (read-only).
         triton_direct_launch: Triton versions whose compiled-kernel launcher
-            :class:`DirectLaunch` calls (GPU test
-            ``test_direct_launches_equal_the_jit_launches``).
+            :class:`DirectLaunch` calls (``test_direct_launches_equal_the_jit_launches``).
     """
 
     flashinfer: Mapping[str, Support] = attrs.field(converter=_keyed)
@@ -127,8 +122,7 @@ def check_version(version: str) -> bool:
 
 @functools.cache
 def _warn_unknown(version: str) -> None:
-    """The warning of :func:`check_version` (cached: once per version; stacklevel: the
-    caller of the executor's constructor, which calls :func:`check_version`)."""
+    """:func:`check_version`'s warning, once per version (at the executor's caller)."""
     warnings.warn(
         f"flashinfer {version} is not a version flashplan was checked against "
         f"({', '.join(SUPPORTED.flashinfer)}): every wrapper is planned through plan() "
@@ -141,15 +135,13 @@ def _warn_unknown(version: str) -> None:
 
 
 def fast_decode_available(fi: Any) -> bool:
-    """Whether the imported flashinfer module ``fi`` is a version :func:`replan_decode`
-    was checked against."""
+    """Whether flashinfer module ``fi`` is a version :func:`replan_decode` knows."""
     support = flashinfer_support(fi)
     return support is not None and support.fast_decode
 
 
 def fast_prefill_available(fi: Any) -> bool:
-    """Whether the imported flashinfer module ``fi`` is a version :func:`replan_prefill`
-    was checked against."""
+    """Whether flashinfer module ``fi`` is a version :func:`replan_prefill` knows."""
     support = flashinfer_support(fi)
     return support is not None and support.fast_prefill
 
@@ -160,17 +152,15 @@ def direct_launch_known(triton_version: str) -> bool:
 
 
 class Slot(Protocol):
-    """What a re-plan uses of a ``WrapperSlot`` (``buffers.WrapperSlot``; a protocol, so
-    that this module imports no executor module)."""
+    """What a re-plan uses of a ``buffers.WrapperSlot`` (no executor module imported)."""
 
     wrapper: Any
     fixed: dict[str, torch.Tensor]
 
 
 # -- decode: the compiled scheduler without plan() ---------------------------------------
-#: The ``plan()`` keywords of a decode call that a re-plan reads (``fast_decode_plan``'s
-#: parameters); the others (``o_data_type``) are compiled into the module, which the
-#: constants pin.
+#: The decode ``plan()`` keywords a re-plan reads (``fast_decode_plan``'s parameters;
+#: the others, ``o_data_type``, are compiled in: the constants pin them).
 _PASSED = frozenset({
     "num_qo_heads", "num_kv_heads", "head_dim", "page_size", "pos_encoding_mode",
     "window_left", "logits_soft_cap", "q_data_type", "kv_data_type", "data_type",
@@ -224,15 +214,12 @@ def replan_decode(
     Graph mode (``graph``: made with ``use_cuda_graph=True``): the slot's ``fixed``
     ``"indptr"`` and ``"last_page_len"`` buffers are refreshed from the staged device
     copy (two device-to-device copies; ``refresh=False``: left to a graph that captured
-    them). Eager mode: the wrapper's fields point at the staged device views (page
-    indptr, page ids, last-page lengths, a tensor-core decode's ``qo_indptr``), as
+    them). Eager mode: the wrapper's fields point at the staged device views, as
     ``fast_decode_plan`` points them. The caller guarantees ``fast_decode_available(fi)``,
     an FA2 wrapper and ``slot.planned_with`` equal to the call's constants (``kwargs``:
-    its ``plan()`` keyword arguments). ``schedule=False``: the scheduler's inputs equal
-    its last call's, whose plan (``_plan_info``, the int workspace) stands: skipped.
-    The fields ``run()`` reads besides (window, soft cap, scales, position encoding,
-    queries per request) are left as the wrapper's last full ``plan()`` set them from
-    the same constants. Issues no sync.
+    its ``plan()`` keywords), so the other fields ``run()`` reads stand as that
+    ``plan()`` set them. ``schedule=False``: the scheduler's inputs equal its last
+    call's, whose plan (``_plan_info``, the int workspace) stands: skipped. No sync.
     """
     w = slot.wrapper
     tensor_cores = bool(w.use_tensor_cores)
@@ -247,6 +234,9 @@ def replan_decode(
             w._qo_indptr_buf = arrays.qo_indptr_device
     if not schedule:
         return
+    own = slot.fixed.pop("int_workspace", None)  # write the wrapper's own workspace again
+    if own is not None:
+        w._int_workspace_buffer = own
     bs = arrays.last_page_len_host.shape[0]
     hq, hkv, dim = kwargs["num_qo_heads"], kwargs["num_kv_heads"], kwargs["head_dim"]
     window = kwargs.get("window_left", -1)
@@ -275,6 +265,29 @@ def replan_decode(
             )  # fmt: skip
 
 
+def unsplit_schedule(slot: Slot) -> bool:
+    """Whether ``slot``'s last schedule is eager and gives each request one work item
+    (flashinfer 0.7.4's decode and prefill plan infos end ``enable_cuda_graph,
+    split_kv``: both false). Its kernels then read each KV length from the wrapper's
+    indptr, never the chunk size: it serves any batch of its size and constants."""
+    info = getattr(slot.wrapper, "_plan_info", None)
+    flags = () if info is None else list(info)[-2:]
+    return len(flags) == 2 and not any(flags)
+
+
+def adopt_schedule(slot: Slot, leader: Slot) -> None:
+    """Run ``slot``'s decode kernels on ``leader``'s schedule (plan info, and the int
+    workspace holding it) instead of running the scheduler: a draft step with the
+    leader's batch size and constants (checked by the caller, with
+    :func:`unsplit_schedule`; :func:`replan_decode` with ``schedule=False`` pointed the
+    other fields at the step's arrays). ``slot``'s own workspace waits in ``fixed``
+    until its scheduler or ``plan()`` writes again. Eager wrappers only."""
+    w = slot.wrapper
+    slot.fixed.setdefault("int_workspace", w._int_workspace_buffer)
+    w._int_workspace_buffer = leader.wrapper._int_workspace_buffer
+    w._plan_info = leader.wrapper._plan_info
+
+
 # -- paged prefill: the scheduler without plan() -----------------------------------------
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -297,10 +310,14 @@ def replannable(wrapper: Any, kwargs: dict[str, Any]) -> bool:
 def restore_own_buffers(slot: Slot) -> None:
     """Give ``slot``'s wrapper back the buffers a re-plan pointed elsewhere (its own KV
     lengths buffer: :func:`replan_prefill` aims the field at the staging buffer, which a
-    full ``plan()`` must not write into). Call it before every full ``plan()``."""
+    full ``plan()`` must not write into; its own int workspace, after
+    :func:`adopt_schedule`). Call it before every full ``plan()``."""
     own = slot.fixed.pop("kv_lens", None)
     if own is not None:
         slot.wrapper._kv_lens_buffer = own
+    workspace = slot.fixed.pop("int_workspace", None)
+    if workspace is not None:
+        slot.wrapper._int_workspace_buffer = workspace
 
 
 class PrefillArrays(NamedTuple):
@@ -353,15 +370,9 @@ def replan_prefill(
     The caller guarantees ``fast_prefill_available(fi)``, ``replannable(wrapper,
     kwargs)`` after the wrapper's last full ``plan()`` (``WrapperSlot.replannable``),
     and ``slot.planned_with`` equal to the call's constants (so every field that depends
-    only on them is as that ``plan()`` set it).
-
-    Args:
-        slot: the wrapper.
-        kwargs: the call's ``plan()`` keyword arguments (placeholders resolved).
-        arrays: the batch's arrays (:class:`PrefillArrays`).
-        schedule: ``False``: the caller knows the scheduler's inputs equal its last
-            call's, whose plan (``_plan_info``, the int workspace) stands: the scheduler
-            is skipped, the fields are still pointed at these arrays.
+    only on them is as that ``plan()`` set it). ``kwargs``: the call's ``plan()``
+    keywords (placeholders resolved); ``schedule=False``: the scheduler's inputs equal
+    its last call's, whose plan stands (skipped; the fields still move to ``arrays``).
     """
     w = slot.wrapper
     bs = int(arrays.kv_lens_host.shape[0])
@@ -378,9 +389,8 @@ def replan_prefill(
     w._max_kv_len = arrays.max_kv_len
     w._cudnn_paged_bounds = None
     # plan() copies the KV lengths into the wrapper's own buffer, which the FA2 kernels
-    # never read: the re-plan points the field at the staged copy instead (no copy) and
-    # keeps the wrapper's own buffer, which restore_own_buffers() puts back before a
-    # full plan() writes into the field.
+    # never read: the field points at the staged copy instead, and the wrapper's own
+    # buffer comes back (restore_own_buffers) before a full plan() writes into it.
     slot.fixed.setdefault("kv_lens", w._kv_lens_buffer)
     w._kv_lens_buffer = arrays.kv_lens_device
     w._qo_indptr_buf = arrays.qo_indptr_device
@@ -428,10 +438,9 @@ class DirectLaunch:
     ``JITFunction.run`` passes it (Triton versions ``SUPPORTED.triton_direct_launch``
     only: :func:`direct_launch_known`).
 
-    Every launch goes through ``kernel[grid]`` instead under another Triton version or
-    the interpreter, and so does one with an int argument beyond int32 (another
-    variant). Launch hooks (profilers) are called as ``kernel[grid]`` calls them. One
-    instance per owner (an executor): no global state.
+    Under another Triton version or the interpreter, and with an int argument beyond
+    int32, launches go through ``kernel[grid]``; launch hooks are called as it calls
+    them. One instance per owner (an executor): no global state.
 
     Attributes:
         kernel: the jit kernel.
@@ -457,13 +466,10 @@ class DirectLaunch:
         pointers: tuple[Any, ...] | None = None,
     ) -> None:
         """Launch ``grid`` programs with ``args`` (every parameter, constexprs included,
-        in order); ``ints`` are the int arguments (checked to fit int32).
-
-        ``pointers``: ``args`` with every tensor replaced by its ``data_ptr()``, for a
-        caller that holds those tensors (so the memory stays theirs). The compiled
-        launcher then takes the addresses as they are instead of calling each tensor's
-        ``data_ptr`` and asking the driver about it (a driver call per tensor); the
-        first launch of a variant and launches with a hook set still get ``args``."""
+        in order); ``ints`` are the int arguments (checked to fit int32). ``pointers``:
+        ``args`` with each tensor as its ``data_ptr()`` (the caller holds the tensors),
+        which the compiled launcher takes as they are (no driver call per tensor); a
+        variant's first launch and launches with a hook set still get ``args``."""
         if not self.enabled:
             self.kernel[(grid,)](*args)
             return

@@ -52,7 +52,7 @@ from flashplan.executor.flashinfer.running import run_group
 from flashplan.executor.flashinfer.settings import DEFAULT_WORKSPACE_BYTES, ExecutorSettings
 from flashplan.executor.flashinfer.staging import DevicePlan
 from flashplan.executor.flashinfer.streams import CurrentStream
-from flashplan.executor.flashinfer.wrapper_plans import Planned, plan_calls
+from flashplan.executor.flashinfer.wrapper_plans import Planned, plan_calls, plan_step_calls
 from flashplan.kernels.gather import NO_BAD_JOB
 from flashplan.layout.group import AttentionGroup
 from flashplan.planning.spec import KernelPath, PlanSpec
@@ -221,15 +221,16 @@ class FlashInferExecutor:
 
     @property
     def plan_counts(self) -> dict[str, int]:
-        """FlashInfer planning calls made so far, by route: ``"plan"`` (full ``plan()``
-        calls), ``"fast_decode_plan"`` (decode re-plans) and ``"fast_prefill_plan"``
-        (paged prefill re-plans; see ``fast_plan``)."""
+        """FlashInfer planning calls made so far, by route (:class:`~.strategy.PlanCounts`):
+        ``"plan"`` (full ``plan()`` calls), ``"fast_decode_plan"`` (decode re-plans),
+        ``"fast_prefill_plan"``, and re-plans that kept, or shared, a schedule."""
         counts = self._buffers.owned.counts
         return {
             "plan": counts.full,
             "fast_decode_plan": counts.decode_replans,
             "fast_prefill_plan": counts.prefill_replans,
             "schedules_kept": counts.schedules_kept,
+            "schedules_shared": counts.schedules_shared,
             "plans_kept": counts.plans_kept,
         }
 
@@ -393,17 +394,15 @@ class FlashInferExecutor:
         slot, host, staged = stage(owned, dplan)
         (page, offset), _ = gather_and_mask(buffers, dplan, staged, table)
         stream = self._stream()
+        planned = plan_step_calls(buffers, steps, dplan, host, staged, page, stream, prefixes)
         batches = []
         for k, (prefix, (spec, calls)) in enumerate(zip(prefixes, steps, strict=True)):
-            planned = plan_calls(
-                buffers, spec, calls, dplan, host, staged, page, {}, stream, prefix
-            )
             step_plan = DevicePlan(
                 calls, dplan.jobs.step(prefix), dplan.manifest, dplan.parts, dplan.masks
             )
             batches.append(
                 AppliedBatch(
-                    spec, step_plan, table, planned, page, offset, owned.step_positions_buffer(k)
+                    spec, step_plan, table, planned[k], page, offset, owned.step_positions_buffer(k)
                 )
             )
         slot.mark_read(stream)

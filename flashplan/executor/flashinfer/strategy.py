@@ -55,6 +55,9 @@ class PlanCounts:
             read the same inputs (an FA3 cascade level while the sharing holds).
         schedules_kept: decode re-plans that kept the scheduler's last plan (its inputs
             unchanged: ``wrapper_plans``).
+        schedules_shared: decode re-plans of a multi-step draft's step that ran on
+            another step's unsplit schedule instead of the scheduler
+            (``adapter.adopt_schedule``).
     """
 
     full: int = 0
@@ -62,6 +65,7 @@ class PlanCounts:
     prefill_replans: int = 0
     schedules_kept: int = 0
     plans_kept: int = 0
+    schedules_shared: int = 0
 
 
 @attrs.define(eq=False)

@@ -19,10 +19,12 @@ from flashplan.errors import UnsupportedError
 from flashplan.executor.flashinfer.adapter import (
     DecodeArrays,
     PrefillArrays,
+    adopt_schedule,
     replan_decode,
     replan_prefill,
     replannable,
     restore_own_buffers,
+    unsplit_schedule,
 )
 from flashplan.executor.flashinfer.caches import BoundCall, BoundCallKey, DecodeViews, PrefillViews
 from flashplan.executor.flashinfer.calls import (
@@ -44,10 +46,14 @@ if TYPE_CHECKING:
     from flashplan.executor.flashinfer.strategy import BuffersStrategy
     from flashplan.planning.spec import PlanSpec
 
-__all__ = ["Planned", "bound_call", "call_plan", "level_part", "plan_calls"]
+__all__ = [
+    "Planned", "Slots", "bound_call", "call_plan", "level_part", "plan_calls", "plan_step_calls",
+]  # fmt: skip
 
 #: The planned wrapper of each call, by ``(group index, "paged" | "ragged" | "level<k>")``.
 Planned = dict[tuple[int, str], Any]
+#: The wrapper slot of each call, by the same keys.
+Slots = dict[tuple[int, str], "WrapperSlot"]
 
 #: torch dtypes of the staged views handed to plan() (the multi-item tensors).
 _VIEW_DTYPES = {"uint32": torch.uint32, "uint16": torch.uint16}
@@ -206,6 +212,8 @@ def plan_calls(
     masks: dict[int, torch.Tensor],
     stream: torch.cuda.Stream,
     prefix: str = "",
+    leaders: Slots | None = None,
+    slots: Slots | None = None,
 ) -> Planned:
     """Plan every wrapper of ``calls`` (of ``spec``); placeholders resolve against the views of the
     staged host slot (``host``) and of its device copy (``staged``), the gathered page
@@ -213,7 +221,10 @@ def plan_calls(
 
     A wrapper whose last full ``plan()`` had the call's constants is re-planned through
     the compiled scheduler where the settings allow (decode; eager FA2 paged prefill);
-    otherwise ``plan()`` runs.
+    otherwise ``plan()`` runs. ``leaders``: (a multi-step draft's other steps) the slots
+    that planned the same calls of another step of this batch size: an eager decode
+    re-plan whose leader's schedule is unsplit runs on it instead of the scheduler
+    (``adapter.adopt_schedule``). ``slots``: filled with each call's slot.
     """
     settings, owned = strategy.settings, strategy.owned
     counts = owned.counts
@@ -260,16 +271,32 @@ def plan_calls(
                 # reads only constants from the bound arguments)
                 indices = next(v for n, v in bound.dynamic if n == "indices")
                 arrays = DecodeArrays(*bound.decode, indices=resolve(indices))
-                schedule = _schedule_changed(held, spec, _decode_inputs(bound.decode))
+                leader = None if leaders is None else leaders.get((index, part))
+                shared = (
+                    leader is not None
+                    and not strategy.graph
+                    and leader.planned_with == call.constants
+                    and unsplit_schedule(leader)
+                )
+                schedule = not shared and _schedule_changed(
+                    held, spec, _decode_inputs(bound.decode)
+                )
                 replan_decode(
                     held, bound.kwargs, arrays, graph=strategy.graph, schedule=schedule,
                     refresh=strategy.captured is None,  # else the graph copies them
                 )  # fmt: skip
+                if shared:
+                    assert leader is not None
+                    adopt_schedule(held, leader)
+                    held.scheduled = None  # its own scheduler's last plan is not what runs
+                    counts.schedules_shared += 1
                 counts.decode_replans += 1
                 held.plan_inputs = None  # the wrapper now holds this re-plan
-                counts.schedules_kept += not schedule
+                counts.schedules_kept += not schedule and not shared
                 owned.pool.mark_planned(held, stream)
                 planned[(index, part)] = held.wrapper
+                if slots is not None:
+                    slots[(index, part)] = held
                 continue
             kwargs = dict(bound.kwargs)
             for name, value in bound.dynamic:
@@ -320,7 +347,38 @@ def plan_calls(
                 counts.full += 1
             owned.pool.mark_planned(held, stream)
             planned[(index, part)] = held.wrapper
+            if slots is not None:
+                slots[(index, part)] = held
     return planned
+
+
+def plan_step_calls(
+    strategy: BuffersStrategy,
+    steps: list[tuple[PlanSpec, tuple[GroupCalls, ...]]],
+    dplan: DevicePlan,
+    host: StagedViews,
+    staged: StagedViews,
+    page: torch.Tensor,
+    stream: torch.cuda.Stream,
+    prefixes: list[str],
+) -> list[Planned]:
+    """:func:`plan_calls` of every step of a multi-step draft (``steps``: each step's
+    plan and calls; its names under ``prefixes[k]``), the last step first: a step of its
+    batch size then runs its eager decode calls on the last step's schedule where that
+    is unsplit (``leaders``), one scheduler run instead of one per step. The last step
+    reads the most keys, so its schedule's work items cover every step's (an unsplit
+    schedule's kernels take each KV length from the step's own indptr anyway)."""
+    last = len(steps) - 1
+    leaders: Slots = {}
+    planned: dict[int, Planned] = {}
+    for k in (last, *range(last)):
+        spec, calls = steps[k]
+        follows = k != last and spec.batch_size == steps[last][0].batch_size
+        planned[k] = plan_calls(
+            strategy, spec, calls, dplan, host, staged, page, {}, stream, prefixes[k],
+            leaders=leaders if follows else None, slots=leaders if k == last else None,
+        )  # fmt: skip
+    return [planned[k] for k in range(len(steps))]
 
 
 def _calls_of(gc: GroupCalls) -> list[tuple[str, PlanCall | None]]:
