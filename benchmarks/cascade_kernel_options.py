@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import flashinfer
 import torch
@@ -85,7 +86,6 @@ class Case:
         self.rows = torch.cat([shared_ids[group_of], own_ids], dim=1)  # [bs, sp + op]
         self.shared_ids, self.own_ids = shared_ids, own_ids
         self.full_last = i32([PAGE] * self.bs)
-        self.group_last = i32([PAGE] * groups)
 
     def ws(self) -> torch.Tensor:
         return torch.empty(WS, dtype=torch.uint8, device=DEV)
@@ -109,15 +109,15 @@ class Case:
         )
         return lambda q: w.run(q, self.cache, return_lse=True)
 
-    def level(self, **kw: object) -> Callable:
-        """Each group's members' queries over the group's shared pages (not causal)."""
+    def prefill(self, qo: list[int], kv: list[int], ids: torch.Tensor, **kw: object) -> Any:
+        """An FA2 paged prefill wrapper planned over ``qo`` / ``kv`` (page) indptrs and
+        page ``ids``, every page full, no causal mask."""
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.ws(), "NHD", backend="fa2")
-        g, m, sp = self.groups, self.members, self.sp
         w.plan(
-            i32(list(range(0, g * m + 1, m))),
-            i32(list(range(0, g * sp + 1, sp))),
-            self.shared_ids.reshape(-1).contiguous(),
-            self.group_last,
+            i32(qo),
+            i32(kv),
+            ids.contiguous(),
+            i32([PAGE] * (len(qo) - 1)),
             HQ,
             HKV,
             D,
@@ -127,6 +127,13 @@ class Case:
             kv_data_type=torch.bfloat16,
             **kw,
         )
+        return w
+
+    def level(self, **kw: object) -> Callable:
+        """Each group's members' queries over the group's shared pages (not causal)."""
+        g, m, sp = self.groups, self.members, self.sp
+        qo, kv = list(range(0, g * m + 1, m)), list(range(0, g * sp + 1, sp))
+        w = self.prefill(qo, kv, self.shared_ids.reshape(-1), **kw)
         return lambda q: w.run(q, self.cache, return_lse=True)
 
     def one_call(self) -> Callable:
@@ -134,21 +141,7 @@ class Case:
         g, m, sp, op, bs = self.groups, self.members, self.sp, self.op, self.bs
         qo = list(range(0, g * m + 1, m)) + [g * m + i for i in range(1, bs + 1)]
         kv = list(range(0, g * sp + 1, sp)) + [g * sp + op * i for i in range(1, bs + 1)]
-        ids = torch.cat([self.shared_ids.reshape(-1), self.own_ids.reshape(-1)])
-        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.ws(), "NHD", backend="fa2")
-        w.plan(
-            i32(qo),
-            i32(kv),
-            ids.contiguous(),
-            i32([PAGE] * (g + bs)),
-            HQ,
-            HKV,
-            D,
-            PAGE,
-            causal=False,
-            q_data_type=torch.bfloat16,
-            kv_data_type=torch.bfloat16,
-        )
+        w = self.prefill(qo, kv, torch.cat([self.shared_ids.reshape(-1), self.own_ids.reshape(-1)]))
         q2 = torch.empty(2 * bs, HQ, D, dtype=torch.bfloat16, device=DEV)
 
         def run(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
