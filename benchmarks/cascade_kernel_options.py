@@ -85,7 +85,6 @@ class Case:
         group_of = torch.arange(self.bs, device=DEV) // members
         self.rows = torch.cat([shared_ids[group_of], own_ids], dim=1)  # [bs, sp + op]
         self.shared_ids, self.own_ids = shared_ids, own_ids
-        self.full_last = i32([PAGE] * self.bs)
 
     def ws(self) -> torch.Tensor:
         return torch.empty(WS, dtype=torch.uint8, device=DEV)
