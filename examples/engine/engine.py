@@ -510,7 +510,10 @@ class Engine:
         while self.has_work():
             out = self.step()
             if out is None:
-                raise RuntimeError("no request could be admitted: too few pages or rows")
+                raise RuntimeError(
+                    "no request could be admitted: too few pages (num_pages) or rows "
+                    "(max_running) for the next waiting request"
+                )
             yield out
 
     # -- one step ---------------------------------------------------------------------------

@@ -198,12 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         config.vocab_size, encdec, args.requests, args.max_new_tokens, args.seed,
         samples=args.n, temperature=args.temperature,
     )  # fmt: skip
-    for r in reqs:
-        engine.add(r)
     steps: list[StepOutput] = []
-    while engine.has_work():
-        out = engine.step()
-        assert out is not None, "no request could be admitted: raise --kv-tokens"
+    for out in engine.run(reqs):  # RuntimeError when none can be admitted: raise --kv-tokens
         steps.append(out)
         work = [f"r{r.rid} " + ("decode" if n == 1 else f"chunk {n}") for r, n in out.batch]
         if out.layout.encoder_cached is not None:  # requests joining: their encoder ran now
