@@ -147,10 +147,14 @@ def _groups_and_encoder(
         return fixed, has_encoder
     has_encoder = draw(st.booleans()) if encoder is None else encoder
     kinds = GROUP_KINDS if has_encoder else tuple(k for k in GROUP_KINDS if k != "cross")
-    drawn = draw(
-        st.lists(attention_groups(kinds=kinds), min_size=1, max_size=max_groups, unique=True)
-    )
-    return tuple(drawn), has_encoder
+    return tuple(draw(_distinct_groups(kinds, max_groups))), has_encoder
+
+
+def _distinct_groups(
+    kinds: Sequence[str], max_groups: int
+) -> st.SearchStrategy[list[AttentionGroup]]:
+    """1 to ``max_groups`` distinct groups of ``kinds``."""
+    return st.lists(attention_groups(kinds=kinds), min_size=1, max_size=max_groups, unique=True)
 
 
 def _page_size(draw: st.DrawFn, page_size: int | None, page_sizes: Sequence[int]) -> int:
@@ -288,9 +292,7 @@ def fixed_token_extend_layouts(
             group: a bucket writes no encoder K/V).
     """
     ps = _page_size(draw, page_size, page_sizes)
-    groups = draw(
-        st.lists(attention_groups(kinds=kinds), min_size=1, max_size=max_groups, unique=True)
-    )
+    groups = draw(_distinct_groups(kinds, max_groups))
     tokens = draw(st.integers(1, max_tokens))
     bs = draw(st.integers(max(min_batch, 1), max(max_batch, 1)))
     prefix = draw(st.lists(st.integers(0, max_prefix), min_size=bs, max_size=bs))
@@ -413,9 +415,7 @@ def multi_item_layouts(
         )
     else:
         has_encoder = draw(st.booleans()) if encoder is None else encoder
-        gs = tuple(
-            draw(st.lists(attention_groups(kinds=("full",)), min_size=1, max_size=2, unique=True))
-        )
+        gs = tuple(draw(_distinct_groups(("full",), 2)))
         if has_encoder and draw(st.integers(0, 2)) == 0:
             gs = (*gs, AttentionGroup.cross())
     bs = draw(st.integers(min_batch, max_batch))
