@@ -1,6 +1,7 @@
 """The paged lane (``executor/flashinfer/paged_lane.py``) lays out exactly what the
-general translation lays out, eager and in CUDA-graph buckets, for decodes and paged
-extends, and covers exactly the plain paged skeletons."""
+general translation lays out, eager and in CUDA-graph buckets, for decodes, paged
+extends and (eager) tree verifies, and covers exactly the plain paged skeletons and
+verify trees."""
 
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ from flashplan.executor.flashinfer.paged_lane import PagedLane, lane_of
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
 from flashplan.executor.gathers import gather_jobs
+from flashplan.planning.masks import TreeMask
 from flashplan.planning.spec import KernelPath
 from flashplan.testing import (
     decode_layouts,
     extend_layouts,
     fixed_token_extend_layouts,
     page_tables,
+    verify_layouts,
 )
 
 HEADS = fp.HeadConfig(num_qo_heads=8, num_kv_heads=2, head_dim=64)
@@ -37,14 +40,14 @@ POLICIES = st.sampled_from(
 )  # fmt: skip
 
 
-def _covered(spec: fp.PlanSpec, window_pool: bool) -> bool:
+def _covered(spec: fp.PlanSpec, window_pool: bool, tree_masks: bool = False) -> bool:
     """What the lane is documented to cover, from the plan itself."""
     return spec.cascade is None and all(
         gp.path in (KernelPath.DECODE, KernelPath.PAGED)
         and gp.paged is not None
         and gp.ragged is None
         and gp.virtual is None
-        and not gp.uses_custom_mask
+        and (not gp.uses_custom_mask or (tree_masks and isinstance(gp.paged.mask, TreeMask)))
         and not gp.group.cross_attention
         and not (window_pool and gp.group.uses_window_pool)
         for gp in spec.group_plans
@@ -74,10 +77,12 @@ def _check_same(got: DevicePlan, want: DevicePlan) -> None:
     layout=st.one_of(
         decode_layouts(max_batch=6, max_len=70, long_len=200, page_sizes=(1, 2, 16)),
         extend_layouts(max_batch=6, max_len=70, long_len=200, page_sizes=(1, 2, 16)),
+        verify_layouts(max_batch=6, max_len=70, long_len=200, page_sizes=(1, 2, 16)),
     ),
     extend_path=st.sampled_from(["paged", "auto"]),
     policy=POLICIES,
     window_pool=st.booleans(),
+    tree_masks=st.booleans(),
     data=st.data(),
 )
 def test_lane_lays_out_what_the_general_path_does(
@@ -85,12 +90,13 @@ def test_lane_lays_out_what_the_general_path_does(
     extend_path: str,
     policy: ExecutorPolicy,
     window_pool: bool,
+    tree_masks: bool,
     data: st.DataObject,
 ) -> None:
     spec = fp.plan(layout, HEADS, extend_path=extend_path)
     calls = call_skeleton(spec, policy, sm90=True)
-    lane = PagedLane.of(spec, calls, window_pool=window_pool)
-    assert (lane is not None) == _covered(spec, window_pool)
+    lane = PagedLane.of(spec, calls, window_pool=window_pool, tree_masks=tree_masks)
+    assert (lane is not None) == _covered(spec, window_pool, tree_masks)
     if lane is None:
         return
     table, _ = data.draw(page_tables(spec))
@@ -201,7 +207,24 @@ def test_lanes_are_kept_per_skeleton_and_refused_where_they_do_not_apply() -> No
     assert PagedLane.of(cross, call_skeleton(cross, ExecutorPolicy(), sm90=True)) is None
     tree = fp.DraftTree.from_parents([[-1, 0, 0], [-1, 0, 1]])
     verify = fp.plan(fp.BatchLayout.verify([5, 9], tree, page_size=4), HEADS)
-    assert PagedLane.of(verify, call_skeleton(verify, ExecutorPolicy(), sm90=True)) is None
+    v_calls = call_skeleton(verify, ExecutorPolicy(), sm90=True)
+    assert PagedLane.of(verify, v_calls) is None
+    # ... unless the lane may stage tree masks (an eager executor's)
+    assert PagedLane.of(verify, v_calls, tree_masks=True) is not None
+    # a masked extend (a bidirectional window's position mask) never takes it
+    bidir = fp.plan(
+        fp.BatchLayout.extend(
+            [5, 9],
+            [3, 4],
+            page_size=4,
+            groups=[fp.AttentionGroup(window_left=2, window_right=1, causal=False)],
+        ),
+        HEADS,
+        extend_path="paged",
+    )
+    b_calls = call_skeleton(bidir, ExecutorPolicy(), sm90=True)
+    assert any(gc.masked for gc in b_calls)
+    assert PagedLane.of(bidir, b_calls, tree_masks=True) is None
     # a windowed group kept in a sliding-window pool (the executor has a page map)
     windowed = fp.plan(
         fp.BatchLayout.decode([5, 9], page_size=4, groups=[fp.AttentionGroup(window_left=3)]),

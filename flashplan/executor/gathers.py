@@ -42,6 +42,7 @@ __all__ = [
     "JobPart",
     "Region",
     "concat_jobs",
+    "divisors_and_flags",
     "gather_jobs",
     "gather_jobs_steps",
     "is_pages_region",
@@ -304,7 +305,7 @@ def job_parts(
 
 
 @functools.lru_cache(maxsize=256)
-def _divisors_and_flags(per_part: tuple[tuple[int, int], ...]) -> IntArray:
+def divisors_and_flags(per_part: tuple[tuple[int, int], ...]) -> IntArray:
     """int32 ``[2, parts, 1]``: each part's divisor and page-map flag, ready to broadcast
     over its jobs (read-only, made once per parts signature)."""
     out = np.array(per_part, dtype=np.int32).T[..., None].copy()
@@ -312,9 +313,13 @@ def _divisors_and_flags(per_part: tuple[tuple[int, int], ...]) -> IntArray:
     return out
 
 
-def job_table(parts: list[JobPart], rows: IntArray, bs: int) -> GatherJobs:
+def job_table(
+    parts: list[JobPart], rows: IntArray, bs: int, flags: IntArray | None = None
+) -> GatherJobs:
     """The job table of ``parts`` (name, first, counts, div, use_map), each ``[bs]``,
-    over table rows ``rows`` (int ``[bs]``).
+    over table rows ``rows`` (int ``[bs]``); ``flags``: the parts' divisors and
+    page-map flags as :func:`divisors_and_flags` gives them, when the caller keeps
+    them.
 
     Few numpy calls (this runs every step): the rows are broadcast into every part at
     once, each part's first and counts are filled by slice, the divisors and map flags
@@ -329,7 +334,9 @@ def job_table(parts: list[JobPart], rows: IntArray, bs: int) -> GatherJobs:
     for k, part in enumerate(parts):
         by_part[1, k] = part[1]
         by_part[2, k] = part[2]
-    by_part[4:6] = _divisors_and_flags(tuple([(p[3], p[4]) for p in parts]))
+    if flags is None:
+        flags = divisors_and_flags(tuple([(p[3], p[4]) for p in parts]))
+    by_part[4:6] = flags
     ends = np.add.accumulate(table[2], dtype=np.int64) if size else np.zeros(0, np.int64)
     total = int(ends[-1]) if size else 0
     if total > INT32_MAX:

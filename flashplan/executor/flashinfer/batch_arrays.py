@@ -31,8 +31,10 @@ from flashplan.planning.masks import CustomMask, PositionMask, TreeMask
 from flashplan.planning.spec import KernelPath, PagedPart, PlanSpec
 
 __all__ = [
+    "CUSTOM_MASK_FIELDS",
     "bytes_as_int32",
     "call_inputs",
+    "custom_mask_arrays",
     "decode_scheduler_kv_lens",
     "flashinfer_mask_offsets",
     "int32_words",
@@ -80,9 +82,7 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
     ints: dict[str, int] = {}
     if uses_qo:
         ints[names.batch_int("qo.total")] = spec.total_q
-        ints[names.batch_int("qo.max_len")] = (
-            int(np.maximum.reduce(spec.qo_lens)) if spec.batch_size else 0
-        )
+        ints[names.batch_int("qo.max_len")] = spec.max_q_len
     elements: dict[str, int] = {}
     cascade = spec.cascade
     own = None if cascade is None else cascade.own_call
@@ -222,13 +222,20 @@ def bytes_as_int32(values: npt.NDArray[np.uint8]) -> IntArray:
     return seal_inplace(padded.view(np.int32))
 
 
-def _mask_recipe(
-    index: int, mask: CustomMask | PositionMask, host: dict[str, IntArray]
-) -> MaskRecipe:
-    """Group ``index``'s mask as int32 arrays in ``host`` (``g<index>.mask.*``) and its
-    sizes. ``mask.indptr`` is :func:`flashinfer_mask_offsets`: FlashInfer's
-    ``mask_indptr``, whose first ``bs`` entries are also where the mask kernel writes
-    each request's bytes."""
+#: A custom (threshold or tree) mask's staged arrays, in staging order
+#: (``g<index>.mask.<field>``); a threshold mask stages the first four.
+CUSTOM_MASK_FIELDS: tuple[names.MaskField, ...] = (
+    "qo_lens", "kv_lens", "indptr", "first_visible", "row_offsets", "tail_start", "tail_words",
+)  # fmt: skip
+
+
+def _mask_offsets(mask: CustomMask | PositionMask) -> tuple[IntArray, int, int]:
+    """``mask``'s :func:`flashinfer_mask_offsets` as sealed int32 ``[bs + 1]``, its total
+    bits and its largest request's bytes.
+
+    Raises:
+        UnsupportedError: a mask too large for the mask kernel's int32 offsets.
+    """
     sizes = np.multiply(mask.qo_lens, mask.kv_lens, dtype=np.int64)  # bits per request
     offsets = running_sum(sizes)
     total = int(offsets[-1])
@@ -237,31 +244,56 @@ def _mask_recipe(
             "extend_path", "a custom mask of this many elements exceeds int32 offsets: plan "
             "this batch with extend_path='paged'", mask_elements=total,
         )  # fmt: skip
-    name = functools.partial(names.mask_name, index)
-    host[name("qo_lens")] = mask.qo_lens
-    host[name("kv_lens")] = mask.kv_lens
-    host[name("indptr")] = seal_inplace(offsets)  # int32: the total fits (checked above)
     max_bytes = (int(np.maximum.reduce(sizes)) + 7) // 8 if total else 0
-    if isinstance(mask, PositionMask):
-        # positions fit int32 (the layout checks its lengths); a bound beyond any
-        # position is no bound, so the rule is capped at int32 too
-        host[name("row_position")] = seal_inplace(mask.row_position)
-        host[name("col_position")] = seal_inplace(mask.col_position)
-        rule = np.array(
-            [mask.causal, mask.window_left, mask.window_right, mask.chunk], dtype=np.int64
-        )
-        host[name("rule")] = seal_inplace(np.minimum(rule, INT32_MAX))
-        return MaskRecipe(max_bytes, max(total, 1), position=True)
+    return seal_inplace(offsets), total, max_bytes  # int32: the total fits (checked above)
+
+
+def custom_mask_arrays(mask: CustomMask) -> tuple[list[IntArray], MaskRecipe]:
+    """A threshold or tree mask's staged int32 arrays, in :data:`CUSTOM_MASK_FIELDS`
+    order (a threshold mask's first four), and its :class:`MaskRecipe`. ``indptr`` is
+    :func:`flashinfer_mask_offsets`: FlashInfer's ``mask_indptr``, whose first ``bs``
+    entries are also where the mask kernel writes each request's bytes.
+
+    Raises:
+        UnsupportedError: a mask too large for the mask kernel's int32 offsets.
+    """
+    offsets, total, max_bytes = _mask_offsets(mask)
     # the int32 staging copy must not wrap a far-off threshold: clamped, then cast
     # (the ufuncs themselves: np.clip's Python wrapper costs more than both)
     low, high = constant_operand(-INT32_MAX, np.int64), constant_operand(INT32_MAX, np.int64)
     first = np.maximum(mask.first_visible, low)
-    host[name("first_visible")] = seal_inplace(np.minimum(first, high, out=first))
-    num_tokens = 0
-    if isinstance(mask, TreeMask):
-        num_tokens = int(mask.row_offsets.shape[1])
-        host[name("row_offsets")] = mask.row_offsets.reshape(-1)  # read-only int32, C order
-        host[name("tail_start")] = seal_inplace(mask.tail_start)  # in [0, kv_len]
+    arrays = [mask.qo_lens, mask.kv_lens, offsets, seal_inplace(np.minimum(first, high, out=first))]
+    if not isinstance(mask, TreeMask):
+        return arrays, MaskRecipe(max_bytes=max_bytes, total_bytes=max(total, 1))
+    arrays += [
+        mask.row_offsets.reshape(-1),  # read-only int32, C order
+        seal_inplace(mask.tail_start),  # in [0, kv_len]
         # the rows' packed bits (a view of the mask's own: a tree's, preset by the planner)
-        host[name("tail_words")] = bytes_as_int32(mask.tail_words.reshape(-1))
-    return MaskRecipe(max_bytes=max_bytes, total_bytes=max(total, 1), num_tokens=num_tokens)
+        bytes_as_int32(mask.tail_words.reshape(-1)),
+    ]
+    n = int(mask.row_offsets.shape[1])
+    return arrays, MaskRecipe(max_bytes=max_bytes, total_bytes=max(total, 1), num_tokens=n)
+
+
+def _mask_recipe(
+    index: int, mask: CustomMask | PositionMask, host: dict[str, IntArray]
+) -> MaskRecipe:
+    """Group ``index``'s mask as int32 arrays in ``host`` (``g<index>.mask.*``) and its
+    sizes (:func:`custom_mask_arrays`; a position mask's own arrays)."""
+    name = functools.partial(names.mask_name, index)
+    if not isinstance(mask, PositionMask):
+        arrays, recipe = custom_mask_arrays(mask)
+        for field, values in zip(CUSTOM_MASK_FIELDS, arrays, strict=False):
+            host[name(field)] = values
+        return recipe
+    offsets, total, max_bytes = _mask_offsets(mask)
+    host[name("qo_lens")] = mask.qo_lens
+    host[name("kv_lens")] = mask.kv_lens
+    host[name("indptr")] = offsets
+    # positions fit int32 (the layout checks its lengths); a bound beyond any
+    # position is no bound, so the rule is capped at int32 too
+    host[name("row_position")] = seal_inplace(mask.row_position)
+    host[name("col_position")] = seal_inplace(mask.col_position)
+    rule = np.array([mask.causal, mask.window_left, mask.window_right, mask.chunk], dtype=np.int64)
+    host[name("rule")] = seal_inplace(np.minimum(rule, INT32_MAX))
+    return MaskRecipe(max_bytes, max(total, 1), position=True)

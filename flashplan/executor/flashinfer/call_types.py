@@ -243,7 +243,7 @@ class GroupCalls:
         return self.paged is not None and self.ragged is not None
 
 
-@attrs.frozen(eq=False)
+@attrs.frozen
 class MaskRecipe:
     """How big the device-built custom mask of one group is (the values live in
     :attr:`CallInputs.host` under ``g<index>.mask.*``).

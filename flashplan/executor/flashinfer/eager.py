@@ -70,7 +70,7 @@ class EagerBuffers:
         """``spec``'s gather jobs, staged arrays and masks (a plain paged batch's
         through its skeleton's :class:`~.paged_lane.PagedLane`)."""
         window_pool = self.settings.page_map is not None
-        lane = lane_of(self.owned.lanes, spec, calls, window_pool)
+        lane = lane_of(self.owned.lanes, spec, calls, window_pool, tree_masks=True)
         if lane is not None:
             return lane.device_plan(spec, table.rows)
         inputs = call_inputs(spec, calls)
