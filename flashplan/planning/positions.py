@@ -27,6 +27,7 @@ from flashplan.arrays import (
     INT32_MAX,
     IntArray,
     array_key,
+    filled,
     indptr,
     readonly_when_unpickled,
     seal_inplace,
@@ -133,12 +134,22 @@ class PositionRuns:
     @cached_property
     def total(self) -> int:
         """Tokens in all runs."""
+        if self._one_token_each:
+            return self.num_runs
         return int(self.length.sum(dtype=np.int64))
 
     @cached_property
     def max_length(self) -> int:
         """The longest run (tokens); 0 without runs."""
+        if self._one_token_each:
+            return min(self.num_runs, 1)
         return int(self.length.max()) if self.num_runs else 0
+
+    @property
+    def _one_token_each(self) -> bool:
+        """Whether ``length`` is the shared all-ones array of :func:`filled` (a verify's
+        runs): every run one token, read without summing."""
+        return self.length is filled(1, self.num_runs)
 
     def positions(self) -> IntArray:
         """int32 ``[total]``: every token's position (read-only). When every run is one
