@@ -85,6 +85,8 @@ import attrs
 import torch
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from flashplan.executor.flashinfer.calls import PlanCall
     from flashplan.executor.gathers import Region
     from flashplan.kernels.fused import BoundGatherAndMask, StagedMask
@@ -167,6 +169,10 @@ class BoundCall:
         mask_indptr: a masked paged prefill call's ``mask_indptr`` (device view).
         prefill_ints: a paged prefill call's names in the device plan's ``ints`` of its
             total query rows, longest query and longest KV.
+        schedule_inputs: numpy views of the pinned host arrays the call's scheduler
+            reads, compared by value to skip a re-run (a paged prefill's ``qo_indptr``,
+            page indptr and KV lengths; a CUDA-core decode's page indptr), or ``None``
+            (a tensor-core decode: compared by plan object only; ``wrapper_plans``).
     """
 
     host: dict[str, torch.Tensor]
@@ -176,6 +182,7 @@ class BoundCall:
     prefill: PrefillViews | None
     mask_indptr: torch.Tensor | None
     prefill_ints: tuple[str, str, str] = ("", "", "")
+    schedule_inputs: tuple[np.ndarray, ...] | None = None
 
 
 @attrs.define(eq=False)

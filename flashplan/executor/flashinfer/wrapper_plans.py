@@ -12,6 +12,7 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 import flashplan.executor.flashinfer.names as names
@@ -105,43 +106,47 @@ def bound_call(
             mask_indptr = staged[names.mask_name(index, "indptr", prefix)]
         if qo_name != names.QO_INDPTR:  # virtual requests or a level: their own integers
             ints = (integer("qo.total", prefix), integer("qo.max_len", prefix), max_kv)
-    bound = BoundCall(host, kwargs, tuple(dynamic), decode, prefill, mask_indptr, ints)
+    inputs: tuple[np.ndarray, ...] | None = None
+    if decode is not None and decode[4] is None:  # a CUDA-core decode: its page indptr
+        inputs = (decode[0].numpy(),)
+    elif prefill is not None:  # qo_indptr, the page indptr, the KV lengths
+        inputs = (prefill[0].numpy(), prefill[2].numpy(), prefill[5].numpy())
+    bound = BoundCall(host, kwargs, tuple(dynamic), decode, prefill, mask_indptr, ints, inputs)
     staged.memo.calls[memo_key] = bound
     return bound
 
 
-def _schedule_changed(
-    held: WrapperSlot, spec: PlanSpec, inputs: tuple[torch.Tensor, ...] | None
-) -> bool:
+def _schedule_changed(held: WrapperSlot, spec: PlanSpec, bound: BoundCall) -> bool:
     """Whether a re-plan must run the scheduler: not when its inputs equal those of the
     scheduler's last run on this wrapper (whose plan, ``_plan_info`` and the int
     workspace, then stands).
 
     The inputs are fixed by the call's constants (equal: the caller checked
     ``planned_with``) and the host arrays the scheduler reads. The same plan object has
-    the same arrays; otherwise the values of ``inputs`` (pinned int32 views: a CUDA-core
-    decode's page indptr; a paged prefill's ``qo_indptr``, page indptr and KV lengths)
-    are compared, as bytes: a few hundred nanoseconds for arrays of a batch (a decode
-    loop changes a CUDA-core decode's page indptr once per page of new tokens; a cascade
-    level's arrays stay the same while its sharing does). ``inputs=None``: only the same
-    plan object counts (a tensor-core decode, whose KV lengths change at every step of a
-    decode loop: comparing them would cost more than it saves). Records the inputs when
-    the scheduler runs.
+    the same arrays; otherwise the values of :attr:`BoundCall.schedule_inputs` (numpy
+    views of the pinned int32 host arrays: a CUDA-core decode's page indptr; a paged
+    prefill's ``qo_indptr``, page indptr and KV lengths) are compared, as bytes: a few
+    hundred nanoseconds for arrays of a batch (a decode loop changes a CUDA-core
+    decode's page indptr once per page of new tokens; a cascade level's arrays stay the
+    same while its sharing does). A tensor-core decode has none: only the same plan
+    object counts (its KV lengths change at every step of a decode loop: comparing them
+    would cost more than it saves). Records the inputs when the scheduler runs.
     """
     last = held.scheduled
     if last is not None and last[0] is spec:
         return False
-    data = _input_bytes(inputs)
+    data = _input_bytes(bound)
     if data is not None and last is not None and last[1] == data:
         return False
     held.scheduled = (spec, data)
     return True
 
 
-def _input_bytes(inputs: tuple[torch.Tensor, ...] | None) -> tuple[bytes, ...] | None:
+def _input_bytes(bound: BoundCall) -> tuple[bytes, ...] | None:
     """The scheduler inputs' bytes (int32: equal bytes are equal values of equal
     length), as :attr:`WrapperSlot.scheduled` keeps them (``None``: not compared)."""
-    return None if inputs is None else tuple([t.numpy().tobytes() for t in inputs])
+    inputs = bound.schedule_inputs
+    return None if inputs is None else tuple([a.tobytes() for a in inputs])
 
 
 #: dtypes of the host tensors ``plan()`` reads (indptrs, lengths, masks' bytes).
@@ -185,20 +190,6 @@ def _same_plan_inputs(last: tuple[tuple[str, Any], ...] | None, kwargs: dict[str
     copies of the indptrs — stands, and an eager wrapper is not planned again (its
     kernels read the gathered ids and built masks, rewritten in place, at run time)."""
     return last is not None and last == _plan_inputs(kwargs)
-
-
-def _decode_inputs(decode: DecodeViews) -> tuple[torch.Tensor, ...] | None:
-    """The host arrays a CUDA-core decode scheduler reads (the page indptr), compared
-    by value; ``None`` with tensor cores (whose scheduler also reads ``qo_indptr`` and
-    the KV lengths: compared by plan object only, :func:`_schedule_changed`)."""
-    indptr, _, _, _, qo, _, kv = decode
-    return (indptr,) if qo is None or kv is None else None
-
-
-def _prefill_inputs(prefill: PrefillViews) -> tuple[torch.Tensor, ...]:
-    """The host arrays a paged prefill scheduler reads: ``qo_indptr``, the page indptr
-    and the KV lengths."""
-    return (prefill[0], prefill[2], prefill[5])
 
 
 def plan_calls(
@@ -278,9 +269,7 @@ def plan_calls(
                     and leader.planned_with == call.constants
                     and unsplit_schedule(leader)
                 )
-                schedule = not shared and _schedule_changed(
-                    held, spec, _decode_inputs(bound.decode)
-                )
+                schedule = not shared and _schedule_changed(held, spec, bound)
                 replan_decode(
                     held, bound.kwargs, arrays, graph=strategy.graph, schedule=schedule,
                     refresh=strategy.captured is None,  # else the graph copies them
@@ -314,7 +303,7 @@ def plan_calls(
                     mask_indptr_device=bound.mask_indptr, total_rows=ints[total],
                     max_q_len=ints[max_q], max_kv_len=ints[max_kv],
                 )  # fmt: skip
-                schedule = _schedule_changed(held, spec, _prefill_inputs(bound.prefill))
+                schedule = _schedule_changed(held, spec, bound)
                 replan_prefill(held, kwargs, prefill, schedule=schedule)
                 counts.prefill_replans += 1
                 held.plan_inputs = None
@@ -337,10 +326,9 @@ def plan_calls(
                 held.planned_with = call.constants
                 if not strategy.graph:
                     held.plan_inputs = _plan_inputs(kwargs)
-                if bound.decode is not None:  # plan() ran the scheduler on these inputs
-                    held.scheduled = (spec, _input_bytes(_decode_inputs(bound.decode)))
-                elif bound.prefill is not None:
-                    held.scheduled = (spec, _input_bytes(_prefill_inputs(bound.prefill)))
+                if bound.decode is not None or bound.prefill is not None:
+                    # plan() ran the scheduler on these inputs
+                    held.scheduled = (spec, _input_bytes(bound))
                 # what replannable() reads is fixed by the constructor, the constant
                 # arguments and this plan(): checked once per full plan()
                 held.replannable = bound.prefill is not None and replannable(held.wrapper, kwargs)
