@@ -40,6 +40,7 @@ __all__ = [
     "running_sum",
     "same_length",
     "seal_inplace",
+    "zeros",
 ]
 
 IntArray = npt.NDArray[np.int32]
@@ -69,6 +70,15 @@ def filled(value: int, size: int) -> IntArray:
     few batch sizes)."""
     out = np.empty(size, dtype=np.int32)
     out.fill(value)  # cheaper than np.full
+    out.setflags(write=False)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def zeros(shape: tuple[int, ...], dtype: str) -> npt.NDArray[Any]:
+    """A read-only array of zeros of ``shape`` and ``dtype``, made once per shape and
+    dtype and shared (as :func:`filled`)."""
+    out = np.zeros(shape, dtype=dtype)
     out.setflags(write=False)
     return out
 

@@ -7,7 +7,7 @@ import functools
 import attrs
 import numpy as np
 
-from flashplan.arrays import INT32_MAX, IntArray, filled, seal_inplace
+from flashplan.arrays import INT32_MAX, IntArray, filled, seal_inplace, zeros
 from flashplan.errors import FieldTypeError, LayoutError
 from flashplan.layout.batch import BatchLayout, Mode
 from flashplan.layout.draft_decode import DraftDecode
@@ -489,6 +489,7 @@ def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
     window = _window(group)
     chunk = group.attention_chunk_size
     spans = None if chunk else _whole_rows(layout, window)
+    whole = spans is not None  # every call reads its whole row, from page 0 on
     if spans is None:
         first = base + np.maximum(prefix - window, 0) if window >= 0 else base
         if chunk:  # the root's chunk: every draft token sits at or after it
@@ -496,7 +497,15 @@ def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
         spans = PageSpans.between(first, end, ps)
     mask = None
     use_mask = not draft.is_chain or chunk > 0  # a chunk boundary may cut a chain too
-    if use_mask:
+    if use_mask and whole:
+        # no window, chunk or encoder: the keys start at position 0, so the prefix
+        # threshold is 0 and the drafts start at column prefix (the tree's own rows)
+        bs, n = draft.depth.shape
+        mask = TreeMask(
+            layout.extend_lens, spans.kv_lens, zeros((bs,), "int64"), zeros((bs, n), "int32"),
+            seal_inplace(prefix.astype(np.int64), np.int64), draft.ancestor_words,
+        )  # fmt: skip
+    elif use_mask:
         span_first = np.multiply(spans.start_page, ps, dtype=np.int64)  # decoder positions
         if layout.encoder_lens is not None:
             span_first -= base

@@ -17,6 +17,7 @@ from flashplan.arrays import (
     indptr,
     running_sum,
     seal_inplace,
+    zeros,
 )
 from flashplan.errors import UnsupportedError
 from flashplan.executor.flashinfer.call_types import (
@@ -258,11 +259,17 @@ def custom_mask_arrays(mask: CustomMask) -> tuple[list[IntArray], MaskRecipe]:
         UnsupportedError: a mask too large for the mask kernel's int32 offsets.
     """
     offsets, total, max_bytes = _mask_offsets(mask)
-    # the int32 staging copy must not wrap a far-off threshold: clamped, then cast
-    # (the ufuncs themselves: np.clip's Python wrapper costs more than both)
-    low, high = constant_operand(-INT32_MAX, np.int64), constant_operand(INT32_MAX, np.int64)
-    first = np.maximum(mask.first_visible, low)
-    arrays = [mask.qo_lens, mask.kv_lens, offsets, seal_inplace(np.minimum(first, high, out=first))]
+    first = mask.first_visible
+    bs = first.shape[0]
+    if first is zeros((bs,), "int64"):  # the planner's shared zeros (a whole-row tree)
+        first32 = zeros((bs,), "int32")
+    else:
+        # the int32 staging copy must not wrap a far-off threshold: clamped, then cast
+        # (the ufuncs themselves: np.clip's Python wrapper costs more than both)
+        first = np.maximum(first, constant_operand(-INT32_MAX, np.int64))
+        np.minimum(first, constant_operand(INT32_MAX, np.int64), out=first)
+        first32 = seal_inplace(first)
+    arrays = [mask.qo_lens, mask.kv_lens, offsets, first32]
     if not isinstance(mask, TreeMask):
         return arrays, MaskRecipe(max_bytes=max_bytes, total_bytes=max(total, 1))
     arrays += [
