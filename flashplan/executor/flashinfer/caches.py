@@ -29,8 +29,9 @@ call skeleton                :func:`~.calls.skeleton_key` (plan   the policy and
                              batch size)
 a skeleton's paged lane      ``id`` of the skeleton tuple (which  the tuple (``is``: the
 (``OwnedBuffers.lanes``)     holds its key's consequences); the   entry holds it)
-                             page map's presence is fixed at
-                             construction
+                             page map's presence and whether
+                             tree masks may take it (eager) are
+                             fixed at construction
 wrapper (``WrapperPool``)    ``(step prefix, WrapperKey)``: kind, its last full ``plan()``'s
                              group, backend, tensor cores         constants equal the
                                                                   call's
