@@ -526,8 +526,7 @@ def _plan_verify(layout: BatchLayout, group: AttentionGroup) -> GroupPlan:
         else:
             words = draft.ancestor_words  # the tree's own packed rows: no packing per plan
             threshold = -span_first  # only the leading keys of the first page
-            offsets = np.zeros(depth.shape, dtype=np.int32)
-            offsets.setflags(write=False)
+            offsets = zeros(depth.shape, "int32")
         tail = prefix64 - span_first  # column of draft token 0
         threshold.setflags(write=False)
         tail.setflags(write=False)
