@@ -325,11 +325,12 @@ class BoundGatherAndMask:
         args = (*self._head, num_pages, *self._middle, blocks, *self._tail)
         head, middle, tail = self._pointers
         pointers = (*head, num_pages, *middle, blocks, *tail)
-        if torch.cuda.current_device() == self._index:
-            self._direct(programs, self._key, args, (num_pages, blocks), pointers)
+        index = self._index
+        if torch.cuda.current_device() == index:
+            self._direct(programs, self._key, args, (num_pages, blocks), pointers, index)
             return
-        with device_guard(torch.device("cuda", self._index)):
-            self._direct(programs, self._key, args, (num_pages, blocks), pointers)
+        with device_guard(torch.device("cuda", index)):
+            self._direct(programs, self._key, args, (num_pages, blocks), pointers, index)
 
 
 def bind_gather_and_mask(

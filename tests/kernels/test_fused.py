@@ -229,24 +229,40 @@ def test_direct_launches_equal_the_jit_launches(n: int) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_direct_launches_call_the_launch_hooks() -> None:
     """A profiler's launch hook sees every direct launch (with its metadata), as it sees
-    ``kernel[grid]`` launches; without a hook none is built."""
+    ``kernel[grid]`` launches; without a hook (Triton 3.6 keeps an empty hook chain in
+    its place) no launch metadata is built."""
     import triton
 
     dev = torch.device("cuda")
     direct = direct_launcher()
     assert direct is not None
-    runtime = triton.knobs.runtime
-    seen: list[str] = []
-    old = runtime.launch_enter_hook
-    runtime.launch_enter_hook = lambda meta: seen.append(meta.get()["name"])
+    _run(_case(0, 3, 2, 4, True), True, dev, direct=direct)  # compiles the variant
+    (variant,) = direct.variants.values()
+    built: list[int] = []
+    real = variant.launch_metadata
+
+    def counted(*args: object) -> object:
+        built.append(1)
+        return real(*args)
+
+    variant.launch_metadata = counted  # this compiled kernel's own attribute
     try:
-        for seed in range(3):
-            _run(_case(seed, 3, 2, 4, True), True, dev, direct=direct)
+        _run(_case(1, 3, 2, 4, True), True, dev, direct=direct)  # the default hooks
+        assert built == [] and direct.direct == 1
+        runtime = triton.knobs.runtime
+        seen: list[str] = []
+        old = runtime.launch_enter_hook
+        runtime.launch_enter_hook = lambda meta: seen.append(meta.get()["name"])
+        try:
+            for seed in range(2, 5):
+                _run(_case(seed, 3, 2, 4, True), True, dev, direct=direct)
+        finally:
+            runtime.launch_enter_hook = old
     finally:
-        runtime.launch_enter_hook = old
+        del variant.launch_metadata
     torch.cuda.synchronize()
-    assert direct.direct == 3 - len(direct.variants)  # a variant's first goes through jit
-    assert seen == ["_gather_and_mask_kernel"] * 3
+    assert direct.direct == 4 and len(direct.variants) == 1
+    assert seen == ["_gather_and_mask_kernel"] * 3 and len(built) == 3
 
 
 @pytest.mark.gpu

@@ -414,9 +414,7 @@ def replan_prefill(
             head_dim, kwargs.get("head_dim_vo") or head_dim, kwargs.get("causal", False),
             kwargs.get("window_left", -1), fixed_split if fixed_split else -1,
             bool(kwargs.get("disable_split_kv", False)),
-            0,  # num_colocated_ctas
-            0,  # uniform_q_len: no promise (only graph plans read it)
-            False,  # fixed_uniform_q_len
+            0, 0, False,  # colocated CTAs; uniform_q_len, fixed (no promise: graphs read it)
         )  # fmt: skip
     w._seq_lens_kv = None
     w._seq_lens_q = None
@@ -431,16 +429,14 @@ class DirectLaunch:
     before its compiled launcher runs: tens of microseconds of host time, more than a
     small kernel runs. For a kernel whose every int parameter is in ``do_not_specialize``
     and every pointer parameter in ``do_not_specialize_on_alignment``, the compiled
-    variant depends only on the constexprs, the tensors' dtypes and the device, all of
-    which the caller names in ``key``; so the first launch of a key goes through
-    ``kernel[grid]`` (compiling if needed) and keeps the compiled kernel it returns, and
-    later launches call that kernel's launcher with the same arguments
-    ``JITFunction.run`` passes it (Triton versions ``SUPPORTED.triton_direct_launch``
-    only: :func:`direct_launch_known`).
-
-    Under another Triton version or the interpreter, and with an int argument beyond
-    int32, launches go through ``kernel[grid]``; launch hooks are called as it calls
-    them. One instance per owner (an executor): no global state.
+    variant depends only on the constexprs, the tensors' dtypes and the device (the
+    caller names them in ``key``): a key's first launch goes through ``kernel[grid]``
+    (compiling if needed) and keeps the compiled kernel, later ones call its launcher
+    with the arguments ``JITFunction.run`` passes it (Triton versions
+    ``SUPPORTED.triton_direct_launch``: :func:`direct_launch_known`). Under another
+    version or the interpreter, and with an int argument beyond int32, launches go
+    through ``kernel[grid]``; launch hooks are called as it calls them. One instance
+    per owner (an executor): no global state.
 
     Attributes:
         kernel: the jit kernel.
@@ -464,18 +460,20 @@ class DirectLaunch:
         args: tuple[Any, ...],
         ints: tuple[int, ...],
         pointers: tuple[Any, ...] | None = None,
+        device: int | None = None,
     ) -> None:
-        """Launch ``grid`` programs with ``args`` (every parameter, constexprs included,
-        in order); ``ints`` are the int arguments (checked to fit int32). ``pointers``:
-        ``args`` with each tensor as its ``data_ptr()`` (the caller holds the tensors),
-        which the compiled launcher takes as they are (no driver call per tensor); a
-        variant's first launch and launches with a hook set still get ``args``."""
+        """Launch ``grid`` programs with ``args`` (every parameter in order, constexprs
+        too); ``ints``: the int arguments (checked to fit int32); ``pointers``: ``args``
+        with each tensor as its ``data_ptr()`` (the caller holds the tensors), taken as
+        they are (a variant's first launch and one under a launch hook get ``args``);
+        ``device``: the current CUDA device, when the caller has just read it."""
         if not self.enabled:
             self.kernel[(grid,)](*args)
             return
         fits = not ints or (max(ints) <= INT32_MAX and min(ints) >= -INT32_MAX)
         driver = triton.runtime.driver.active
-        device = driver.get_current_device()
+        if device is None:
+            device = driver.get_current_device()
         variant = self.variants.get((device, key)) if fits else None
         if variant is None:
             compiled = self.kernel[(grid,)](*args)
@@ -483,18 +481,20 @@ class DirectLaunch:
                 self.variants[(device, key)] = compiled
             return
         stream = driver.get_current_stream(device)
-        # what JITFunction.run does after finding the variant (launch hooks included)
+        # as JITFunction.run, but a hook chain holding no hook (Triton 3.6 keeps empty
+        # ones in place of none) calls nothing: no hook, no launch metadata bound for it
         hooks = triton.knobs.runtime
-        enter = hooks.launch_enter_hook
-        # launch_metadata returns None without an enter hook (these versions): skip
-        # binding every argument to it then
+        enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
         metadata = None
-        if enter is not None:
+        if (enter is not None and getattr(enter, "calls", 1) != []) or (
+            leave is not None and getattr(leave, "calls", 1) != []
+        ):
             metadata = variant.launch_metadata((grid,), stream, *args)
-        elif pointers is not None:
-            args = pointers
+        else:
+            enter = leave = None
+            args = args if pointers is None else pointers
         variant.run(
-            grid, 1, 1, stream, variant.function, variant.packed_metadata, metadata,
-            enter, hooks.launch_exit_hook, *args,
+            grid, 1, 1, stream, variant.function, variant.packed_metadata, metadata, enter,
+            leave, *args,
         )  # fmt: skip
         self.direct += 1
