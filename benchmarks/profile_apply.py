@@ -22,7 +22,7 @@ manual timers wrapped around the executor's own steps:
   pool.acquire       picking an idle FlashInfer wrapper
   plan()             FlashInfer's own plan() calls (via ``_call_plan``)
   fast_decode_plan   decode re-plans through FlashInfer's fast_decode_plan (``replan_decode``)
-  mark events        events recorded after the plan copies and the staging slot
+  mark events        the one timeline mark after the apply's queued work (its event record)
   other              the rest of apply (placeholder resolution, bookkeeping)
 
 Each apply gets a fresh plan (as in a step loop: the plan's derived arrays are cached
@@ -67,7 +67,6 @@ import flashplan.executor.flashinfer.graph_buffers as graph_buffers_mod
 import flashplan.executor.flashinfer.wrapper_plans as wrapper_plans_mod
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 from flashplan.executor.flashinfer.bucket import GraphBucket
-from flashplan.executor.flashinfer.buffers import PinnedSlot
 from flashplan.executor.flashinfer.graphs import capture
 from flashplan.kernels.fused import BoundGatherAndMask, StagedMask
 from flashplan.testing.batches import bushy_tree_parents, scoring_batch
@@ -172,12 +171,11 @@ def instrument(timer: StageTimer, ex: FlashInferExecutor, graph: bool) -> None:
     timer.wrap(BoundGatherAndMask, "__call__", "fused launch")  # the bound launches
     timer.wrap(StagedMask, "build", "extra masks")
     timer.wrap(owned.pool, "acquire", "pool.acquire")
-    timer.wrap(owned.pool, "mark_planned", "mark events")
     timer.wrap(wrapper_plans_mod, "call_plan", "plan()")
     timer.wrap(wrapper_plans_mod, "replan_decode", "fast_decode_plan")
     timer.wrap(wrapper_plans_mod, "replan_prefill", "prefill re-plan (replan_prefill)")
     timer.wrap(wrapper_plans_mod, "fill_item_positions", "multi-item fill (memset + fill_runs)")
-    timer.wrap(PinnedSlot, "mark_read", "mark events")
+    timer.wrap(owned.timeline, "mark", "mark events")
 
 
 def report(title: str, timer: StageTimer) -> None:

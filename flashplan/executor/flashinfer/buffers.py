@@ -2,8 +2,9 @@
 geometrically, never per call).
 
 * :class:`PinnedRing`: pinned host staging slots. A slot is handed out only when the
-  copies that read it last have completed (checked with ``event.query()``, which never
-  waits); when every slot is busy the ring grows instead of waiting.
+  copies that read it last have completed (its mark on the executor's
+  :class:`~flashplan.executor.flashinfer.timeline.Timeline` has passed: read without
+  waiting); when every slot is busy the ring grows instead of waiting.
 * :class:`DeviceBuffer`: a device tensor that grows to the largest size asked for.
 * :class:`SliceViews`: the named views of a staging buffer, made once per layout.
 * :class:`WrapperPool`: FlashInfer wrappers, never re-planned while a queued copy of
@@ -27,6 +28,7 @@ from flashplan.executor.flashinfer.caches import LayoutMemo
 
 if TYPE_CHECKING:
     from flashplan.executor.flashinfer.staging import StagingManifest
+    from flashplan.executor.flashinfer.timeline import Timeline
 
 __all__ = [
     "DeviceBuffer",
@@ -46,10 +48,16 @@ def _grown(current: int, needed: int) -> int:
 @attrs.define(eq=False)
 class PinnedSlot:
     """One pinned int32 staging buffer (``host``; ``array`` is its numpy view) and the
-    event after its last reader."""
+    mark after its last reader.
+
+    Attributes:
+        mark: the generation of the :class:`~flashplan.executor.flashinfer.timeline.Timeline`
+            mark after the copy that read the slot last (taken once the copy is queued:
+            ``Timeline.upcoming``); 0 before any.
+    """
 
     host: torch.Tensor
-    event: torch.cuda.Event | None = None
+    mark: int = 0
     array: np.ndarray = attrs.field(init=False, repr=False)
     capacity: int = attrs.field(init=False)  # entries the slot holds
 
@@ -63,36 +71,29 @@ class PinnedSlot:
         self.array = host.numpy()
         self.capacity = int(host.shape[0])
 
-    def idle(self) -> bool:
-        """No queued copy may still read the slot (never waits)."""
-        return self.event is None or self.event.query()
-
-    def mark_read(self, stream: torch.cuda.Stream) -> None:
-        """Record that everything queued on ``stream`` so far may read the slot."""
-        if self.event is None:
-            self.event = torch.cuda.Event()
-        self.event.record(stream)
-
 
 class PinnedRing:
     """A ring of pinned staging slots (see module docstring).
 
     Args:
+        timeline: the owner's marks (a slot is idle once its mark has passed).
         dtype: element type of the slots.
     """
 
-    def __init__(self, dtype: torch.dtype = torch.int32) -> None:
+    def __init__(self, timeline: Timeline, dtype: torch.dtype = torch.int32) -> None:
+        self.timeline = timeline
         self.dtype = dtype
         self.slots: list[PinnedSlot] = []
 
     def acquire(self, size: int) -> PinnedSlot:
         """An idle slot of at least ``size`` entries: an idle one that is big enough,
         else an idle one regrown, else a new one. Never waits for the GPU."""
+        passed = self.timeline.passed
         for slot in self.slots:
-            if slot.idle() and slot.capacity >= size:
+            if passed(slot.mark) and slot.capacity >= size:
                 return slot
         for slot in self.slots:
-            if slot.idle():
+            if passed(slot.mark):
                 slot.replace(
                     torch.empty(_grown(slot.capacity, size), dtype=self.dtype, pin_memory=True)
                 )
@@ -186,11 +187,13 @@ class SliceViews:
 
 @attrs.define(eq=False)
 class WrapperSlot:
-    """One FlashInfer wrapper and the event after the copies of its last ``plan()``.
+    """One FlashInfer wrapper and the mark after the copies of its last ``plan()``.
 
     Attributes:
         wrapper: the FlashInfer wrapper.
-        event: recorded after the copies of its last ``plan()`` (``None``: never planned).
+        mark: the generation of the timeline mark after the copies of its last
+            ``plan()`` or re-plan (``Timeline.upcoming`` once they are queued); 0:
+            never planned.
         fixed: device buffers the wrapper was made with and reads at run time, by name
             (a graph-mode decode wrapper's ``"indptr"`` int32 ``[bs + 1]`` and
             ``"last_page_len"`` int32 ``[bs]``); for an eager prefill wrapper whose
@@ -212,16 +215,12 @@ class WrapperSlot:
     """
 
     wrapper: Any
-    event: torch.cuda.Event | None = None
+    mark: int = 0
     fixed: dict[str, torch.Tensor] = attrs.field(factory=dict)
     planned_with: tuple[tuple[str, Any], ...] | None = None
     replannable: bool = False
     scheduled: tuple[object, tuple[bytes, ...] | None] | None = None
     plan_inputs: tuple[tuple[str, Any], ...] | None = None
-
-    def idle(self) -> bool:
-        """The copies the wrapper's last ``plan()`` queued have run (never waits)."""
-        return self.event is None or self.event.query()
 
 
 class WrapperPool:
@@ -231,7 +230,8 @@ class WrapperPool:
     once and queues its copy to the device: planning the same wrapper again before
     that copy has run would overwrite what the queued copy reads (and the kernels of
     the earlier batch would run with the later plan). So a wrapper is re-planned only
-    once its previous plan's copies have completed — checked with ``event.query()``;
+    once its previous plan's copies have completed (its mark on the owner's timeline
+    has passed: read without waiting);
     when every wrapper of a key is busy, the pool makes another one instead of
     waiting (each holds FlashInfer's 8 MiB device and 8 MiB pinned int workspaces), up
     to ``max_per_key`` wrappers; past that the host is that many steps ahead of the GPU
@@ -243,7 +243,8 @@ class WrapperPool:
     wait only when the host runs a whole step ahead of the GPU on the same bucket.
     """
 
-    def __init__(self, *, grow: bool = True, max_per_key: int = 4) -> None:
+    def __init__(self, timeline: Timeline, *, grow: bool = True, max_per_key: int = 4) -> None:
+        self.timeline = timeline
         self.grow = grow
         self.max_per_key = max_per_key if grow else 1
         self.slots: dict[Any, list[WrapperSlot]] = {}
@@ -251,22 +252,20 @@ class WrapperPool:
     def acquire(self, key: Any, make: Callable[..., WrapperSlot], *args: Any) -> WrapperSlot:
         """An idle wrapper for ``key`` (``make(*args)`` makes a new slot when needed)."""
         slots = self.slots.setdefault(key, [])
+        passed = self.timeline.passed
         for slot in slots:
-            if slot.idle():
+            if passed(slot.mark):
                 return slot
         if len(slots) >= self.max_per_key:
             slot = slots.pop(0)  # the oldest plan: the first whose copies will be done
             slots.append(slot)
-            assert slot.event is not None
-            slot.event.synchronize()  # documented: the host is max_per_key steps ahead
+            self.timeline.wait(slot.mark)  # documented: the host is max_per_key steps ahead
             return slot
         slot = make(*args)
         slots.append(slot)
         return slot
 
-    @staticmethod
-    def mark_planned(slot: WrapperSlot, stream: torch.cuda.Stream) -> None:
-        """Record that the copies of ``slot``'s plan are queued on ``stream``."""
-        if slot.event is None:
-            slot.event = torch.cuda.Event()
-        slot.event.record(stream)
+    def mark_planned(self, slot: WrapperSlot) -> None:
+        """Note that the copies of ``slot``'s plan are queued: the owner's next timeline
+        mark (recorded after them) is the one that frees it."""
+        slot.mark = self.timeline.upcoming

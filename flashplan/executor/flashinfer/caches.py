@@ -58,8 +58,8 @@ the bound fused launch       the staged mask's offsets and kind   every bound te
 the staging copy's views     ``id`` of the pinned slot's tensor   the slot's tensor
 (:attr:`LayoutMemo.uploads`)                                      (``is``)
 pinned staging slots         —                                    reused only when idle
-(``PinnedRing``)                                                  (an event), else a new
-                                                                  one
+(``PinnedRing``)                                                  (its timeline mark has
+                                                                  passed), else a new one
 device buffers (staging      — (sized to the largest batch)       rewritten by this
 copy, gathered ids, masks,                                        apply before any kernel
 items, positions)                                                 reads them (stream

@@ -57,7 +57,9 @@ def upload(
     memo: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, PinnedSlot]:
     """``write`` ``total`` int32 entries into an idle pinned slot, then one non-blocking
-    copy of them into ``target``; the caller marks the slot read. ``memo`` keeps the
+    copy of them into ``target``. The slot takes the owner's next timeline mark, which
+    the caller makes (``owned.timeline.mark``) once the rest of its work is queued too
+    (the slot is returned for callers that keep it). ``memo`` keeps the
     copy's two ``[:total]`` views per slot, keyed by the slot tensor's ``id`` and
     checked against it (for a caller whose ``target`` and ``total`` it is tied to:
     :attr:`~flashplan.executor.flashinfer.caches.LayoutMemo.uploads`)."""
@@ -70,11 +72,13 @@ def upload(
         if memo is not None:
             memo[key] = pair
     pair[1].copy_(pair[2], non_blocking=True)
+    slot.mark = owned.timeline.upcoming  # the copy is queued: the next mark frees the slot
     return pair[1], slot
 
 
 def stage(owned: OwnedBuffers, dplan: DevicePlan) -> tuple[PinnedSlot, StagedViews, StagedViews]:
-    """Upload the staging data: the slot (the caller marks it read) and the named views
+    """Upload the staging data: the slot (freed by the caller's next timeline mark, as
+    :func:`upload` says) and the named views
     of both sides (made once per buffer and manifest; the copy's own views are kept
     with the device views)."""
     total = dplan.manifest.total
@@ -257,10 +261,10 @@ def fill_positions(
     runs = spec.position_runs
     n = runs.num_runs
     columns = (runs.start, runs.first, runs.length)
-    staged, slot = upload(
+    staged, _ = upload(
         owned, owned.runs_staged, max(3 * n, 1), lambda a: np.concatenate(columns, out=a[: 3 * n])
     )
     out = out_buffer.get(spec.total_q)
     fill_runs(staged[:n], staged[n : 2 * n], staged[2 * n : 3 * n], out, runs.max_length)
-    slot.mark_read(stream)
+    owned.timeline.mark(stream)
     return out

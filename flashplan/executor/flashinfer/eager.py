@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from flashplan.executor.flashinfer.buffers import DeviceBuffer, WrapperPool, WrapperSlot
+from flashplan.executor.flashinfer.buffers import DeviceBuffer, WrapperSlot
 from flashplan.executor.flashinfer.calls import call_inputs, call_skeleton, skeleton_key
 from flashplan.executor.flashinfer.paged_lane import lane_of
 from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
@@ -40,7 +40,7 @@ class EagerBuffers:
     captured: CapturedWork | None = attrs.field(init=False, default=None)  # never: no graph
 
     def __attrs_post_init__(self) -> None:
-        self.owned = OwnedBuffers(self.settings.device, WrapperPool(grow=True))
+        self.owned = OwnedBuffers(self.settings.device, grow=True)
 
     @property
     def fast_prefill(self) -> bool:

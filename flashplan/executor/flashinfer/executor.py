@@ -317,13 +317,12 @@ class FlashInferExecutor:
         self._check_plan(spec, table)
         calls = buffers.skeleton(spec)
         dplan = buffers.device_plan(spec, calls, table)
-        slot, host, staged = stage(owned, dplan)
+        _, host, staged = stage(owned, dplan)
         (page, offset), masks = gather_and_mask(buffers, dplan, staged, table)
         if self.check_pages:
             check_gathered(dplan, spec, table, page, offset)
-        stream = self._stream()
-        planned = plan_calls(buffers, spec, calls, dplan, host, staged, page, masks, stream)
-        slot.mark_read(stream)
+        planned = plan_calls(buffers, spec, calls, dplan, host, staged, page, masks)
+        owned.timeline.mark(self._stream())  # frees the staging slot and the wrappers planned
         self._batch = AppliedBatch(
             spec, dplan, table, planned, page, offset, owned.positions, level_rows(spec, staged)
         )
@@ -391,10 +390,9 @@ class FlashInferExecutor:
             steps.append((spec, calls))
         prefixes = [names.step_prefix(k) for k in range(len(steps))]
         dplan = buffers.steps_device_plan(steps, table, prefixes)
-        slot, host, staged = stage(owned, dplan)
+        _, host, staged = stage(owned, dplan)
         (page, offset), _ = gather_and_mask(buffers, dplan, staged, table)
-        stream = self._stream()
-        planned = plan_step_calls(buffers, steps, dplan, host, staged, page, stream, prefixes)
+        planned = plan_step_calls(buffers, steps, dplan, host, staged, page, prefixes)
         batches = []
         for k, (prefix, (spec, calls)) in enumerate(zip(prefixes, steps, strict=True)):
             step_plan = DevicePlan(
@@ -405,7 +403,7 @@ class FlashInferExecutor:
                     spec, step_plan, table, planned[k], page, offset, owned.step_positions_buffer(k)
                 )
             )
-        slot.mark_read(stream)
+        owned.timeline.mark(self._stream())  # frees the staging slot and the wrappers planned
         self._batch, self._positions = batches[0], None
         return tuple(self._over(self._settings, buffers, b) for b in batches)
 

@@ -25,7 +25,7 @@ from flashplan.executor.flashinfer.bucket import (
     padded_inputs,
     padded_masks,
 )
-from flashplan.executor.flashinfer.buffers import WrapperPool, WrapperSlot
+from flashplan.executor.flashinfer.buffers import WrapperSlot
 from flashplan.executor.flashinfer.calls import (
     GroupCalls,
     MaskRecipe,
@@ -96,7 +96,7 @@ class GraphBuffers:
     captured: CapturedWork | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
-        self.owned = OwnedBuffers(self.settings.device, WrapperPool(grow=False))
+        self.owned = OwnedBuffers(self.settings.device, grow=False)
 
     # -- what a plan must have -----------------------------------------------------------
     def admit(self, spec: PlanSpec) -> None:

@@ -23,6 +23,7 @@ import attrs
 import torch
 
 from flashplan.executor.flashinfer.buffers import DeviceBuffer, PinnedRing, SliceViews, WrapperPool
+from flashplan.executor.flashinfer.timeline import Timeline
 from flashplan.kernels.fused import direct_launcher
 from flashplan.kernels.gather import new_status
 
@@ -73,7 +74,14 @@ class OwnedBuffers:
     """Every buffer and cache an executor keeps between applies (see
     :mod:`~flashplan.executor.flashinfer.caches` for each one's key).
 
+    Args:
+        device: the executor's CUDA device.
+        grow: whether the wrapper pool may hold several wrappers per key (eager) or
+            one (CUDA graphs: :class:`~flashplan.executor.flashinfer.buffers.WrapperPool`).
+
     Attributes:
+        timeline: the marks after each apply's queued work, by which the staging ring
+            and the pool tell idle slots and wrappers from busy ones.
         pool: FlashInfer wrappers by ``(step prefix, WrapperKey)``.
         skeletons: call skeletons by their static key.
         lanes: each skeleton's paged lane (``None``: the general translation), by the
@@ -100,10 +108,12 @@ class OwnedBuffers:
     """
 
     device: torch.device
-    pool: WrapperPool
+    grow: bool
+    timeline: Timeline = attrs.field(init=False)
+    pool: WrapperPool = attrs.field(init=False)
+    ring: PinnedRing = attrs.field(init=False)
     skeletons: dict[object, tuple[GroupCalls, ...]] = attrs.field(factory=dict)
     lanes: dict[int, tuple[tuple[GroupCalls, ...], PagedLane | None]] = attrs.field(factory=dict)
-    ring: PinnedRing = attrs.field(factory=PinnedRing)
     views: SliceViews = attrs.field(factory=SliceViews)
     item_bufs: dict[str, DeviceBuffer] = attrs.field(factory=dict)
     mask_bufs: dict[int, DeviceBuffer] = attrs.field(factory=dict)
@@ -121,6 +131,9 @@ class OwnedBuffers:
 
     def __attrs_post_init__(self) -> None:
         dev = self.device
+        self.timeline = Timeline(dev)
+        self.pool = WrapperPool(self.timeline, grow=self.grow)
+        self.ring = PinnedRing(self.timeline)
         self.staged = DeviceBuffer(dev, torch.int32)
         self.out_page = DeviceBuffer(dev, torch.int32)
         self.out_offset = DeviceBuffer(dev, torch.int32)

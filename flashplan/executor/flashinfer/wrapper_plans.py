@@ -201,7 +201,6 @@ def plan_calls(
     staged: StagedViews,
     page: torch.Tensor,
     masks: dict[int, torch.Tensor],
-    stream: torch.cuda.Stream,
     prefix: str = "",
     leaders: Slots | None = None,
     slots: Slots | None = None,
@@ -282,7 +281,7 @@ def plan_calls(
                 counts.decode_replans += 1
                 held.plan_inputs = None  # the wrapper now holds this re-plan
                 counts.schedules_kept += not schedule and not shared
-                owned.pool.mark_planned(held, stream)
+                owned.pool.mark_planned(held)
                 planned[(index, part)] = held.wrapper
                 if slots is not None:
                     slots[(index, part)] = held
@@ -333,7 +332,7 @@ def plan_calls(
                 # arguments and this plan(): checked once per full plan()
                 held.replannable = bound.prefill is not None and replannable(held.wrapper, kwargs)
                 counts.full += 1
-            owned.pool.mark_planned(held, stream)
+            owned.pool.mark_planned(held)
             planned[(index, part)] = held.wrapper
             if slots is not None:
                 slots[(index, part)] = held
@@ -347,7 +346,6 @@ def plan_step_calls(
     host: StagedViews,
     staged: StagedViews,
     page: torch.Tensor,
-    stream: torch.cuda.Stream,
     prefixes: list[str],
 ) -> list[Planned]:
     """:func:`plan_calls` of every step of a multi-step draft (``steps``: each step's
@@ -363,7 +361,7 @@ def plan_step_calls(
         spec, calls = steps[k]
         follows = k != last and spec.batch_size == steps[last][0].batch_size
         planned[k] = plan_calls(
-            strategy, spec, calls, dplan, host, staged, page, {}, stream, prefixes[k],
+            strategy, spec, calls, dplan, host, staged, page, {}, prefixes[k],
             leaders=leaders if follows else None, slots=leaders if k == last else None,
         )  # fmt: skip
     return [planned[k] for k in range(len(steps))]
