@@ -41,6 +41,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -110,6 +111,33 @@ class LoopLens:
         return self.lens + self.step
 
 
+def bare_decode_plan(
+    spec: fp.PlanSpec, table: fp.PageTable
+) -> tuple[Callable[[], None], Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """FlashInfer's bare decode ``plan()`` of ``spec`` (one group) with its inputs ready,
+    as an engine would hold them: pinned host indptr and last page lengths, the gathered
+    page ids on the device; the decode kernel kind the executor picks, backend ``"fa2"``
+    as its decode wrappers. Returns the call, its wrapper and ``(indptr, page ids, last
+    page lengths)``."""
+    part = spec.group_plans[0].paged
+    assert part is not None
+    indptr, last = pinned(part.page_indptr), pinned(part.last_page_len)
+    rows = table.rows.astype(np.int64)
+    pages = table.pages.cpu()
+    idx = torch.cat(
+        [pages[r, s : s + n] for r, s, n in zip(rows, part.start_page, part.num_pages, strict=True)]
+    ).to(DEV)
+    tc = decode_uses_tensor_cores(HEADS, ExecutorPolicy(), spec.batch_size)
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device=DEV)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc, backend="fa2")
+
+    def bare() -> None:
+        w.plan(indptr, idx, last, HQ, HKV, D, PAGE, q_data_type=DT, kv_data_type=DT,
+               non_blocking=True)  # fmt: skip
+
+    return bare, w, (indptr, idx, last)
+
+
 def measure(bs: int, reps: int) -> dict[str, float]:
     lens = np.full(bs, KV)
     layout = fp.BatchLayout.decode(lens, page_size=PAGE)
@@ -117,25 +145,9 @@ def measure(bs: int, reps: int) -> dict[str, float]:
     # room for the decode loop below: every request up to LOOP tokens longer
     room = fp.plan(fp.BatchLayout.decode(lens + LOOP, page_size=PAGE), HEADS).pages_needed
     table = fp.PageTable.shuffled(room, seed=bs, device=DEV)
-    part = spec.group_plans[0].paged
-    assert part is not None
-
-    # the inputs a bare plan() gets: pinned host indptr / last page, device page ids
-    indptr, last = pinned(part.page_indptr), pinned(part.last_page_len)
-    rows = table.rows.astype(np.int64)
-    pages = table.pages.cpu()
-    idx = torch.cat(
-        [pages[r, s : s + n] for r, s, n in zip(rows, part.start_page, part.num_pages, strict=True)]
-    ).to(DEV)
-    tc = decode_uses_tensor_cores(HEADS, ExecutorPolicy(), bs)
-    ws = torch.zeros(128 << 20, dtype=torch.uint8, device=DEV)
-    # backend "fa2", as the executor's decode wrappers (and run_gpu.py's bare plan())
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc, backend="fa2")
+    bare, w, (indptr, idx, last) = bare_decode_plan(spec, table)
+    tc = bool(w.use_tensor_cores)
     kwargs = dict(q_data_type=DT, kv_data_type=DT, non_blocking=True)
-
-    def bare() -> None:
-        w.plan(indptr, idx, last, HQ, HKV, D, PAGE, **kwargs)
-
     bare()
     indptr_dev, last_dev = indptr.to(DEV), last.to(DEV)
 

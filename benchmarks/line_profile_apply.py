@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Line profile of the verify host path (GPU machine; needs ``line_profiler``).
+"""Line profile of the verify or decode host path (GPU machine; needs ``line_profiler``).
 
-    python3 benchmarks/line_profile_apply.py --out OUT [--n 300]
+    python3 benchmarks/line_profile_apply.py --out OUT [--n 300] [--case decode --batch 64]
 
-``bench_speculative.py``'s verify batch (64 requests x 64-token trees over 4096, page
-16, the FA2 policy) planned and applied ``--n`` times, each on a fresh plan, under
-``line_profiler`` in two conditions, and FlashInfer's bare ``plan()`` of the same batch
-(the benchmark's yardstick) profiled the same way:
+``--case verify`` (default): ``bench_speculative.py``'s verify batch (64 requests x
+64-token trees over 4096, page 16, the FA2 policy) planned and applied ``--n`` times,
+each on a fresh plan. ``--case decode``: ``floor.py``'s decode step (``--batch``
+requests over 4096 keys, page 16: ``BatchLayout.decode`` + ``plan`` + ``apply``, the
+default policy). Each under ``line_profiler`` in two conditions, and FlashInfer's bare
+``plan()`` of the same batch (the benchmark's yardstick) profiled the same way:
 
 * ``idle``: the GPU synchronized before each call;
 * ``busy``: each call issued right after a 2 ms kernel (``torch.cuda._sleep``), as an
@@ -26,6 +28,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,10 +44,13 @@ import flashplan.executor.flashinfer.batch_arrays as batch_arrays_mod
 import flashplan.executor.flashinfer.buffers as buffers_mod
 import flashplan.executor.flashinfer.device_work as device_work_mod
 import flashplan.executor.flashinfer.eager as eager_mod
+import flashplan.executor.flashinfer.paged_lane as paged_lane_mod
 import flashplan.executor.flashinfer.staging as staging_mod
+import flashplan.executor.flashinfer.timeline as timeline_mod
 import flashplan.executor.flashinfer.wrapper_plans as wrapper_plans_mod
 import flashplan.executor.gathers as gathers_mod
 import flashplan.kernels.fused as fused_mod
+import flashplan.layout.batch as batch_mod
 import flashplan.planning.planner as planner_mod
 from flashplan.executor.checks import check_apply_args
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
@@ -62,7 +68,7 @@ FUNCTIONS = [
     batch_arrays_mod.call_inputs,
     batch_arrays_mod._mask_recipe,
     gathers_mod.gather_jobs,
-    gathers_mod._job_table,
+    gathers_mod.job_table,
     staging_mod.device_plan,
     staging_mod.DevicePlan.write_into,
     adapter_mod.replan_prefill,
@@ -71,9 +77,21 @@ FUNCTIONS = [
     adapter_mod.DirectLaunch.__call__,
     buffers_mod.PinnedRing.acquire,
     buffers_mod.WrapperPool.acquire,
-    buffers_mod.WrapperPool.mark_planned,
-    buffers_mod.PinnedSlot.mark_read,
+    timeline_mod.Timeline.mark,
+    timeline_mod.Timeline.passed,
     check_apply_args,
+]
+
+#: What a decode step adds (the layout, the decode planner, the paged lane).
+DECODE_FUNCTIONS = [
+    batch_mod.BatchLayout.decode,
+    planner_mod._plan_decode,
+    planner_mod._decode_group,
+    paged_lane_mod.PagedLane.device_plan,
+    eager_mod.EagerBuffers.skeleton,
+    FlashInferExecutor._check_plan,
+    adapter_mod.replan_decode,
+    wrapper_plans_mod._schedule_changed,
 ]
 
 
@@ -107,26 +125,51 @@ def plain(fn: Callable[[], object], n: int, busy: int) -> float:
     return float(np.median(times))
 
 
+def decode_step(bs: int) -> tuple[Callable[[], None], Callable[[], None], Any]:
+    """``floor.py``'s decode step of ``bs`` requests over 4096 keys (page 16, a fresh
+    layout and plan each call, the default policy) and FlashInfer's bare ``plan()`` of
+    the same batch (``floor.bare_decode_plan``), and that call's wrapper."""
+    from floor import DEV, KV, PAGE, bare_decode_plan
+    from floor import HEADS as DECODE_HEADS
+
+    lens = np.full(bs, KV)
+    spec = fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), DECODE_HEADS)
+    table = fp.PageTable.shuffled(spec.pages_needed, seed=bs, device=DEV)
+    ex = FlashInferExecutor()
+
+    def ours() -> None:
+        ex.apply(fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), DECODE_HEADS), table)
+
+    bare, wrapper, _ = bare_decode_plan(spec, table)
+    return ours, bare, wrapper
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--n", type=int, default=300)
+    parser.add_argument("--case", choices=("verify", "decode"), default="verify")
+    parser.add_argument("--batch", type=int, default=64, help="decode requests")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda")
-    layout, spec, table = verify_batch()
-    ex = FlashInferExecutor(policy=ExecutorPolicy(prefill_backend="fa2"))
+    functions = FUNCTIONS
+    if args.case == "verify":
+        layout, spec, table = verify_batch()
+        ex = FlashInferExecutor(policy=ExecutorPolicy(prefill_backend="fa2"))
 
-    def ours() -> None:
-        ex.apply(fp.plan(layout, HEADS), table)
+        def ours() -> None:
+            ex.apply(fp.plan(layout, HEADS), table)
 
+        # FlashInfer's bare plan() with the mask packed ahead (bench_speculative's yardstick)
+        raw_plan, raw = bare_verify_plan(
+            spec, table, torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+        )
+    else:
+        ours, raw_plan, raw = decode_step(args.batch)
+        functions = FUNCTIONS + DECODE_FUNCTIONS
     for _ in range(30):
         ours()
-
-    # FlashInfer's bare plan() with the mask packed ahead (bench_speculative's yardstick)
-    raw_plan, raw = bare_verify_plan(
-        spec, table, torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
-    )
 
     for _ in range(30):
         raw_plan()
@@ -140,7 +183,7 @@ def main() -> None:
         print(f"{cond}: flashplan plan + apply {ours_us:.0f} µs, bare plan() {raw_us:.0f} µs "
               f"(ratio {ours_us / raw_us:.2f}; no profiler)")  # fmt: skip
     for cond, cycles in conditions:
-        text, med = profile(ours, FUNCTIONS, args.n, cycles)
+        text, med = profile(ours, functions, args.n, cycles)
         with open(os.path.join(args.out, f"line_{cond}.txt"), "w") as f:
             f.write(text)
         raw_text, raw_med = profile(raw_plan, raw_fns, args.n, cycles)
