@@ -5,8 +5,8 @@
   bf16 32/8 heads x 128, page 16: flashplan's host plan + apply and its kernel vs
   FlashInfer's bare ``plan()`` on ready pinned tensors with the same packed mask built
   by hand (``packbits`` on the device) and its kernel. Targets: host plan + apply
-  <= 1.5x the bare ``plan()``; kernel time equal. Host times are medians of seven
-  interleaved rounds of 30 calls of one job each (the host is noisy), with plan and
+  <= 1.2x the bare ``plan()`` (issue 24's); kernel time equal. Host times are medians
+  of seven interleaved rounds of 30 calls of one job each (the host is noisy), with plan and
   apply also timed alone, each call on an idle GPU; then the two jobs alternated call
   by call (a b b a …, 200 calls each: a job timed in a block of its own calls runs with
   hot CPU caches, which an engine's plan, issued once per step after a forward pass,
@@ -223,7 +223,7 @@ def part_verify(out: dict[str, object]) -> list[str]:
         "flashplan_busy_us": ours_busy,
         "raw_plan_busy_us": raw_busy,
     }
-    met_h = ours_host <= 1.5 * raw_host
+    met_h = ours_host <= 1.2 * raw_host
     met_k = ours_kernel <= 1.02 * raw_kernel
     return [
         "## Verify: 64 requests x 64 draft tokens (trees) over 4096, bf16 32/8 x 128, page 16",
@@ -235,7 +235,7 @@ def part_verify(out: dict[str, object]) -> list[str]:
         f"| FlashInfer bare plan() (mask packed ahead) | {raw_host:.0f} | {raw_kernel:.3f} |",
         "| reference file's way: device indptrs + kv-indices kernel + plan() with the "
         f"boolean tree mask (reads back, packs) | {ref_host:.0f} | — |",
-        f"| ratio | {ours_host / raw_host:.2f} ({'met' if met_h else 'missed'} <= 1.5) | "
+        f"| ratio | {ours_host / raw_host:.2f} ({'met' if met_h else 'missed'} <= 1.2) | "
         f"{ours_kernel / raw_kernel:.3f} ({'met' if met_k else 'missed'} equal) |",
         "",
         f"Medians of {ROUNDS} interleaved rounds; per round, flashplan / bare plan(): "

@@ -16,6 +16,7 @@ instead of seven views.
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -310,7 +311,7 @@ class BoundGatherAndMask:
         page map still at the addresses bound (a tensor given new storage in place is
         bound again)."""
         now = _bound_tensors(pages, jobs, out_page, out_offset, page_map, status, mask)
-        if not all(a is b for a, b in zip(self.tensors, now, strict=True)):
+        if not all(map(operator.is_, self.tensors, now)):  # (one length: _bound_tensors)
             return False
         head = self._pointers[0]
         return pages.data_ptr() == head[0] and (page_map is None or page_map.data_ptr() == head[7])

@@ -174,6 +174,8 @@ class BoundCall:
             reads, compared by value to skip a re-run (a paged prefill's ``qo_indptr``,
             page indptr and KV lengths; a CUDA-core decode's page indptr), or ``None``
             (a tensor-core decode: compared by plan object only; ``wrapper_plans``).
+        decode_indices: a decode call's placeholder of its gathered page ids (the one
+            per-batch argument of a decode re-plan), else ``None``.
     """
 
     host: dict[str, torch.Tensor]
@@ -184,6 +186,7 @@ class BoundCall:
     mask_indptr: torch.Tensor | None
     prefill_ints: tuple[str, str, str] = ("", "", "")
     schedule_inputs: tuple[np.ndarray, ...] | None = None
+    decode_indices: object = None
 
 
 @attrs.define(eq=False)

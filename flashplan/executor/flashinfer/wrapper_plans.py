@@ -111,7 +111,10 @@ def bound_call(
         inputs = (decode[0].numpy(),)
     elif prefill is not None:  # qo_indptr, the page indptr, the KV lengths
         inputs = (prefill[0].numpy(), prefill[2].numpy(), prefill[5].numpy())
-    bound = BoundCall(host, kwargs, tuple(dynamic), decode, prefill, mask_indptr, ints, inputs)
+    indices = next((v for n, v in dynamic if n == "indices"), None) if decode else None
+    bound = BoundCall(
+        host, kwargs, tuple(dynamic), decode, prefill, mask_indptr, ints, inputs, indices
+    )
     staged.memo.calls[memo_key] = bound
     return bound
 
@@ -259,8 +262,7 @@ def plan_calls(
             ):
                 # a decode re-plan's one per-batch argument: the gathered page ids (it
                 # reads only constants from the bound arguments)
-                indices = next(v for n, v in bound.dynamic if n == "indices")
-                arrays = DecodeArrays(*bound.decode, indices=resolve(indices))
+                arrays = DecodeArrays(*bound.decode, resolve(bound.decode_indices))
                 leader = None if leaders is None else leaders.get((index, part))
                 shared = (
                     leader is not None
