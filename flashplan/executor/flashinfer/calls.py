@@ -112,18 +112,9 @@ def skeleton_key(
     bs = spec.batch_size if batch_size is None else batch_size
     tensor_cores = decode_uses_tensor_cores(spec.heads, policy, bs)
     plans = spec.group_plans
-    masked: tuple[bool, ...]
-    items: tuple[bool, ...]
-    virtual: tuple[bool, ...]
-    if len(plans) == 1:  # the common case: one group, one entry each
-        gp = plans[0]
-        masked, items, virtual = (
-            (gp.uses_custom_mask,), (gp.items is not None,), (gp.virtual is not None,)
-        )  # fmt: skip
-    else:
-        masked = tuple([gp.uses_custom_mask for gp in plans])
-        items = tuple([gp.items is not None for gp in plans])
-        virtual = tuple([gp.virtual is not None for gp in plans])
+    masked = tuple([gp.uses_custom_mask for gp in plans])
+    items = tuple([gp.items is not None for gp in plans])
+    virtual = tuple([gp.virtual is not None for gp in plans])
     cascade = spec.cascade
     if cascade is None:
         return spec.key, tensor_cores, masked, items, virtual, (), 0
