@@ -26,6 +26,10 @@ Columns:
                  the same lengths every call
   loop step      the same, as a decode loop: every request one token longer each call
                  (new page counts once per page, new KV lengths every call)
+  blocks         step and bare plan() again, each timed in a block of its own calls
+                 (``run_gpu.py``'s way: the bare ``plan()``'s best case)
+  schedules kept the share of the step executor's decode re-plans that kept the
+                 scheduler's last plan (``plan_counts``)
 
 The floor's parts are timed one after the other (``--reps`` calls each); bare plan(),
 apply, step and loop step round by round (``_timing.interleaved_us``: every job once per
@@ -220,6 +224,12 @@ def measure(bs: int, reps: int) -> dict[str, float]:
     out["loop_step_ratio"] = paired_ratio(rounds["loop_step"], rounds["bare_plan"])
     out["direct_launches"] = direct.direct
     out["floor_us"] = out["module_plan_us"] + out["copy_us"] + out["launch_us"]
+    # the same two jobs in blocks of their own calls (run_gpu.py's way: the bare plan()'s
+    # best case, its code and data hot in the CPU caches)
+    out["bare_plan_blocks_us"] = host_us(bare, n=reps, warmup=20)
+    out["step_blocks_us"] = host_us(step, n=reps, warmup=20)
+    counts = ex.plan_counts
+    out["kept"] = counts["schedules_kept"] / max(counts["fast_decode_plan"], 1)
     return out
 
 
@@ -239,8 +249,8 @@ def main() -> None:
         "",
         "| batch | staged int32 | module plan | fast_decode_plan | copy | launch | **floor** "
         "| bare plan() | apply | step | step / bare | step / floor | bare / floor "
-        "| loop step | loop step / bare |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| loop step | loop step / bare | blocks: step / bare | schedules kept |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -249,7 +259,9 @@ def main() -> None:
             f"| **{r['floor_us']:.1f}** | {r['bare_plan_us']:.1f} | {r['apply_us']:.1f} "
             f"| {r['step_us']:.1f} | {r['step_ratio']:.2f}x "
             f"| {r['step_us'] / r['floor_us']:.2f}x | {r['bare_plan_us'] / r['floor_us']:.2f}x "
-            f"| {r['loop_step_us']:.1f} | {r['loop_step_ratio']:.2f}x |"
+            f"| {r['loop_step_us']:.1f} | {r['loop_step_ratio']:.2f}x "
+            f"| {r['step_blocks_us']:.1f} / {r['bare_plan_blocks_us']:.1f} = "
+            f"{r['step_blocks_us'] / r['bare_plan_blocks_us']:.2f}x | {r['kept']:.0%} |"
         )
     text = "\n".join(lines)
     print(text)

@@ -182,3 +182,121 @@ def test_kept_schedules_equal_plan(page_size: int, batch_size: int) -> None:
     assert full.plan_counts["schedules_kept"] == 0
     if batch_size < 4 and page_size == 16:  # page counts change every 16 steps at most
         assert fast.plan_counts["schedules_kept"] >= 24
+
+
+#: 32/8 heads: a tensor-core decode batch splits no keys above 2 * SMs // 8 requests.
+WIDE_HEADS = fp.HeadConfig(num_qo_heads=32, num_kv_heads=8, head_dim=128)
+
+
+def _unsplit_batch_size() -> int:
+    """The smallest batch FlashInfer's tensor-core decode scheduler never splits here
+    (more query tiles than ``2 * SMs // num_kv_heads``)."""
+    num_sm = torch.cuda.get_device_properties(DEV).multi_processor_count
+    return 2 * num_sm // WIDE_HEADS.num_kv_heads + 1
+
+
+def _length_mix(batch_size: int, seed: int) -> list[np.ndarray]:
+    """Batches of one size: short, long, mixed, one long request among short ones, and
+    short again (a schedule kept from a long batch serves a short one too)."""
+    rng = np.random.default_rng(seed)
+    one_long = rng.integers(1, 30, batch_size)
+    one_long[batch_size // 2] = 2900
+    return [
+        rng.integers(1, 20, batch_size),
+        rng.integers(1500, 2900, batch_size),
+        rng.integers(1, 2900, batch_size),
+        one_long,
+        rng.integers(1, 9, batch_size),
+    ]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("above", [True, False])  # the unsplit batch size, or one below
+def test_unsplit_schedules_stand_for_any_lengths(page_size: int, above: bool) -> None:
+    """A tensor-core decode batch too large to split keeps its first schedule for any KV
+    lengths (``adapter.schedule_stands``: no scheduler run, ``schedules_kept``), and
+    every output, LSE and plan info equals an executor that calls ``plan()`` every
+    batch; one request fewer, the scheduler runs for every batch."""
+    bs = _unsplit_batch_size() - (0 if above else 1)
+    seed = stable_seed("unsplit stands", page_size, bs)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    fast = FlashInferExecutor(fast_plan=True)
+    full = FlashInferExecutor(fast_plan=False)
+    hq, hkv, d = WIDE_HEADS.num_qo_heads, WIDE_HEADS.num_kv_heads, WIDE_HEADS.head_dim
+    batches = _length_mix(bs, seed)
+    for step, seq in enumerate(batches):
+        spec = fp.plan(fp.BatchLayout.decode(seq, page_size=page_size, groups=GROUPS), WIDE_HEADS)
+        table = fp.PageTable.shuffled(spec.pages_needed, seed=step, device=DEV)
+        assert table.num_pages is not None
+        caches = [
+            torch.randn(table.num_pages, 2, page_size, hkv, d, generator=gen, device=DEV).to(
+                torch.bfloat16
+            )
+            for _ in GROUPS
+        ]
+        q = torch.randn(bs, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
+        outs = {}
+        for name, ex in (("fast", fast), ("full", full)):
+            with syncs_raise():
+                ex.apply(spec, table)
+                outs[name] = [
+                    ex.run(g, q, None, None, c, return_lse=True)
+                    for g, c in zip(GROUPS, caches, strict=True)
+                ]
+        torch.cuda.synchronize()
+        for group, (o_fast, l_fast), (o_full, l_full) in zip(
+            GROUPS, outs["fast"], outs["full"], strict=True
+        ):
+            assert torch.equal(o_fast, o_full), (group, step)
+            assert torch.equal(l_fast, l_full), (group, step)
+        assert _plan_infos(fast) == _plan_infos(full), step
+    kept = fast.plan_counts["schedules_kept"]
+    assert kept == ((len(batches) - 1) * len(GROUPS) if above else 0)
+    assert fast.plan_counts["fast_decode_plan"] == (len(batches) - 1) * len(GROUPS)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_unsplit_schedules_stand_in_graphs(page_size: int) -> None:
+    """The same in a CUDA-graph bucket of the unsplit batch size: every replay after the
+    first keeps the captured schedule, bit for bit with replays planned by ``plan()``."""
+    bs = _unsplit_batch_size()
+    seed = stable_seed("unsplit stands graph", page_size)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    batches = _length_mix(bs, seed)
+    specs = [
+        fp.plan(fp.BatchLayout.decode(seq, page_size=page_size, groups=GROUPS), WIDE_HEADS)
+        for seq in batches
+    ]
+    tables = [
+        fp.PageTable.shuffled(s.pages_needed, seed=i, device=DEV) for i, s in enumerate(specs)
+    ]
+    pool = max(int(t.num_pages or 0) for t in tables)
+    hq, hkv, d = WIDE_HEADS.num_qo_heads, WIDE_HEADS.num_kv_heads, WIDE_HEADS.head_dim
+    bucket = GraphBucket.decode(batch_size=bs, max_pages=2900 // page_size + 2)
+    q = torch.randn(bs, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
+    base = [
+        torch.randn(pool, 2, page_size, hkv, d, generator=gen, device=DEV).to(torch.bfloat16)
+        for _ in GROUPS
+    ]
+    steps = {}
+    for name, fast in (("fast", True), ("full", False)):
+        gx = GraphExecutor(FlashInferExecutor(fast_plan=fast), bucket)
+        gx.apply(specs[0], tables[0])
+
+        def forward(gx: FlashInferExecutor = gx) -> object:
+            return [gx.run(g, q, None, None, c) for g, c in zip(GROUPS, base, strict=True)]
+
+        steps[name] = capture(gx, forward)
+    kept_before = steps["fast"].executor.plan_counts["schedules_kept"]
+    for i, (spec, table) in enumerate(zip(specs, tables, strict=True)):
+        outs = {}
+        for name, step in steps.items():
+            with syncs_raise():
+                outs[name] = [o.clone() for o in step.replay(spec, table)]
+        torch.cuda.synchronize()
+        for group, got, want in zip(GROUPS, outs["fast"], outs["full"], strict=True):
+            assert torch.equal(got, want), (group, i)
+        assert _plan_infos(steps["fast"].executor) == _plan_infos(steps["full"].executor), i
+    kept = steps["fast"].executor.plan_counts["schedules_kept"] - kept_before
+    assert kept == len(specs) * len(GROUPS)  # every replay kept the schedule
+    assert steps["full"].executor.plan_counts["schedules_kept"] == 0

@@ -4,8 +4,9 @@ one table of the versions each use was checked against (:data:`SUPPORTED`).
 Everywhere else flashplan calls FlashInfer's public ``plan()`` / ``run()`` and launches
 Triton kernels as ``kernel[grid](*args)``. Here, each only on a version in the table:
 
-* **decode re-plans** (:func:`replan_decode`): the compiled scheduler called directly;
-  a draft step's wrapper runs on another step's unsplit schedule (:func:`adopt_schedule`);
+* **decode re-plans** (:func:`replan_decode`): the compiled scheduler called directly,
+  or not at all where its last schedule stands (:func:`schedule_stands`); a draft step's
+  wrapper runs on another step's unsplit schedule (:func:`adopt_schedule`);
 * **paged prefill re-plans** (:func:`replan_prefill`): the private fields that paged
   prefill ``plan()`` sets, and its compiled scheduler called directly;
 * **direct Triton launches** (:class:`DirectLaunch`): a compiled kernel's launcher
@@ -15,14 +16,11 @@ On a FlashInfer version not in the table every wrapper is planned through ``plan
 and :func:`check_version` warns (:class:`FlashInferVersionWarning`) once per process and
 version; on a Triton version not in it every launch goes through ``kernel[grid]``.
 
-The table also vouches for two flashinfer 0.7.4 behaviours flashplan works around
-(``tests/test_flashinfer_calls.py``; a fix would make the workarounds misplace bits):
-**packed mask offsets** — ``plan()`` sums ``qo_len * kv_len`` (bits) into offsets the
-kernel adds to a byte pointer (flashinfer PR #2201), so flashplan lays each request's
-bytes there (:func:`~flashplan.executor.flashinfer.calls.flashinfer_mask_offsets`); and
-**empty masked spans** — a span of zero pages gets a negative mask size, so flashplan
-gives it one unread page with ``last_page_len = 0``
-(:func:`~flashplan.executor.flashinfer.calls.call_inputs`).
+The table also vouches for two flashinfer 0.7.4 quirks flashplan works around
+(``tests/test_flashinfer_calls.py``): **packed mask offsets** summed in bits but added to
+a byte pointer (flashinfer PR #2201: :func:`~.calls.flashinfer_mask_offsets`), and
+**empty masked spans** given a negative mask size (one unread page instead,
+``last_page_len = 0``: :func:`~.calls.call_inputs`).
 
 A re-plan issues no sync and no copy, and runs only after a full ``plan()`` with the same
 constants (``WrapperSlot.planned_with``). This module imports no other executor module.
@@ -49,7 +47,7 @@ __all__ = [
     "PrefillArrays", "Slot", "Support", "VersionTable", "adopt_schedule", "base_version",
     "check_version", "direct_launch_known", "fast_decode_available", "fast_prefill_available",
     "flashinfer_support", "replan_decode", "replan_prefill", "replannable",
-    "restore_own_buffers", "unsplit_schedule",
+    "restore_own_buffers", "schedule_stands", "unsplit_schedule",
 ]  # fmt: skip
 
 
@@ -61,8 +59,9 @@ class Support:
 
     Attributes:
         flashinfer: the version, without a local ``+…`` suffix.
-        fast_decode: :func:`replan_decode` re-creates its decode ``plan()`` and
-            :func:`unsplit_schedule` reads its plan info (GPU tests ``test_fast_plan``).
+        fast_decode: :func:`replan_decode` re-creates its decode ``plan()``,
+            :func:`unsplit_schedule` reads its plan info and :func:`schedule_stands`
+            knows when its scheduler splits (GPU tests ``test_fast_plan``).
         fast_prefill: :func:`replan_prefill` re-creates its paged prefill ``plan()``
             (GPU test ``test_fast_prefill_plan_equals_plan``).
     """
@@ -205,22 +204,16 @@ def replan_decode(
     slot: Slot, kwargs: dict[str, Any], arrays: DecodeArrays, *, graph: bool,
     schedule: bool = True, refresh: bool = True,
 ) -> None:  # fmt: skip
-    """Re-plan ``slot``'s decode wrapper by calling its compiled module's scheduler
-    (``_cached_module.plan``) with the staged arrays, as vLLM's ``fast_plan_decode``
-    does: flashinfer 0.7.4's ``fast_decode_plan`` for an FA2 decode wrapper of one query
-    per request, without its per-call Python (argument checks, backend routing, a
-    host-to-device copy of ``qo_indptr``, KV lengths computed with torch ops).
+    """Re-plan ``slot``'s decode wrapper through its compiled scheduler
+    (``_cached_module.plan``) on the staged arrays, as vLLM's ``fast_plan_decode`` and
+    flashinfer 0.7.4's ``fast_decode_plan`` do, without their per-call Python.
 
-    Graph mode (``graph``: made with ``use_cuda_graph=True``): the slot's ``fixed``
-    ``"indptr"`` and ``"last_page_len"`` buffers are refreshed from the staged device
-    copy (two device-to-device copies; ``refresh=False``: left to a graph that captured
-    them). Eager mode: the wrapper's fields point at the staged device views, as
-    ``fast_decode_plan`` points them. The caller guarantees ``fast_decode_available(fi)``,
-    an FA2 wrapper and ``slot.planned_with`` equal to the call's constants (``kwargs``:
-    its ``plan()`` keywords), so the other fields ``run()`` reads stand as that
-    ``plan()`` set them. ``schedule=False``: the scheduler's inputs equal its last
-    call's, whose plan (``_plan_info``, the int workspace) stands: skipped. No sync.
-    """
+    Graph mode (``graph``): the slot's ``fixed`` indptr and last-page lengths are
+    refreshed from the staged device copy (``refresh=False``: a captured graph copies
+    them); eager: the wrapper's fields point at the staged views. The caller guarantees
+    ``fast_decode_available(fi)``, an FA2 wrapper and ``slot.planned_with`` equal to the
+    call's constants (``kwargs``: its ``plan()`` keywords). ``schedule=False``: the last
+    plan (``_plan_info``, the int workspace) stands: the scheduler is skipped. No sync."""
     w = slot.wrapper
     tensor_cores = bool(w.use_tensor_cores)
     if graph and refresh:
@@ -275,13 +268,33 @@ def unsplit_schedule(slot: Slot) -> bool:
     return len(flags) == 2 and not any(flags)
 
 
+def schedule_stands(slot: Slot, kwargs: dict[str, Any], batch_size: int, num_sm: int) -> bool:
+    """Whether ``slot``'s last schedule, a tensor-core decode's, serves ``batch_size``
+    requests whatever their KV lengths (no scheduler run needed). Such a decode runs
+    flashinfer 0.7.4's prefill scheduler, one query per request, uniform query length:
+    it splits no KV once the batch has more query tiles than ``2 * num_sm //
+    num_kv_heads`` (``PrefillSplitQOKVIndptr``; a request has one or more), and the
+    unsplit schedule depends only on the batch size and the constants (one work item
+    per request, eager or graph). The one value that differs, the int workspace's chunk
+    size, is read only when split (``prefill.cuh``). The caller guarantees the call's
+    constants equal the last plan's, and that this wrapper's scheduler made its plan."""
+    w = slot.wrapper
+    info = getattr(w, "_plan_info", None)
+    if info is None or not w.use_tensor_cores:
+        return False
+    info, split = list(info), kwargs.get("fixed_split_size")
+    return (
+        len(info) == 15 and not info[14] and info[1] == batch_size  # unsplit, total rows
+        and (split is None or split <= 0)
+        and batch_size > 2 * num_sm // kwargs["num_kv_heads"]
+    )  # fmt: skip
+
+
 def adopt_schedule(slot: Slot, leader: Slot) -> None:
-    """Run ``slot``'s decode kernels on ``leader``'s schedule (plan info, and the int
-    workspace holding it) instead of running the scheduler: a draft step with the
-    leader's batch size and constants (checked by the caller, with
-    :func:`unsplit_schedule`; :func:`replan_decode` with ``schedule=False`` pointed the
-    other fields at the step's arrays). ``slot``'s own workspace waits in ``fixed``
-    until its scheduler or ``plan()`` writes again. Eager wrappers only."""
+    """Run ``slot``'s decode kernels on ``leader``'s unsplit schedule (plan info, int
+    workspace; a draft step of its batch size and constants, checked by the caller;
+    :func:`replan_decode` with ``schedule=False`` pointed the fields at the step's
+    arrays). ``slot``'s own workspace waits in ``fixed``. Eager wrappers only."""
     w = slot.wrapper
     slot.fixed.setdefault("int_workspace", w._int_workspace_buffer)
     w._int_workspace_buffer = leader.wrapper._int_workspace_buffer
@@ -356,24 +369,15 @@ class PrefillArrays(NamedTuple):
 def replan_prefill(
     slot: Slot, kwargs: dict[str, Any], arrays: PrefillArrays, *, schedule: bool = True
 ) -> None:
-    """Re-plan ``slot``'s eager paged prefill wrapper without ``plan()``.
-
-    Paged prefill ``plan()`` checks its arguments, derives host metadata (KV lengths, a
-    mask indptr, the longest query and KV) with small CPU tensor ops, copies arrays to
-    the device and runs its compiled scheduler (``_cached_module.plan``). flashplan has
-    the metadata and every array staged already, so this sets exactly the fields
-    flashinfer 0.7.4's ``plan()`` sets on that path (eager, FA2, FlashInfer's own module,
-    fp16 / bf16 KV), pointed at the staged arrays, and calls the scheduler with the same
-    arguments (FlashInfer exports no such entry point for prefill; the reference file's
-    ``fast_prefill_plan`` does this for CUDA graphs only).
+    """Re-plan ``slot``'s eager paged prefill wrapper without ``plan()``: set the fields
+    flashinfer 0.7.4's ``plan()`` sets on this path (eager, FA2, its own module, fp16 /
+    bf16 / fp8 KV), pointed at the staged arrays, and call the compiled scheduler with
+    ``plan()``'s arguments — without its argument checks, host metadata and copies.
 
     The caller guarantees ``fast_prefill_available(fi)``, ``replannable(wrapper,
-    kwargs)`` after the wrapper's last full ``plan()`` (``WrapperSlot.replannable``),
-    and ``slot.planned_with`` equal to the call's constants (so every field that depends
-    only on them is as that ``plan()`` set it). ``kwargs``: the call's ``plan()``
-    keywords (placeholders resolved); ``schedule=False``: the scheduler's inputs equal
-    its last call's, whose plan stands (skipped; the fields still move to ``arrays``).
-    """
+    kwargs)`` after the last full ``plan()`` and ``slot.planned_with`` equal to the
+    call's constants. ``kwargs``: the ``plan()`` keywords (placeholders resolved);
+    ``schedule=False``: the scheduler's last plan stands (the fields still move)."""
     w = slot.wrapper
     bs = int(arrays.kv_lens_host.shape[0])
     w._batch_size = bs
@@ -425,18 +429,14 @@ class DirectLaunch:
     """Launches of one ``@triton.jit`` kernel that skip Triton's Python binder after the
     first launch of each variant.
 
-    Triton's ``kernel[grid](*args)`` binds and specializes every argument on every call
-    before its compiled launcher runs: tens of microseconds of host time, more than a
-    small kernel runs. For a kernel whose every int parameter is in ``do_not_specialize``
-    and every pointer parameter in ``do_not_specialize_on_alignment``, the compiled
-    variant depends only on the constexprs, the tensors' dtypes and the device (the
-    caller names them in ``key``): a key's first launch goes through ``kernel[grid]``
-    (compiling if needed) and keeps the compiled kernel, later ones call its launcher
-    with the arguments ``JITFunction.run`` passes it (Triton versions
-    ``SUPPORTED.triton_direct_launch``: :func:`direct_launch_known`). Under another
-    version or the interpreter, and with an int argument beyond int32, launches go
-    through ``kernel[grid]``; launch hooks are called as it calls them. One instance
-    per owner (an executor): no global state.
+    ``kernel[grid](*args)`` binds and specializes every argument on every call: tens of
+    microseconds of host time. For a kernel whose ints are all ``do_not_specialize`` and
+    pointers all ``do_not_specialize_on_alignment``, the variant depends only on the
+    constexprs, dtypes and device (the caller's ``key``): a key's first launch goes
+    through ``kernel[grid]`` and keeps the compiled kernel, later ones call its launcher
+    as ``JITFunction.run`` does (Triton ``SUPPORTED.triton_direct_launch``). Another
+    version, the interpreter or an int beyond int32: ``kernel[grid]``. Launch hooks are
+    called as Triton calls them. One instance per owner: no global state.
 
     Attributes:
         kernel: the jit kernel.

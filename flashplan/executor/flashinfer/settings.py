@@ -82,6 +82,8 @@ class ExecutorSettings:
             (``fast_plan`` and a flashinfer version the adapter checked).
         fast_prefill: eager FA2 paged prefill wrappers likewise.
         sm90: the device is compute capability 9.0 (decides kernel choices).
+        num_sm: the device's streaming multiprocessors (FlashInfer's scheduler sizes
+            its grid by them: ``adapter.schedule_stands``).
     """
 
     device: torch.device
@@ -95,6 +97,7 @@ class ExecutorSettings:
     fast_decode: bool
     fast_prefill: bool
     sm90: bool
+    num_sm: int
 
     @classmethod
     def make(
@@ -136,4 +139,5 @@ class ExecutorSettings:
             fast_decode=fast and fast_decode_available(fi),
             fast_prefill=fast and fast_prefill_available(fi),
             sm90=torch.cuda.get_device_capability(dev) == (9, 0),
+            num_sm=torch.cuda.get_device_properties(dev).multi_processor_count,
         )

@@ -54,8 +54,9 @@ class PlanCounts:
         prefill_replans: paged prefill re-plans through the compiled scheduler.
         plans_kept: (eager) full ``plan()`` calls skipped: the wrapper's last ``plan()``
             read the same inputs (an FA3 cascade level while the sharing holds).
-        schedules_kept: decode re-plans that kept the scheduler's last plan (its inputs
-            unchanged: ``wrapper_plans``).
+        schedules_kept: re-plans that kept the scheduler's last plan (its inputs
+            unchanged, or a tensor-core decode batch too large to split:
+            ``wrapper_plans``).
         schedules_shared: decode re-plans of a multi-step draft's step that ran on
             another step's unsplit schedule instead of the scheduler
             (``adapter.adopt_schedule``).

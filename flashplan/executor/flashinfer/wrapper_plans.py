@@ -25,6 +25,7 @@ from flashplan.executor.flashinfer.adapter import (
     replan_prefill,
     replannable,
     restore_own_buffers,
+    schedule_stands,
     unsplit_schedule,
 )
 from flashplan.executor.flashinfer.caches import BoundCall, BoundCallKey, DecodeViews, PrefillViews
@@ -119,10 +120,12 @@ def bound_call(
     return bound
 
 
-def _schedule_changed(held: WrapperSlot, spec: PlanSpec, bound: BoundCall) -> bool:
+def _schedule_changed(held: WrapperSlot, spec: PlanSpec, bound: BoundCall, num_sm: int = 0) -> bool:
     """Whether a re-plan must run the scheduler: not when its inputs equal those of the
     scheduler's last run on this wrapper (whose plan, ``_plan_info`` and the int
-    workspace, then stands).
+    workspace, then stands), nor when that run gave a tensor-core decode a schedule the
+    scheduler gives its batch size whatever the KV lengths (``adapter.schedule_stands``
+    on a device of ``num_sm`` multiprocessors: a batch too large to split).
 
     The inputs are fixed by the call's constants (equal: the caller checked
     ``planned_with``) and the host arrays the scheduler reads. The same plan object has
@@ -131,12 +134,21 @@ def _schedule_changed(held: WrapperSlot, spec: PlanSpec, bound: BoundCall) -> bo
     prefill's ``qo_indptr``, page indptr and KV lengths) are compared, as bytes: a few
     hundred nanoseconds for arrays of a batch (a decode loop changes a CUDA-core
     decode's page indptr once per page of new tokens; a cascade level's arrays stay the
-    same while its sharing does). A tensor-core decode has none: only the same plan
-    object counts (its KV lengths change at every step of a decode loop: comparing them
-    would cost more than it saves). Records the inputs when the scheduler runs.
+    same while its sharing does). A tensor-core decode has none: the same plan object
+    counts, or a batch too large to split (its KV lengths change at every step of a
+    decode loop: comparing them would cost more than it saves). Records the inputs when
+    the scheduler runs.
     """
     last = held.scheduled
     if last is not None and last[0] is spec:
+        return False
+    decode = bound.decode
+    if (
+        last is not None
+        and decode is not None
+        and decode[4] is not None  # a tensor-core decode
+        and schedule_stands(held, bound.kwargs, decode[2].shape[0], num_sm)
+    ):
         return False
     data = _input_bytes(bound)
     if data is not None and last is not None and last[1] == data:
@@ -270,7 +282,7 @@ def plan_calls(
                     and leader.planned_with == call.constants
                     and unsplit_schedule(leader)
                 )
-                schedule = not shared and _schedule_changed(held, spec, bound)
+                schedule = not shared and _schedule_changed(held, spec, bound, settings.num_sm)
                 replan_decode(
                     held, bound.kwargs, arrays, graph=strategy.graph, schedule=schedule,
                     refresh=strategy.captured is None,  # else the graph copies them
