@@ -191,3 +191,76 @@ def _check_kv_lens_fields(ex: FlashInferExecutor, step: int) -> None:
             if inside:
                 own = slot.fixed["kv_lens"]
                 assert not lo <= own.data_ptr() < hi, step
+
+
+#: 32/8 heads: FlashInfer's prefill scheduler splits no KV above 2 * SMs // 8 query tiles.
+WIDE_HEADS = attrs.evolve(HEADS, num_qo_heads=32, num_kv_heads=8)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_schedules_stand_for_any_kv_lengths(page_size: int) -> None:
+    """Verify and extend batches of more requests than FlashInfer's scheduler ever
+    splits, with the same queries and other KV lengths each time: every re-plan after
+    the first of a query layout keeps its schedule (``adapter.schedule_stands``;
+    ``schedules_kept``), and every wrapper field and output equals ``plan()``'s."""
+    num_sm = torch.cuda.get_device_properties(DEV).multi_processor_count
+    bs = 2 * num_sm // WIDE_HEADS.num_kv_heads + 1
+    seed = stable_seed("prefill stands", page_size)
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    parents = np.full((bs, 6), -1, dtype=np.int64)
+    for j in range(1, 6):
+        parents[:, j] = rng.integers(0, j, bs)
+    tree = fp.DraftTree.from_parents(parents)
+    groups = (fp.AttentionGroup.full(), fp.AttentionGroup.sliding(30))
+    new = rng.integers(1, 40, bs)  # one extend's new tokens, kept across its batches
+
+    def verify(lo: int, hi: int) -> fp.BatchLayout:
+        return fp.BatchLayout.verify(rng.integers(lo, hi, bs), tree, page_size=page_size,
+                                     groups=groups)  # fmt: skip
+
+    def extend(lo: int, hi: int) -> fp.BatchLayout:
+        prefix = rng.integers(lo, hi, bs)
+        return fp.BatchLayout.extend(prefix + new, prefix, page_size=page_size, groups=groups)
+
+    layouts = [verify(10, 40), verify(900, 2000), verify(10, 2000), verify(6, 12),
+               extend(0, 30), extend(1000, 2000), extend(0, 2000)]  # fmt: skip
+    policy = ExecutorPolicy(prefill_backend="fa2")
+    fast = FlashInferExecutor(policy=policy, fast_plan=True)
+    full = FlashInferExecutor(policy=policy, fast_plan=False)
+    hq, hkv, d = WIDE_HEADS.num_qo_heads, WIDE_HEADS.num_kv_heads, WIDE_HEADS.head_dim
+    kept = []
+    for step, layout in enumerate(layouts):
+        spec = fp.plan(layout, WIDE_HEADS, extend_path="paged")
+        table = fp.PageTable.shuffled(spec.pages_needed, seed=step, device=DEV)
+        assert table.num_pages is not None
+        cache = torch.randn(table.num_pages, 2, page_size, hkv, d, generator=gen, device=DEV)
+        cache = cache.to(torch.bfloat16)
+        q = torch.randn(spec.total_q, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
+        outs = {}
+        for name, ex in (("fast", fast), ("full", full)):
+            with syncs_raise(name == "fast"):
+                ex.apply(spec, table)
+                outs[name] = [ex.run(g, q, None, None, cache, return_lse=True) for g in groups]
+        torch.cuda.synchronize()
+        for group, (o_fast, l_fast), (o_full, l_full) in zip(
+            groups, outs["fast"], outs["full"], strict=True
+        ):
+            assert torch.equal(o_fast, o_full), (group, step)
+            assert torch.equal(l_fast, l_full), (group, step)
+        for key, wrapper in full.planned_wrappers.items():
+            built = tuple(
+                ex._buffers.owned.mask_bufs[key[0]].tensor
+                if key[0] in ex._buffers.owned.mask_bufs
+                else None
+                for ex in (fast, full)
+            )
+            _assert_same_state(
+                fast.planned_wrappers[key], wrapper, built, f"step {step}, call {key}"
+            )
+        kept.append(fast.plan_counts["schedules_kept"])
+    # the first verify and the first extend plan() (new constants); every later batch
+    # of the same queries keeps the schedule of each of its calls
+    gained = np.diff([0, *kept]).tolist()
+    assert gained == [0, 2, 2, 2, 0, 2, 2], gained
+    assert full.plan_counts["schedules_kept"] == 0

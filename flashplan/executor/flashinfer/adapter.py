@@ -8,7 +8,7 @@ Triton kernels as ``kernel[grid](*args)``. Here, each only on a version in the t
   or not at all where its last schedule stands (:func:`schedule_stands`); a draft step's
   wrapper runs on another step's unsplit schedule (:func:`adopt_schedule`);
 * **paged prefill re-plans** (:func:`replan_prefill`): the private fields that paged
-  prefill ``plan()`` sets, and its compiled scheduler called directly;
+  prefill ``plan()`` sets, and its compiled scheduler called directly (or not);
 * **direct Triton launches** (:class:`DirectLaunch`): a compiled kernel's launcher
   called with the arguments ``JITFunction.run`` passes it.
 
@@ -268,25 +268,28 @@ def unsplit_schedule(slot: Slot) -> bool:
     return len(flags) == 2 and not any(flags)
 
 
-def schedule_stands(slot: Slot, kwargs: dict[str, Any], batch_size: int, num_sm: int) -> bool:
-    """Whether ``slot``'s last schedule, a tensor-core decode's, serves ``batch_size``
-    requests whatever their KV lengths (no scheduler run needed). Such a decode runs
-    flashinfer 0.7.4's prefill scheduler, one query per request, uniform query length:
-    it splits no KV once the batch has more query tiles than ``2 * num_sm //
-    num_kv_heads`` (``PrefillSplitQOKVIndptr``; a request has one or more), and the
-    unsplit schedule depends only on the batch size and the constants (one work item
-    per request, eager or graph). The one value that differs, the int workspace's chunk
-    size, is read only when split (``prefill.cuh``). The caller guarantees the call's
-    constants equal the last plan's, and that this wrapper's scheduler made its plan."""
-    w = slot.wrapper
-    info = getattr(w, "_plan_info", None)
-    if info is None or not w.use_tensor_cores:
+def schedule_stands(
+    slot: Slot, kwargs: dict[str, Any], query_tiles: int, num_sm: int,
+    total_rows: int | None = None,
+) -> bool:  # fmt: skip
+    """Whether ``slot``'s last schedule from flashinfer 0.7.4's prefill scheduler (a
+    tensor-core decode's or an eager paged prefill's) serves a batch of at least
+    ``query_tiles`` query tiles whatever its KV lengths, so the scheduler need not run.
+    It splits no KV once there are more tiles than ``2 * num_sm // num_kv_heads``
+    (``PrefillSplitQOKVIndptr``), and the unsplit schedule depends only on the queries
+    and the constants (one work item per query tile). The one value that differs, the
+    int workspace's chunk size, is read only when split (``prefill.cuh``). The caller
+    guarantees the constants are the last plan's, this wrapper's scheduler made it,
+    and the same queries: ``total_rows`` (checked here) or compared by the caller."""
+    info = getattr(slot.wrapper, "_plan_info", None)
+    if info is None:
         return False
     info, split = list(info), kwargs.get("fixed_split_size")
     return (
-        len(info) == 15 and not info[14] and info[1] == batch_size  # unsplit, total rows
+        len(info) == 15 and not info[14]  # the prefill plan info's split_kv
+        and (total_rows is None or info[1] == total_rows)
         and (split is None or split <= 0)
-        and batch_size > 2 * num_sm // kwargs["num_kv_heads"]
+        and query_tiles > 2 * num_sm // kwargs["num_kv_heads"]
     )  # fmt: skip
 
 
@@ -321,10 +324,9 @@ def replannable(wrapper: Any, kwargs: dict[str, Any]) -> bool:
 
 
 def restore_own_buffers(slot: Slot) -> None:
-    """Give ``slot``'s wrapper back the buffers a re-plan pointed elsewhere (its own KV
-    lengths buffer: :func:`replan_prefill` aims the field at the staging buffer, which a
-    full ``plan()`` must not write into; its own int workspace, after
-    :func:`adopt_schedule`). Call it before every full ``plan()``."""
+    """Give ``slot``'s wrapper back its own KV lengths buffer (:func:`replan_prefill`
+    aims the field at the staging buffer) and int workspace (:func:`adopt_schedule`).
+    Call it before every full ``plan()``, which writes into both."""
     own = slot.fixed.pop("kv_lens", None)
     if own is not None:
         slot.wrapper._kv_lens_buffer = own
@@ -334,10 +336,8 @@ def restore_own_buffers(slot: Slot) -> None:
 
 
 class PrefillArrays(NamedTuple):
-    """The arrays of one paged prefill ``plan()`` call, on both sides of the staging copy.
-
-    Host tensors are pinned views of the staging slot (what the scheduler reads); device
-    tensors are views of its device copy (what the kernels read).
+    """The arrays of one paged prefill ``plan()`` call: pinned views of the staging slot
+    (host: what the scheduler reads) and of its device copy (what the kernels read).
 
     Attributes:
         qo_indptr_host, qo_indptr_device: int32 ``[bs + 1]`` (tokens).

@@ -39,8 +39,10 @@ wrapper (``WrapperPool``)    ``(step prefix, WrapperKey)``: kind, its last full 
                                                                   ``plan()`` runs
 a wrapper's last schedule    the scheduler's inputs: the call's   the same ``PlanSpec``
 (decode, paged prefill;      constants (checked as above) and     (``is``), or equal
-``WrapperSlot.scheduled``)   the host arrays it reads (indptrs,   values of those arrays
-                             KV lengths)
+``WrapperSlot.scheduled``)   the host arrays it reads (indptrs,   values of those arrays;
+                             KV lengths); of a batch too large    or unsplit and the same
+                             to split, the queries alone          queries
+                                                                  (``schedule_stands``)
 named views of a staging     ``(id(tensor), StagingManifest)``    ``views.tensor is
 tensor (``SliceViews``)                                           tensor``
 bound ``plan()`` arguments   :class:`BoundCallKey`: step prefix,  ``bound.host is host``

@@ -123,9 +123,10 @@ def bound_call(
 def _schedule_changed(held: WrapperSlot, spec: PlanSpec, bound: BoundCall, num_sm: int = 0) -> bool:
     """Whether a re-plan must run the scheduler: not when its inputs equal those of the
     scheduler's last run on this wrapper (whose plan, ``_plan_info`` and the int
-    workspace, then stands), nor when that run gave a tensor-core decode a schedule the
-    scheduler gives its batch size whatever the KV lengths (``adapter.schedule_stands``
-    on a device of ``num_sm`` multiprocessors: a batch too large to split).
+    workspace, then stands), nor when that run's schedule is the one the scheduler gives
+    these queries whatever the KV lengths (``adapter.schedule_stands`` on a device of
+    ``num_sm`` multiprocessors: a batch of more query tiles than FlashInfer ever splits;
+    a tensor-core decode or a paged prefill, not a CUDA-core decode).
 
     The inputs are fixed by the call's constants (equal: the caller checked
     ``planned_with``) and the host arrays the scheduler reads. The same plan object has
@@ -134,27 +135,39 @@ def _schedule_changed(held: WrapperSlot, spec: PlanSpec, bound: BoundCall, num_s
     prefill's ``qo_indptr``, page indptr and KV lengths) are compared, as bytes: a few
     hundred nanoseconds for arrays of a batch (a decode loop changes a CUDA-core
     decode's page indptr once per page of new tokens; a cascade level's arrays stay the
-    same while its sharing does). A tensor-core decode has none: the same plan object
-    counts, or a batch too large to split (its KV lengths change at every step of a
-    decode loop: comparing them would cost more than it saves). Records the inputs when
-    the scheduler runs.
+    same while its sharing does). A tensor-core decode has none (its KV lengths change
+    at every step of a decode loop: comparing them would cost more than it saves): its
+    queries are one per request, so the batch size stands for them. Records the inputs
+    when the scheduler runs.
     """
     last = held.scheduled
     if last is not None and last[0] is spec:
         return False
     decode = bound.decode
-    if (
-        last is not None
-        and decode is not None
-        and decode[4] is not None  # a tensor-core decode
-        and schedule_stands(held, bound.kwargs, decode[2].shape[0], num_sm)
-    ):
-        return False
+    if decode is not None and decode[4] is not None:  # a tensor-core decode
+        bs = decode[2].shape[0]
+        if last is not None and schedule_stands(held, bound.kwargs, bs, num_sm, bs):
+            return False
     data = _input_bytes(bound)
-    if data is not None and last is not None and last[1] == data:
-        return False
+    if data is not None and last is not None and last[1] is not None:
+        if last[1] == data:
+            return False
+        if (
+            bound.prefill is not None
+            and last[1][0] == data[0]  # the same queries (qo_indptr)
+            and schedule_stands(held, bound.kwargs, _requests_with_queries(bound), num_sm)
+        ):
+            return False
     held.scheduled = (spec, data)
     return True
+
+
+def _requests_with_queries(bound: BoundCall) -> int:
+    """A paged prefill call's requests with at least one query row (each is one query
+    tile or more)."""
+    inputs = bound.schedule_inputs
+    assert inputs is not None
+    return int(np.count_nonzero(np.diff(inputs[0])))
 
 
 def _input_bytes(bound: BoundCall) -> tuple[bytes, ...] | None:
@@ -316,7 +329,7 @@ def plan_calls(
                     mask_indptr_device=bound.mask_indptr, total_rows=ints[total],
                     max_q_len=ints[max_q], max_kv_len=ints[max_kv],
                 )  # fmt: skip
-                schedule = _schedule_changed(held, spec, bound)
+                schedule = _schedule_changed(held, spec, bound, settings.num_sm)
                 replan_prefill(held, kwargs, prefill, schedule=schedule)
                 counts.prefill_replans += 1
                 held.plan_inputs = None
