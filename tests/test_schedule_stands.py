@@ -182,3 +182,32 @@ def test_a_prefill_keeps_its_schedule_for_the_same_queries_only() -> None:
         tuple(a.tobytes() for a in _prefill_bound(empty, [1] * 34).schedule_inputs),
     )  # type: ignore[union-attr]
     assert _schedule_changed(held, object(), _prefill_bound(empty, [900] * 34), 132)  # type: ignore[arg-type]
+
+
+class CountingInfo:
+    """A plan info that counts its entry reads (FlashInfer's is an FFI array, each read
+    about a microsecond)."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.values, self.reads = values, 0
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, index: int) -> int:
+        self.reads += 1
+        return self.values[index]
+
+
+def test_the_plan_info_is_read_once_per_object() -> None:
+    info = CountingInfo(_info(34, False))
+    slot = WrapperSlot(SimpleNamespace(_plan_info=info, use_tensor_cores=True))
+    for _ in range(5):
+        assert schedule_stands(slot, KWARGS, 34, 132, 34)
+    assert info.reads == 3  # total rows and the two flags, once
+    assert not schedule_stands(slot, KWARGS, 33, 132, 33)
+    assert info.reads == 3  # a batch the scheduler may split: the info is not read
+    fresh = CountingInfo(_info(34, True))  # a new plan: read again
+    slot.wrapper._plan_info = fresh
+    assert not schedule_stands(slot, KWARGS, 34, 132, 34)
+    assert fresh.reads == 3

@@ -198,7 +198,9 @@ def test_draft_steps_share_the_last_steps_schedule_bit_for_bit(
                 assert torch.equal(out, want) and torch.equal(lse, want_lse), (i, k, group)
         torch.cuda.synchronize()
         leaders = [views[-1].planned_wrappers[(g, "paged")] for g in range(3)]
-        unsplit = [unsplit_schedule(SimpleNamespace(wrapper=w, fixed={})) for w in leaders]
+        unsplit = [
+            unsplit_schedule(SimpleNamespace(wrapper=w, fixed={}, info_flags=None)) for w in leaders
+        ]
         if i == 0:  # the first plan() of each step's constants
             assert shared == 0
         else:  # every decode call of every step but the last, where the last is unsplit

@@ -23,7 +23,8 @@ a byte pointer (flashinfer PR #2201: :func:`~.calls.flashinfer_mask_offsets`), a
 ``last_page_len = 0``: :func:`~.calls.call_inputs`).
 
 A re-plan issues no sync and no copy, and runs only after a full ``plan()`` with the same
-constants (``WrapperSlot.planned_with``). This module imports no other executor module.
+constants (``WrapperSlot.planned_with``). This module imports no other executor module
+(but, for its annotations, the records of :mod:`~.replan_arrays`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import functools
 import warnings
 from collections.abc import Hashable, Iterable, Mapping
 from types import MappingProxyType
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import torch
@@ -42,11 +43,14 @@ from flashplan.arrays import INT32_MAX
 from flashplan.kernels._triton import HAS_TRITON, triton, triton_mode
 from flashplan.layout.heads import FP8_DTYPES
 
+if TYPE_CHECKING:  # plain records of the arrays a re-plan takes
+    from flashplan.executor.flashinfer.replan_arrays import DecodeArrays, PrefillArrays
+
 __all__ = [
-    "SUPPORTED", "DecodeArrays", "DirectLaunch", "FlashInferVersionWarning",
-    "PrefillArrays", "Slot", "Support", "VersionTable", "adopt_schedule", "base_version",
+    "SUPPORTED", "DirectLaunch", "FlashInferVersionWarning",
+    "Slot", "Support", "VersionTable", "adopt_schedule", "base_version",
     "check_version", "direct_launch_known", "fast_decode_available", "fast_prefill_available",
-    "flashinfer_support", "replan_decode", "replan_prefill", "replannable",
+    "flashinfer_support", "plan_flags", "replan_decode", "replan_prefill", "replannable",
     "restore_own_buffers", "schedule_stands", "unsplit_schedule",
 ]  # fmt: skip
 
@@ -155,6 +159,27 @@ class Slot(Protocol):
 
     wrapper: Any
     fixed: dict[str, torch.Tensor]
+    info_flags: tuple[Any, int, int, bool, bool] | None
+
+
+def plan_flags(slot: Slot) -> tuple[int, int, bool, bool] | None:
+    """``(entries, total rows, enable_cuda_graph, split_kv)`` of ``slot``'s plan info
+    (0.7.4's decode and prefill plan infos end with the two flags; a prefill plan info's
+    second entry is its total rows), or ``None`` before a plan. Read once per plan info
+    object (kept in ``slot.info_flags``): each entry of FlashInfer's FFI array costs
+    about a microsecond to read."""
+    info = getattr(slot.wrapper, "_plan_info", None)
+    if info is None:
+        return None
+    held = slot.info_flags
+    if held is None or held[0] is not info:
+        n = len(info)
+        if n >= 3:  # three reads of the array, by plain index
+            held = (info, n, int(info[1]), bool(info[n - 2]), bool(info[n - 1]))
+        else:
+            held = (info, n, -1, True, True)
+        slot.info_flags = held
+    return held[1:]
 
 
 # -- decode: the compiled scheduler without plan() ---------------------------------------
@@ -168,28 +193,6 @@ _PASSED = frozenset({
 })  # fmt: skip
 #: The array arguments, passed separately (:class:`DecodeArrays`).
 _ARRAYS = frozenset({"indptr", "indices", "last_page_len"})
-
-
-class DecodeArrays(NamedTuple):
-    """The arrays of one decode ``plan()`` call, on both sides of the staging copy.
-
-    Attributes:
-        indptr_host, indptr_device: int32 ``[bs + 1]`` page indptr (pages), pinned and on device.
-        last_page_len_host, last_page_len_device: int32 ``[bs]`` (tokens), likewise.
-        qo_indptr_host, qo_indptr_device, kv_lens_host: a tensor-core decode's int32
-            ``[bs + 1]`` ``0, 1, …, bs`` and ``[bs]`` scheduler KV lengths (tokens:
-            ``calls.decode_scheduler_kv_lens``); ``None`` otherwise.
-        indices: int32 ``[indptr[-1]]`` (page ids) on the device (gathered).
-    """
-
-    indptr_host: torch.Tensor
-    indptr_device: torch.Tensor
-    last_page_len_host: torch.Tensor
-    last_page_len_device: torch.Tensor
-    qo_indptr_host: torch.Tensor | None
-    qo_indptr_device: torch.Tensor | None
-    kv_lens_host: torch.Tensor | None
-    indices: torch.Tensor
 
 
 @functools.lru_cache(maxsize=32)
@@ -263,9 +266,8 @@ def unsplit_schedule(slot: Slot) -> bool:
     (flashinfer 0.7.4's decode and prefill plan infos end ``enable_cuda_graph,
     split_kv``: both false). Its kernels then read each KV length from the wrapper's
     indptr, never the chunk size: it serves any batch of its size and constants."""
-    info = getattr(slot.wrapper, "_plan_info", None)
-    flags = () if info is None else list(info)[-2:]
-    return len(flags) == 2 and not any(flags)
+    flags = plan_flags(slot)
+    return flags is not None and not flags[2] and not flags[3]
 
 
 def schedule_stands(
@@ -281,15 +283,13 @@ def schedule_stands(
     int workspace's chunk size, is read only when split (``prefill.cuh``). The caller
     guarantees the constants are the last plan's, this wrapper's scheduler made it,
     and the same queries: ``total_rows`` (checked here) or compared by the caller."""
-    info = getattr(slot.wrapper, "_plan_info", None)
-    if info is None:
-        return False
-    info, split = list(info), kwargs.get("fixed_split_size")
+    split = kwargs.get("fixed_split_size")
+    if query_tiles <= 2 * num_sm // kwargs["num_kv_heads"] or (split is not None and split > 0):
+        return False  # (checked first: no plan info read for a batch the scheduler splits)
+    flags = plan_flags(slot)
     return (
-        len(info) == 15 and not info[14]  # the prefill plan info's split_kv
-        and (total_rows is None or info[1] == total_rows)
-        and (split is None or split <= 0)
-        and query_tiles > 2 * num_sm // kwargs["num_kv_heads"]
+        flags is not None and flags[0] == 15 and not flags[3]  # a prefill plan, unsplit
+        and (total_rows is None or flags[1] == total_rows)
     )  # fmt: skip
 
 
@@ -333,37 +333,6 @@ def restore_own_buffers(slot: Slot) -> None:
     workspace = slot.fixed.pop("int_workspace", None)
     if workspace is not None:
         slot.wrapper._int_workspace_buffer = workspace
-
-
-class PrefillArrays(NamedTuple):
-    """The arrays of one paged prefill ``plan()`` call: pinned views of the staging slot
-    (host: what the scheduler reads) and of its device copy (what the kernels read).
-
-    Attributes:
-        qo_indptr_host, qo_indptr_device: int32 ``[bs + 1]`` (tokens).
-        page_indptr_host, page_indptr_device: int32 ``[bs + 1]`` (pages).
-        last_page_len_device: int32 ``[bs]`` (tokens).
-        kv_lens_host, kv_lens_device: int32 ``[bs]`` (tokens): FlashInfer's KV lengths,
-            ``max(pages - 1, 0) * page_size + last_page_len``.
-        indices: int32 ``[page_indptr[-1]]`` (page ids), gathered on the device.
-        mask_indptr_device: int32 ``[bs + 1]``, FlashInfer's ``mask_indptr`` of a call
-            with a custom mask (``None`` without one).
-        total_rows: ``qo_indptr[-1]`` (tokens).
-        max_q_len, max_kv_len: the longest query and KV of the batch (tokens).
-    """
-
-    qo_indptr_host: torch.Tensor
-    qo_indptr_device: torch.Tensor
-    page_indptr_host: torch.Tensor
-    page_indptr_device: torch.Tensor
-    last_page_len_device: torch.Tensor
-    kv_lens_host: torch.Tensor
-    kv_lens_device: torch.Tensor
-    indices: torch.Tensor
-    mask_indptr_device: torch.Tensor | None
-    total_rows: int
-    max_q_len: int
-    max_kv_len: int
 
 
 def replan_prefill(

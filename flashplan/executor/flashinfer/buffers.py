@@ -212,6 +212,8 @@ class WrapperSlot:
             ``None`` before one (see ``wrapper_plans``).
         plan_inputs: (eager) what its last full ``plan()`` read (``wrapper_plans``):
             a call with the same inputs keeps that plan and calls nothing.
+        info_flags: the wrapper's plan info object last read and what was read of it
+            (:func:`~flashplan.executor.flashinfer.adapter.plan_flags`).
     """
 
     wrapper: Any
@@ -221,6 +223,7 @@ class WrapperSlot:
     replannable: bool = False
     scheduled: tuple[object, tuple[bytes, ...] | None] | None = None
     plan_inputs: tuple[tuple[str, Any], ...] | None = None
+    info_flags: tuple[Any, int, int, bool, bool] | None = None
 
 
 class WrapperPool:

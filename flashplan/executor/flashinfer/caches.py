@@ -97,11 +97,11 @@ if TYPE_CHECKING:
 __all__ = ["BoundCall", "BoundCallKey", "LayoutMemo", "MaskKey", "mask_layout"]
 
 _T = torch.Tensor
-#: A decode call's staged views in ``adapter.DecodeArrays`` order, ``indices`` excluded:
+#: A decode call's staged views in ``replan_arrays.DecodeArrays`` order, ``indices`` excluded:
 #: host and device page indptr, host and device last-page lengths, and for a
 #: tensor-core decode host and device qo_indptr and host KV lengths (else ``None``).
 DecodeViews = tuple[_T, _T, _T, _T, _T | None, _T | None, _T | None]
-#: A paged prefill call's staged views in ``adapter.PrefillArrays`` order, up to
+#: A paged prefill call's staged views in ``replan_arrays.PrefillArrays`` order, up to
 #: ``kv_lens_device``.
 PrefillViews = tuple[_T, _T, _T, _T, _T, _T, _T]
 

@@ -18,8 +18,6 @@ import torch
 import flashplan.executor.flashinfer.names as names
 from flashplan.errors import UnsupportedError
 from flashplan.executor.flashinfer.adapter import (
-    DecodeArrays,
-    PrefillArrays,
     adopt_schedule,
     replan_decode,
     replan_prefill,
@@ -41,6 +39,7 @@ from flashplan.executor.flashinfer.calls import (
     WrapperKind,
 )
 from flashplan.executor.flashinfer.device_work import fill_item_positions, region_view
+from flashplan.executor.flashinfer.replan_arrays import DecodeArrays, PrefillArrays
 
 if TYPE_CHECKING:
     from flashplan.executor.flashinfer.buffers import StagedViews, WrapperSlot
@@ -155,11 +154,20 @@ def _schedule_changed(held: WrapperSlot, spec: PlanSpec, bound: BoundCall, num_s
         if (
             bound.prefill is not None
             and last[1][0] == data[0]  # the same queries (qo_indptr)
+            # the batch size bounds the requests with queries: a cheap check first
+            and schedule_stands(held, bound.kwargs, _batch_size(bound), num_sm)
             and schedule_stands(held, bound.kwargs, _requests_with_queries(bound), num_sm)
         ):
             return False
     held.scheduled = (spec, data)
     return True
+
+
+def _batch_size(bound: BoundCall) -> int:
+    """A paged prefill call's requests (its ``qo_indptr`` has one entry more)."""
+    inputs = bound.schedule_inputs
+    assert inputs is not None
+    return int(inputs[0].shape[0]) - 1
 
 
 def _requests_with_queries(bound: BoundCall) -> int:
