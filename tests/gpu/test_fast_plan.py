@@ -10,6 +10,8 @@ CUDA-graph replay, windows and soft caps.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -39,6 +41,52 @@ def _plan_infos(ex: FlashInferExecutor) -> list[object]:
     return [list(w._plan_info) for w in ex.planned_wrappers.values()]
 
 
+def _decode_case(
+    seq: np.ndarray, page_size: int, heads: fp.HeadConfig, gen: torch.Generator, seed: int
+) -> tuple[fp.PlanSpec, fp.PageTable, list[torch.Tensor]]:
+    """A decode batch of ``seq`` over ``GROUPS``: its plan, a shuffled page table just
+    large enough and a random bf16 cache per group."""
+    spec = fp.plan(fp.BatchLayout.decode(seq, page_size=page_size, groups=GROUPS), heads)
+    table = fp.PageTable.shuffled(spec.pages_needed, seed=seed, device=DEV)
+    assert table.num_pages is not None
+    hkv, d = heads.num_kv_heads, heads.head_dim
+    shape = (table.num_pages, 2, page_size, hkv, d)
+    caches = [torch.randn(shape, generator=gen, device=DEV).to(torch.bfloat16) for _ in GROUPS]
+    return spec, table, caches
+
+
+def _apply_both_and_compare(
+    fast: FlashInferExecutor,
+    full: FlashInferExecutor,
+    spec: fp.PlanSpec,
+    table: fp.PageTable,
+    qkv: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+    caches: list[torch.Tensor],
+    where: object,
+    *,
+    full_syncs_raise: bool = True,
+) -> None:
+    """Apply ``spec`` on both executors (no sync: the fast one always, the full one
+    where ``full_syncs_raise``), run every group (on a copy of its cache where new K/V
+    is written) and check outputs, LSE and the wrappers' plan info bit for bit."""
+    q, k, v = qkv
+    outs = {}
+    for name, ex in (("fast", fast), ("full", full)):
+        with syncs_raise(name == "fast" or full_syncs_raise):
+            ex.apply(spec, table)
+            outs[name] = [
+                ex.run(g, q, k, v, c if k is None else c.clone(), return_lse=True)
+                for g, c in zip(GROUPS, caches, strict=True)
+            ]
+    torch.cuda.synchronize()
+    for group, (o_fast, l_fast), (o_full, l_full) in zip(
+        GROUPS, outs["fast"], outs["full"], strict=True
+    ):
+        assert torch.equal(o_fast, o_full), (group, where)
+        assert torch.equal(l_fast, l_full), (group, where)
+    assert _plan_infos(fast) == _plan_infos(full), where
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("batch_size", [2, 9])  # CUDA-core and tensor-core decode
 def test_fast_decode_plan_equals_plan_eager(page_size: int, batch_size: int) -> None:
@@ -48,33 +96,11 @@ def test_fast_decode_plan_equals_plan_eager(page_size: int, batch_size: int) -> 
     full = FlashInferExecutor(fast_plan=False)
     hq, hkv, d = HEADS.num_qo_heads, HEADS.num_kv_heads, HEADS.head_dim
     for step, seq in enumerate(_batches(batch_size, seed)):
-        spec = fp.plan(fp.BatchLayout.decode(seq, page_size=page_size, groups=GROUPS), HEADS)
-        table = fp.PageTable.shuffled(spec.pages_needed, seed=step, device=DEV)
-        assert table.num_pages is not None
-        caches = [
-            torch.randn(table.num_pages, 2, page_size, hkv, d, generator=gen, device=DEV).to(
-                torch.bfloat16
-            )
-            for _ in GROUPS
-        ]
+        spec, table, caches = _decode_case(seq, page_size, HEADS, gen, step)
         q = torch.randn(batch_size, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
         k = torch.randn(batch_size, hkv, d, generator=gen, device=DEV).to(torch.bfloat16)
         v = torch.randn_like(k)
-        outs = {}
-        for name, ex in (("fast", fast), ("full", full)):
-            with syncs_raise():
-                ex.apply(spec, table)
-                outs[name] = [
-                    ex.run(g, q, k, v, c.clone(), return_lse=True)
-                    for g, c in zip(GROUPS, caches, strict=True)
-                ]
-        torch.cuda.synchronize()
-        for group, (o_fast, l_fast), (o_full, l_full) in zip(
-            GROUPS, outs["fast"], outs["full"], strict=True
-        ):
-            assert torch.equal(o_fast, o_full), (group, step)
-            assert torch.equal(l_fast, l_full), (group, step)
-        assert _plan_infos(fast) == _plan_infos(full), step
+        _apply_both_and_compare(fast, full, spec, table, (q, k, v), caches, step)
     assert fast.plan_counts["fast_decode_plan"] > 0
     assert full.plan_counts["fast_decode_plan"] == 0
 
@@ -85,24 +111,46 @@ def test_fast_decode_plan_equals_plan_in_graphs(page_size: int, batch_size: int)
     seed = stable_seed("fast graph", page_size, batch_size)
     gen = torch.Generator(device=DEV).manual_seed(seed)
     batches = _batches(batch_size, seed)
+    steps, _ = _replay_both_and_compare(batches, page_size, HEADS, 1300, gen, writes=True)
+    assert steps["fast"].executor.plan_counts["fast_decode_plan"] >= len(batches) * len(GROUPS)
+    assert steps["full"].executor.plan_counts["fast_decode_plan"] == 0
+
+
+def _replay_both_and_compare(
+    batches: list[np.ndarray],
+    page_size: int,
+    heads: fp.HeadConfig,
+    longest: int,
+    gen: torch.Generator,
+    *,
+    writes: bool,
+) -> tuple[dict[str, Any], int]:
+    """Capture a decode step of every group in a bucket of the batches' size (requests
+    up to ``longest`` tokens) on two graph executors, ``fast_plan`` on and off, then
+    replay every batch on both (writing new K/V where ``writes``) and check outputs, plan
+    info and caches bit for bit. Returns the steps by ``"fast"`` / ``"full"`` and the fast
+    executor's ``schedules_kept`` before the first replay."""
+    batch_size = len(batches[0])
     specs = [
-        fp.plan(fp.BatchLayout.decode(seq, page_size=page_size, groups=GROUPS), HEADS)
+        fp.plan(fp.BatchLayout.decode(seq, page_size=page_size, groups=GROUPS), heads)
         for seq in batches
     ]
     tables = [
         fp.PageTable.shuffled(s.pages_needed, seed=i, device=DEV) for i, s in enumerate(specs)
     ]
     pool = max(int(t.num_pages or 0) for t in tables)
-    hq, hkv, d = HEADS.num_qo_heads, HEADS.num_kv_heads, HEADS.head_dim
-    bucket = GraphBucket.decode(batch_size=batch_size, max_pages=1300 // page_size + 2)
+    hq, hkv, d = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim
+    bucket = GraphBucket.decode(batch_size=batch_size, max_pages=longest // page_size + 2)
     q = torch.randn(batch_size, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
-    k = torch.randn(batch_size, hkv, d, generator=gen, device=DEV).to(torch.bfloat16)
-    v = torch.randn_like(k)
+    k = v = None
+    if writes:
+        k = torch.randn(batch_size, hkv, d, generator=gen, device=DEV).to(torch.bfloat16)
+        v = torch.randn_like(k)
     base = [
         torch.randn(pool, 2, page_size, hkv, d, generator=gen, device=DEV).to(torch.bfloat16)
         for _ in GROUPS
     ]
-    steps = {}
+    steps: dict[str, Any] = {}
     caches = {}
     for name, fast in (("fast", True), ("full", False)):
         gx = GraphExecutor(FlashInferExecutor(policy=ExecutorPolicy(), fast_plan=fast), bucket)
@@ -113,6 +161,7 @@ def test_fast_decode_plan_equals_plan_in_graphs(page_size: int, batch_size: int)
             return [gx.run(g, q, k, v, c) for g, c in zip(GROUPS, cs, strict=True)]
 
         steps[name] = capture(gx, forward)
+    kept_before = steps["fast"].executor.plan_counts["schedules_kept"]
     for i, (spec, table) in enumerate(zip(specs, tables, strict=True)):
         outs = {}
         for name, step in steps.items():
@@ -126,8 +175,7 @@ def test_fast_decode_plan_equals_plan_in_graphs(page_size: int, batch_size: int)
         assert _plan_infos(steps["fast"].executor) == _plan_infos(steps["full"].executor), i
         for got_cache, want_cache in zip(caches["fast"], caches["full"], strict=True):
             assert torch.equal(got_cache, want_cache), i
-    assert steps["fast"].executor.plan_counts["fast_decode_plan"] >= len(specs) * len(GROUPS)
-    assert steps["full"].executor.plan_counts["fast_decode_plan"] == 0
+    return steps, kept_before
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -160,21 +208,10 @@ def test_kept_schedules_equal_plan(page_size: int, batch_size: int) -> None:
         spec = fp.plan(fp.BatchLayout.decode(seq, page_size=page_size, groups=GROUPS), HEADS)
         for again in range(1 + (step % 5 == 0)):  # every fifth plan applied twice
             q = torch.randn(batch_size, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
-            outs = {}
-            for name, ex in (("fast", fast), ("full", full)):
-                with syncs_raise(name == "fast"):
-                    ex.apply(spec, table)
-                    outs[name] = [
-                        ex.run(g, q, None, None, c, return_lse=True)
-                        for g, c in zip(GROUPS, caches, strict=True)
-                    ]
-            torch.cuda.synchronize()
-            for group, (o_fast, l_fast), (o_full, l_full) in zip(
-                GROUPS, outs["fast"], outs["full"], strict=True
-            ):
-                assert torch.equal(o_fast, o_full), (group, step, again)
-                assert torch.equal(l_fast, l_full), (group, step, again)
-            assert _plan_infos(fast) == _plan_infos(full), (step, again)
+            _apply_both_and_compare(
+                fast, full, spec, table, (q, None, None), caches, (step, again),
+                full_syncs_raise=False,
+            )  # fmt: skip
             kept = fast.plan_counts["schedules_kept"]
             if again:  # the same plan: every wrapper kept its schedule
                 assert kept - kept_before == len(GROUPS), step
@@ -222,34 +259,12 @@ def test_unsplit_schedules_stand_for_any_lengths(page_size: int, above: bool) ->
     gen = torch.Generator(device=DEV).manual_seed(seed)
     fast = FlashInferExecutor(fast_plan=True)
     full = FlashInferExecutor(fast_plan=False)
-    hq, hkv, d = WIDE_HEADS.num_qo_heads, WIDE_HEADS.num_kv_heads, WIDE_HEADS.head_dim
+    hq, d = WIDE_HEADS.num_qo_heads, WIDE_HEADS.head_dim
     batches = _length_mix(bs, seed)
     for step, seq in enumerate(batches):
-        spec = fp.plan(fp.BatchLayout.decode(seq, page_size=page_size, groups=GROUPS), WIDE_HEADS)
-        table = fp.PageTable.shuffled(spec.pages_needed, seed=step, device=DEV)
-        assert table.num_pages is not None
-        caches = [
-            torch.randn(table.num_pages, 2, page_size, hkv, d, generator=gen, device=DEV).to(
-                torch.bfloat16
-            )
-            for _ in GROUPS
-        ]
+        spec, table, caches = _decode_case(seq, page_size, WIDE_HEADS, gen, step)
         q = torch.randn(bs, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
-        outs = {}
-        for name, ex in (("fast", fast), ("full", full)):
-            with syncs_raise():
-                ex.apply(spec, table)
-                outs[name] = [
-                    ex.run(g, q, None, None, c, return_lse=True)
-                    for g, c in zip(GROUPS, caches, strict=True)
-                ]
-        torch.cuda.synchronize()
-        for group, (o_fast, l_fast), (o_full, l_full) in zip(
-            GROUPS, outs["fast"], outs["full"], strict=True
-        ):
-            assert torch.equal(o_fast, o_full), (group, step)
-            assert torch.equal(l_fast, l_full), (group, step)
-        assert _plan_infos(fast) == _plan_infos(full), step
+        _apply_both_and_compare(fast, full, spec, table, (q, None, None), caches, step)
     kept = fast.plan_counts["schedules_kept"]
     assert kept == ((len(batches) - 1) * len(GROUPS) if above else 0)
     assert fast.plan_counts["fast_decode_plan"] == (len(batches) - 1) * len(GROUPS)
@@ -263,40 +278,9 @@ def test_unsplit_schedules_stand_in_graphs(page_size: int) -> None:
     seed = stable_seed("unsplit stands graph", page_size)
     gen = torch.Generator(device=DEV).manual_seed(seed)
     batches = _length_mix(bs, seed)
-    specs = [
-        fp.plan(fp.BatchLayout.decode(seq, page_size=page_size, groups=GROUPS), WIDE_HEADS)
-        for seq in batches
-    ]
-    tables = [
-        fp.PageTable.shuffled(s.pages_needed, seed=i, device=DEV) for i, s in enumerate(specs)
-    ]
-    pool = max(int(t.num_pages or 0) for t in tables)
-    hq, hkv, d = WIDE_HEADS.num_qo_heads, WIDE_HEADS.num_kv_heads, WIDE_HEADS.head_dim
-    bucket = GraphBucket.decode(batch_size=bs, max_pages=2900 // page_size + 2)
-    q = torch.randn(bs, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
-    base = [
-        torch.randn(pool, 2, page_size, hkv, d, generator=gen, device=DEV).to(torch.bfloat16)
-        for _ in GROUPS
-    ]
-    steps = {}
-    for name, fast in (("fast", True), ("full", False)):
-        gx = GraphExecutor(FlashInferExecutor(fast_plan=fast), bucket)
-        gx.apply(specs[0], tables[0])
-
-        def forward(gx: FlashInferExecutor = gx) -> object:
-            return [gx.run(g, q, None, None, c) for g, c in zip(GROUPS, base, strict=True)]
-
-        steps[name] = capture(gx, forward)
-    kept_before = steps["fast"].executor.plan_counts["schedules_kept"]
-    for i, (spec, table) in enumerate(zip(specs, tables, strict=True)):
-        outs = {}
-        for name, step in steps.items():
-            with syncs_raise():
-                outs[name] = [o.clone() for o in step.replay(spec, table)]
-        torch.cuda.synchronize()
-        for group, got, want in zip(GROUPS, outs["fast"], outs["full"], strict=True):
-            assert torch.equal(got, want), (group, i)
-        assert _plan_infos(steps["fast"].executor) == _plan_infos(steps["full"].executor), i
+    steps, kept_before = _replay_both_and_compare(
+        batches, page_size, WIDE_HEADS, 2900, gen, writes=False
+    )
     kept = steps["fast"].executor.plan_counts["schedules_kept"] - kept_before
-    assert kept == len(specs) * len(GROUPS)  # every replay kept the schedule
+    assert kept == len(batches) * len(GROUPS)  # every replay kept the schedule
     assert steps["full"].executor.plan_counts["schedules_kept"] == 0

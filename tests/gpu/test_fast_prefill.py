@@ -120,6 +120,20 @@ def _assert_same_state(fast: Any, full: Any, masks: tuple[Any, Any], where: str)
         assert got == want, f"{where}: field {name} differs"
 
 
+def _assert_same_wrappers(fast: FlashInferExecutor, full: FlashInferExecutor, step: int) -> None:
+    """Every planned wrapper of ``fast`` as ``plan()`` left the same wrapper of ``full``
+    (:func:`_assert_same_state`; the custom masks: each executor's own buffer)."""
+    assert fast.planned_wrappers.keys() == full.planned_wrappers.keys()
+    for key, wrapper in full.planned_wrappers.items():
+        built = tuple(
+            ex._buffers.owned.mask_bufs[key[0]].tensor
+            if key[0] in ex._buffers.owned.mask_bufs
+            else None
+            for ex in (fast, full)
+        )
+        _assert_same_state(fast.planned_wrappers[key], wrapper, built, f"step {step}, call {key}")
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_fast_prefill_plan_equals_plan(page_size: int, kv_dtype: torch.dtype) -> None:
@@ -150,17 +164,7 @@ def test_fast_prefill_plan_equals_plan(page_size: int, kv_dtype: torch.dtype) ->
         ):
             assert torch.equal(o_fast, o_full), (group, step)
             assert torch.equal(l_fast, l_full), (group, step)
-        assert fast.planned_wrappers.keys() == full.planned_wrappers.keys()
-        for key, wrapper in full.planned_wrappers.items():
-            built = tuple(
-                ex._buffers.owned.mask_bufs[key[0]].tensor
-                if key[0] in ex._buffers.owned.mask_bufs
-                else None
-                for ex in (fast, full)
-            )
-            _assert_same_state(
-                fast.planned_wrappers[key], wrapper, built, f"step {step}, call {key}"
-            )
+        _assert_same_wrappers(fast, full, step)
         _check_kv_lens_fields(fast, step)
     assert fast.plan_counts["fast_prefill_plan"] >= 8  # every wrapper after its first plan
     # the repeated batch's re-plans kept the scheduler's last plan (and the state checks
@@ -248,16 +252,7 @@ def test_prefill_schedules_stand_for_any_kv_lengths(page_size: int) -> None:
         ):
             assert torch.equal(o_fast, o_full), (group, step)
             assert torch.equal(l_fast, l_full), (group, step)
-        for key, wrapper in full.planned_wrappers.items():
-            built = tuple(
-                ex._buffers.owned.mask_bufs[key[0]].tensor
-                if key[0] in ex._buffers.owned.mask_bufs
-                else None
-                for ex in (fast, full)
-            )
-            _assert_same_state(
-                fast.planned_wrappers[key], wrapper, built, f"step {step}, call {key}"
-            )
+        _assert_same_wrappers(fast, full, step)
         kept.append(fast.plan_counts["schedules_kept"])
     # the first verify and the first extend plan() (new constants); every later batch
     # of the same queries keeps the schedule of each of its calls
