@@ -131,6 +131,7 @@ def test_schedule_stands_reads_the_plan_info() -> None:
     assert schedule_stands(_slot(_info(40, False)), KWARGS, limit + 1, 132)  # rows not asked
     assert not schedule_stands(_slot(_info(34, False, size=10)), KWARGS, 34, 132, 34)
     assert not schedule_stands(_slot(None), KWARGS, 34, 132, 34)
+    assert not schedule_stands(_slot(_info(34, False)), KWARGS, 34, 0, 34)  # SMs unknown
     fixed = {**KWARGS, "fixed_split_size": 64}
     assert not schedule_stands(_slot(_info(34, False)), fixed, 34, 132, 34)
 

@@ -284,7 +284,8 @@ def schedule_stands(
     guarantees the constants are the last plan's, this wrapper's scheduler made it,
     and the same queries: ``total_rows`` (checked here) or compared by the caller."""
     split = kwargs.get("fixed_split_size")
-    if query_tiles <= 2 * num_sm // kwargs["num_kv_heads"] or (split is not None and split > 0):
+    budget = 2 * num_sm // kwargs["num_kv_heads"]  # no SM count known: no budget
+    if num_sm <= 0 or query_tiles <= budget or (split is not None and split > 0):
         return False  # (checked first: no plan info read for a batch the scheduler splits)
     flags = plan_flags(slot)
     return (

@@ -119,7 +119,7 @@ def bound_call(
     return bound
 
 
-def _schedule_changed(held: WrapperSlot, spec: PlanSpec, bound: BoundCall, num_sm: int = 0) -> bool:
+def _schedule_changed(held: WrapperSlot, spec: PlanSpec, bound: BoundCall, num_sm: int) -> bool:
     """Whether a re-plan must run the scheduler: not when its inputs equal those of the
     scheduler's last run on this wrapper (whose plan, ``_plan_info`` and the int
     workspace, then stands), nor when that run's schedule is the one the scheduler gives
