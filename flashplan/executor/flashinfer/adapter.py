@@ -230,9 +230,7 @@ def replan_decode(
             w._qo_indptr_buf = arrays.qo_indptr_device
     if not schedule:
         return
-    own = slot.fixed.pop("int_workspace", None)  # write the wrapper's own workspace again
-    if own is not None:
-        w._int_workspace_buffer = own
+    _own_workspace_back(slot)  # the scheduler writes the wrapper's own workspace again
     bs = arrays.last_page_len_host.shape[0]
     hq, hkv, dim = kwargs["num_qo_heads"], kwargs["num_kv_heads"], kwargs["head_dim"]
     window = kwargs.get("window_left", -1)
@@ -331,6 +329,12 @@ def restore_own_buffers(slot: Slot) -> None:
     own = slot.fixed.pop("kv_lens", None)
     if own is not None:
         slot.wrapper._kv_lens_buffer = own
+    _own_workspace_back(slot)
+
+
+def _own_workspace_back(slot: Slot) -> None:
+    """Point ``slot``'s wrapper at its own int workspace again (kept in ``fixed`` while
+    it ran on a leader's: :func:`adopt_schedule`)."""
     workspace = slot.fixed.pop("int_workspace", None)
     if workspace is not None:
         slot.wrapper._int_workspace_buffer = workspace

@@ -151,31 +151,19 @@ def _schedule_changed(held: WrapperSlot, spec: PlanSpec, bound: BoundCall, num_s
     if data is not None and last is not None and last[1] is not None:
         if last[1] == data:
             return False
+        qo = bound.schedule_inputs[0] if bound.schedule_inputs is not None else None
         if (
             bound.prefill is not None
+            and qo is not None
             and last[1][0] == data[0]  # the same queries (qo_indptr)
-            # the batch size bounds the requests with queries: a cheap check first
-            and schedule_stands(held, bound.kwargs, _batch_size(bound), num_sm)
-            and schedule_stands(held, bound.kwargs, _requests_with_queries(bound), num_sm)
+            # each request with a query is a query tile or more; the batch size bounds
+            # them: checked first, without the diff
+            and schedule_stands(held, bound.kwargs, qo.shape[0] - 1, num_sm)
+            and schedule_stands(held, bound.kwargs, int(np.count_nonzero(np.diff(qo))), num_sm)
         ):
             return False
     held.scheduled = (spec, data)
     return True
-
-
-def _batch_size(bound: BoundCall) -> int:
-    """A paged prefill call's requests (its ``qo_indptr`` has one entry more)."""
-    inputs = bound.schedule_inputs
-    assert inputs is not None
-    return int(inputs[0].shape[0]) - 1
-
-
-def _requests_with_queries(bound: BoundCall) -> int:
-    """A paged prefill call's requests with at least one query row (each is one query
-    tile or more)."""
-    inputs = bound.schedule_inputs
-    assert inputs is not None
-    return int(np.count_nonzero(np.diff(inputs[0])))
 
 
 def _input_bytes(bound: BoundCall) -> tuple[bytes, ...] | None:
