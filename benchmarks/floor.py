@@ -28,6 +28,13 @@ Columns:
                  (new page counts once per page, new KV lengths every call)
   blocks         step and bare plan() again, each timed in a block of its own calls
                  (``run_gpu.py``'s way: the bare ``plan()``'s best case)
+  alternated     step and bare plan() alone, call by call (a b b a …): each follows the
+                 other as often as itself (the round-by-round columns rotate four jobs,
+                 three of them flashplan's, whose code then stays warm for the step:
+                 that favours the step)
+  cold           step and bare plan() with cold CPU caches (64 MB of host memory
+                 rewritten before each call, as an engine's forward pass does between
+                 two plans): ``_timing.cold_us``
   schedules kept the share of the step executor's decode re-plans that kept the
                  scheduler's last plan (``plan_counts``)
 
@@ -52,7 +59,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from _timing import host_us, interleaved_us, paired_ratio, pinned
+from _timing import alternating_us, cold_us, host_us, interleaved_us, paired_ratio, pinned
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -228,6 +235,11 @@ def measure(bs: int, reps: int) -> dict[str, float]:
     # best case, its code and data hot in the CPU caches)
     out["bare_plan_blocks_us"] = host_us(bare, n=reps, warmup=20)
     out["step_blocks_us"] = host_us(step, n=reps, warmup=20)
+    alt_step, alt_bare = alternating_us(step, bare, n=reps)
+    out["alternated_ratio"] = paired_ratio(alt_step, alt_bare)
+    cold = cold_us({"step": step, "bare": bare}, n=max(reps // 3, 20))
+    out["cold_step_us"] = statistics.median(cold["step"])
+    out["cold_bare_us"] = statistics.median(cold["bare"])
     counts = ex.plan_counts
     out["kept"] = counts["schedules_kept"] / max(counts["fast_decode_plan"], 1)
     return out
@@ -249,8 +261,9 @@ def main() -> None:
         "",
         "| batch | staged int32 | module plan | fast_decode_plan | copy | launch | **floor** "
         "| bare plan() | apply | step | step / bare | step / floor | bare / floor "
-        "| loop step | loop step / bare | blocks: step / bare | schedules kept |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| loop step | loop step / bare | blocks: step / bare | alternated step / bare "
+        "| cold: step / bare | schedules kept |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -261,7 +274,9 @@ def main() -> None:
             f"| {r['step_us'] / r['floor_us']:.2f}x | {r['bare_plan_us'] / r['floor_us']:.2f}x "
             f"| {r['loop_step_us']:.1f} | {r['loop_step_ratio']:.2f}x "
             f"| {r['step_blocks_us']:.1f} / {r['bare_plan_blocks_us']:.1f} = "
-            f"{r['step_blocks_us'] / r['bare_plan_blocks_us']:.2f}x | {r['kept']:.0%} |"
+            f"{r['step_blocks_us'] / r['bare_plan_blocks_us']:.2f}x | {r['alternated_ratio']:.2f}x "
+            f"| {r['cold_step_us']:.1f} / {r['cold_bare_us']:.1f} = "
+            f"{r['cold_step_us'] / r['cold_bare_us']:.2f}x | {r['kept']:.0%} |"
         )
     text = "\n".join(lines)
     print(text)
