@@ -53,7 +53,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -149,14 +149,60 @@ def bare_decode_plan(
     return bare, w, (indptr, idx, last)
 
 
-def measure(bs: int, reps: int) -> dict[str, float]:
+class DecodeCase(NamedTuple):
+    """A decode batch and the jobs the decode benchmarks compare on it
+    (:func:`decode_case`).
+
+    Attributes:
+        lens: int ``[bs]`` sequence lengths (tokens), all ``KV``.
+        spec: the batch's plan.
+        table: a shuffled page table holding it.
+        executor: a fresh eager executor (not yet applied).
+        step: ``BatchLayout.decode`` + ``plan`` + ``executor.apply`` of the batch (a
+            fresh layout and plan each call).
+        pure: ``BatchLayout.decode`` + ``plan`` alone.
+        bare: FlashInfer's bare ``plan()`` of the batch (:func:`bare_decode_plan`).
+        wrapper: the bare ``plan()``'s wrapper.
+        bare_inputs: its ``(indptr, page ids, last page lengths)``.
+    """
+
+    lens: np.ndarray
+    spec: fp.PlanSpec
+    table: fp.PageTable
+    executor: FlashInferExecutor
+    step: Callable[[], None]
+    pure: Callable[[], None]
+    bare: Callable[[], None]
+    wrapper: Any
+    bare_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def decode_case(bs: int, *, seed: int, room: int = 0) -> DecodeCase:
+    """``bs`` requests of ``KV`` tokens (page ``PAGE``), over a table shuffled with
+    ``seed`` whose rows hold ``room`` more tokens each (a decode loop's growth)."""
     lens = np.full(bs, KV)
-    layout = fp.BatchLayout.decode(lens, page_size=PAGE)
-    spec = fp.plan(layout, HEADS)
+    spec = fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), HEADS)
+    need = spec.pages_needed
+    if room:
+        need = fp.plan(fp.BatchLayout.decode(lens + room, page_size=PAGE), HEADS).pages_needed
+    table = fp.PageTable.shuffled(need, seed=seed, device=DEV)
+    bare, wrapper, inputs = bare_decode_plan(spec, table)
+    ex = FlashInferExecutor()
+
+    def step() -> None:
+        ex.apply(fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), HEADS), table)
+
+    def pure() -> None:
+        fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), HEADS)
+
+    return DecodeCase(lens, spec, table, ex, step, pure, bare, wrapper, inputs)
+
+
+def measure(bs: int, reps: int) -> dict[str, float]:
     # room for the decode loop below: every request up to LOOP tokens longer
-    room = fp.plan(fp.BatchLayout.decode(lens + LOOP, page_size=PAGE), HEADS).pages_needed
-    table = fp.PageTable.shuffled(room, seed=bs, device=DEV)
-    bare, w, (indptr, idx, last) = bare_decode_plan(spec, table)
+    case = decode_case(bs, seed=bs, room=LOOP)
+    lens, spec, table, ex, step = case.lens, case.spec, case.table, case.executor, case.step
+    bare, w, (indptr, idx, last) = case.bare, case.wrapper, case.bare_inputs
     tc = bool(w.use_tensor_cores)
     kwargs = dict(q_data_type=DT, kv_data_type=DT, non_blocking=True)
     bare()
@@ -201,14 +247,10 @@ def measure(bs: int, reps: int) -> dict[str, float]:
         direct(grid, ("copy", block), (src, dst, entries, block), (entries,), pointers)
 
     launch()  # compiles the variant, the next launches go direct
-    ex = FlashInferExecutor()
     ex.apply(spec, table)
 
     def apply() -> None:
         ex.apply(spec, table)
-
-    def step() -> None:
-        ex.apply(fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), HEADS), table)
 
     loop = LoopLens(lens)
     ex_loop = FlashInferExecutor()

@@ -23,25 +23,21 @@ import argparse
 import os
 import sys
 
-import numpy as np
 import torch
 from _timing import alternating_us, host_us, paired_ratio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from floor import DEV, HEADS, KV, PAGE, bare_decode_plan
+from floor import HEADS, KV, PAGE, decode_case
 
 import flashplan as fp
-from flashplan.executor.flashinfer import FlashInferExecutor
 from flashplan.executor.flashinfer.paged_lane import lane_of
 
 
 def measure(bs: int, reps: int) -> dict[str, float]:
-    lens = np.full(bs, KV)
-    spec = fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), HEADS)
-    table = fp.PageTable.shuffled(spec.pages_needed, seed=0, device=DEV)
-    bare, _, _ = bare_decode_plan(spec, table)
-    ex = FlashInferExecutor()
+    case = decode_case(bs, seed=0)
+    lens, spec, table, ex = case.lens, case.spec, case.table, case.executor
+    bare, step, pure = case.bare, case.step, case.pure
     ex.apply(spec, table)
     owned = ex._buffers.owned  # benchmark only: the executor's parts
     calls = ex._buffers.skeleton(spec)
@@ -72,14 +68,8 @@ def measure(bs: int, reps: int) -> dict[str, float]:
         held.mark = owned.timeline.upcoming
         owned.timeline.mark(stream)
 
-    def step() -> None:
-        ex.apply(fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), HEADS), table)
-
     def lean_step() -> None:
         lean_apply(fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), HEADS))
-
-    def pure() -> None:
-        fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), HEADS)
 
     out: dict[str, float] = {"batch": bs}
     for name, fn in (("bare", bare), ("step", step), ("lean", lean_step), ("pure", pure)):

@@ -128,20 +128,11 @@ def plain(fn: Callable[[], object], n: int, busy: int) -> float:
 def decode_step(bs: int) -> tuple[Callable[[], None], Callable[[], None], Any]:
     """``floor.py``'s decode step of ``bs`` requests over 4096 keys (page 16, a fresh
     layout and plan each call, the default policy) and FlashInfer's bare ``plan()`` of
-    the same batch (``floor.bare_decode_plan``), and that call's wrapper."""
-    from floor import DEV, KV, PAGE, bare_decode_plan
-    from floor import HEADS as DECODE_HEADS
+    the same batch (``floor.decode_case``), and that call's wrapper."""
+    from floor import decode_case
 
-    lens = np.full(bs, KV)
-    spec = fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), DECODE_HEADS)
-    table = fp.PageTable.shuffled(spec.pages_needed, seed=bs, device=DEV)
-    ex = FlashInferExecutor()
-
-    def ours() -> None:
-        ex.apply(fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), DECODE_HEADS), table)
-
-    bare, wrapper, _ = bare_decode_plan(spec, table)
-    return ours, bare, wrapper
+    case = decode_case(bs, seed=bs)
+    return case.step, case.bare, case.wrapper
 
 
 def main() -> None:

@@ -22,16 +22,12 @@ import pstats
 import sys
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from _timing import host_us
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from floor import DEV, HEADS, KV, PAGE, bare_decode_plan
-
-import flashplan as fp
-from flashplan.executor.flashinfer import FlashInferExecutor
+from floor import KV, PAGE, decode_case
 
 
 def profiled(fn: Callable[[], object], n: int, lines: int) -> tuple[int, str]:
@@ -56,20 +52,11 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=400)
     parser.add_argument("--lines", type=int, default=45)
     args = parser.parse_args()
-    lens = np.full(args.batch, KV)
-    spec = fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), HEADS)
-    table = fp.PageTable.shuffled(spec.pages_needed, seed=0, device=DEV)
-    bare, _, _ = bare_decode_plan(spec, table)
-    ex = FlashInferExecutor()
-
-    def step() -> None:
-        ex.apply(fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), HEADS), table)
-
-    def pure() -> None:
-        fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), HEADS)
+    case = decode_case(args.batch, seed=0)
+    bare, step, pure = case.bare, case.step, case.pure
 
     def apply() -> None:
-        ex.apply(spec, table)
+        case.executor.apply(case.spec, case.table)
 
     gc.disable()
     jobs = {"bare plan()": bare, "step": step, "layout + plan": pure, "apply": apply}
