@@ -563,3 +563,131 @@ def test_materialized_cascade_calls_equal_the_oracle(case) -> None:  # type: ign
         broken = attrs.evolve(on, cascade=attrs.evolve(on.cascade, levels=levels))
         bad = fp.materialize(broken, group)
         assert any(not np.array_equal(b, w) for b, w in zip(bad, got, strict=True))
+
+
+# ------------------------------------------------- every group kind and mode (issue 50)
+@st.composite
+def grouped_batches(draw):  # type: ignore[no-untyped-def]
+    """:func:`batches` of every mode (decode, extend, block extend, tree and chain
+    verify) with one to three distinct groups of every self kind: causal, bidirectional,
+    sliding windows, bidirectional bands, chunked, each with or without sinks, soft cap
+    and scale (verify batches plan causal groups only)."""
+    from flashplan.testing import LOCAL_GROUP_KINDS, attention_groups
+
+    layout, shared = draw(batches(verify=True))
+    kinds = ("full",) if layout.draft is not None else ("full", "sliding", "bidirectional")
+    if layout.draft is None:
+        kinds += LOCAL_GROUP_KINDS
+    groups = draw(
+        st.lists(
+            attention_groups(kinds=kinds, max_window=40, sinks=True), min_size=1, max_size=3,
+            unique=True,
+        )
+    )  # fmt: skip
+    if layout.draft is None and layout.mode is not fp.Mode.DECODE and draw(st.booleans()):
+        # a block extend: the new tokens of a request form one bidirectional block
+        block = int(layout.extend_lens.max())
+        seq = layout.prefix_lens + block
+        layout = fp.BatchLayout.block_extend(seq, block, page_size=layout.page_size)
+        groups.append(layout.groups[0])
+    return layout.with_groups(*dict.fromkeys(groups)), shared
+
+
+def _promise_holds(layout: fp.BatchLayout, shared: fp.SharedPrefix | None) -> bool:
+    if shared is None:
+        return False
+    try:
+        shared.check_batch(layout.batch_size, layout.prefix_lens)
+    except fp.LayoutError:
+        return False
+    return True
+
+
+@given(grouped_batches(), st.integers(0, 2**16))
+def test_cascade_on_equals_off_for_every_group_kind(case, seed: int) -> None:  # type: ignore[no-untyped-def]
+    """Issue 50, item 1: every group that runs on cascade levels — a bidirectional one
+    too — gives, on the reference executor, the outputs and LSE of the plan without
+    levels and of float64 attention computed straight from the layout's rules
+    (``flashplan.oracle``); ``materialize`` of the cascade plan is the oracle's mask;
+    and the FlashInfer translation of each cascade group's own call carries the own
+    call's causal flag (plan = run)."""
+    from flashplan.executor.flashinfer import ExecutorPolicy, translate
+    from flashplan.oracle import dense_attention, key_row_tokens
+
+    layout, shared = case
+    if not _promise_holds(layout, shared):
+        return
+    heads = fp.HeadConfig(4, 2, 8, q_dtype=torch.float32)
+    off = fp.plan(layout, heads, extend_path="paged")
+    on = fp.plan(layout, heads, extend_path="paged", shared_prefix=shared, cascade="on")
+    if on.cascade is None:
+        return
+    for at, k in enumerate(on.cascade.groups):
+        gp = on.group_plans[k]
+        assert gp.paged is not None and on.cascade.own_causal[at] == gp.paged.causal
+        own = on.cascade.own_call(k)
+        assert own.causal == (gp.group.causal and on.cascade.own_mask is None)
+    for gc in translate(on, ExecutorPolicy(), sm90=False).calls:
+        if gc.levels and gc.paged is not None and "causal" in gc.paged.as_dict():
+            assert gc.paged.as_dict()["causal"] == on.cascade.own_call(gc.group_index).causal
+    for group in layout.groups:
+        got = fp.materialize(on, group)
+        for i, (g, want) in enumerate(zip(got, visibility(layout, group), strict=True)):
+            np.testing.assert_array_equal(g, want, err_msg=f"{group.describe()}, request {i}")
+
+    ids = _promised_table(layout, shared, seed)
+    table = fp.PageTable(
+        torch.from_numpy(ids.astype(np.int32)), np.arange(layout.batch_size), int(ids.max()) + 1
+    )
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(int(ids.max()) + 1, 2, layout.page_size, 2, 8, generator=gen)
+    total = off.total_q
+    q, k, v = (torch.randn(total, h, 8, generator=gen) for h in (4, 2, 2))
+    sinks = torch.randn(4, generator=gen)
+    qo = off.qo_indptr
+    for group in layout.groups:
+        s = sinks if group.sinks else None
+        results = []
+        for spec in (off, on):
+            ex = fp.ReferenceExecutor(compute_dtype=torch.float64)
+            ex.apply(spec, table)
+            c = cache.clone()
+            results.append((*ex.run(group, q, k, v, c, return_lse=True, sinks=s), c))
+        (o0, l0, c0), (o1, l1, c1) = results
+        assert torch.equal(c0, c1)
+        torch.testing.assert_close(o1, o0, rtol=1e-6, atol=1e-6, msg=group.describe)
+        torch.testing.assert_close(l1, l0, rtol=1e-6, atol=1e-6, msg=group.describe)
+        # and both equal float64 attention straight from the rules, on the written cache
+        seen = visibility(layout, group)
+        rows = key_row_tokens(layout, group)
+        flat_k = c0[:, 0].reshape(-1, 2, 8)
+        flat_v = c0[:, 1].reshape(-1, 2, 8)
+        ps = layout.page_size
+        for i in range(layout.batch_size):
+            slot = torch.from_numpy(ids[i][rows[i] // ps] * ps + rows[i] % ps)
+            want_o, want_l = dense_attention(
+                q[qo[i] : qo[i + 1]], flat_k[slot], flat_v[slot], seen[i], group, s
+            )
+            got_o, got_l = o1[qo[i] : qo[i + 1]].double(), l1[qo[i] : qo[i + 1]].double()
+            torch.testing.assert_close(got_o, want_o, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got_l, want_l, rtol=1e-5, atol=1e-5)
+
+
+def test_explain_of_a_bidirectional_cascade_matches() -> None:
+    """The issue's own reproduction: ``explain`` of a bidirectional group on shared
+    levels prints no MISMATCH and exits 0, and the own parts are non-causal."""
+    import contextlib
+    import io
+
+    from flashplan.__main__ import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(
+            ["explain", "--seq-lens", "6,7", "--prefix-lens", "4,4", "--page-size", "2",
+             "--bidirectional", "--shared", "0-1:4"]
+        )  # fmt: skip
+    text = buf.getvalue()
+    assert code in (0, None), text
+    assert "MISMATCH" not in text
+    assert "group plan 0 non-causal" in text

@@ -142,8 +142,8 @@ class ReferenceExecutor:
         # their groups' shared pages: gathered like the FlashInfer executor's
         cascade = spec.cascade
         own: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        if cascade is not None:
-            call = cascade.own_call
+        if cascade is not None:  # (every group's own call reads the same spans)
+            call = cascade.own_call(cascade.groups[0])
             own = dict.fromkeys(cascade.groups, (call.start_page, call.num_pages))
         jobs = gather_jobs(
             spec, table.rows, window_pool=self.page_map is not None, spans=own,
@@ -191,8 +191,7 @@ class ReferenceExecutor:
                 ragged[index] = (call_rows(queries, dev), torch.from_numpy(seen).to(dev))
         levels: dict[int, list[PagedCall]] = {}
         if cascade is not None:
-            calls = cascade_calls(cascade, spec, jobs, page, offset, dev)
-            levels = dict.fromkeys(cascade.groups, calls)
+            levels = cascade_calls(cascade, spec, jobs, page, offset, dev)
         self._applied = _Applied(
             spec=spec, table=table, device=dev, writes=writes, paged=paged, ragged=ragged,
             cascade=levels,

@@ -112,20 +112,22 @@ def cascade_calls(
     page: np.ndarray,
     offset: np.ndarray,
     dev: torch.device,
-) -> list[PagedCall]:
-    """The kernel calls of the groups that run on cascade levels: one per level (its
-    groups as entries: their members' query rows, the group's shared pages, every key
-    visible), then each request's own call (:attr:`Cascade.own_call
-    <flashplan.planning.cascade.Cascade>`). The pages are the batch's gather's
-    (``jobs``, gathered into ``page`` / ``offset``, built with the cascade's own spans and
-    level spans as the FlashInfer executor builds them): each level's region
-    ``pages/l<k>`` and the first cascade group's region for the own calls."""
+) -> dict[int, list[PagedCall]]:
+    """The kernel calls of each group that runs on cascade levels (keyed by its index
+    in ``spec.group_plans``): one per level (its groups as entries: their members'
+    query rows, the group's shared pages, every key visible; shared by the groups),
+    then each request's own call (:meth:`Cascade.own_call
+    <flashplan.planning.cascade.Cascade.own_call>`: the group's own causal flag or the
+    tree mask). The pages are the batch's gather's (``jobs``, gathered into ``page`` /
+    ``offset``, built with the cascade's own spans and level spans as the FlashInfer
+    executor builds them): each level's region ``pages/l<k>`` and each group's own
+    region for its own calls."""
 
     def region(name: str) -> tuple[np.ndarray, np.ndarray]:
         r = jobs.region(name)
         return page[r.lo : r.hi], offset[r.lo : r.hi]
 
-    calls = []
+    levels = []
     for index, level in enumerate(cascade.levels.levels):
         sizes = np.diff(level.qo_indptr)
         idx, valid = padded_rows(level.qo_indptr, level.max_queries)
@@ -134,17 +136,21 @@ def cascade_calls(
             torch.from_numpy(index_rows).to(dev), torch.from_numpy(valid).to(dev), valid
         )
         part = PagedPart.over(level.spans, causal=False, window_left=-1)
-        calls.append(
+        levels.append(
             paged_call(
                 part, Lengths.from_lens(sizes, "qo_lens"), level.row_of.astype(np.int64),
                 *region(level_pages_region(index)), dev, f"reads for cascade level {index}",
                 rows=entry_rows,
             )
         )  # fmt: skip
-    own = "reads for the requests' own cascade parts"
     request = np.arange(spec.batch_size, dtype=np.int64)
-    own_region = region(pages_region(cascade.groups[0]))
-    calls.append(paged_call(cascade.own_call, spec.queries, request, *own_region, dev, own))
+    calls = {}
+    for group in cascade.groups:
+        own = paged_call(
+            cascade.own_call(group), spec.queries, request, *region(pages_region(group)), dev,
+            f"reads for group {group}'s own cascade parts",
+        )  # fmt: skip
+        calls[group] = [*levels, own]
     return calls
 
 

@@ -25,13 +25,14 @@ executors run them (the FlashInfer executor eagerly: a CUDA-graph bucket refuses
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
 from flashplan.arrays import array_key, concat_ranges, readonly_when_unpickled, seal_inplace
-from flashplan.errors import FieldTypeError
+from flashplan.errors import FieldTypeError, LayoutError, PlanMismatchError
 from flashplan.layout.batch import BatchLayout
 from flashplan.layout.heads import HeadConfig
 from flashplan.layout.mode import Mode
@@ -136,25 +137,59 @@ class Cascade:
     Attributes:
         levels: the levels and own parts (:func:`cascade_levels`).
         groups: the group plans that run on them, in order.
+        own_causal: per entry of ``groups``, whether that group's own calls are causal
+            (its paged call's flag: a bidirectional group's new tokens see every new
+            token of their request, a causal group's the earlier ones). Without a
+            tree mask each group runs its own call with its own flag
+            (:meth:`own_call`).
         own_mask: a tree verify's mask over each request's own keys
             (:func:`own_tree_mask`: the groups' tree mask without the columns the
-            levels read; every draft token sees every shared key), or ``None``: the own
-            calls are causal.
+            levels read; every draft token sees every shared key), or ``None``.
     """
 
     levels: CascadePlan
     groups: tuple[int, ...]
+    own_causal: tuple[bool, ...] = attrs.field()
     own_mask: TreeMask | None = None
 
+    @own_causal.validator
+    def _one_flag_per_group(self, attribute: attrs.Attribute[Any], value: object) -> None:
+        if not isinstance(value, tuple) or len(value) != len(self.groups):
+            raise LayoutError(
+                "own_causal", "one causal flag per cascade group", groups=self.groups,
+                own_causal=value,
+            )  # fmt: skip
+
     @functools.cached_property
-    def own_call(self) -> PagedPart:
-        """Each request's own call: its paged call over :attr:`CascadePlan.own` —
-        causal, bottom-right aligned (the own keys end with the request's new tokens,
-        which no level shares), or under :attr:`own_mask`; no window (a windowed group
-        never runs on levels). Both executors run it as the cascade groups' paged
-        call."""
+    def _own_calls(self) -> dict[bool, PagedPart]:
+        """The own call for each causal flag the groups use (built once per plan)."""
         mask = self.own_mask
-        return PagedPart.over(self.levels.own, causal=mask is None, window_left=-1, mask=mask)
+        return {
+            causal: PagedPart.over(
+                self.levels.own, causal=causal and mask is None, window_left=-1, mask=mask
+            )
+            for causal in set(self.own_causal)
+        }
+
+    def own_call(self, group_index: int) -> PagedPart:
+        """Group plan ``group_index``'s own call (it must be one of :attr:`groups`):
+        its paged call over :attr:`CascadePlan.own` — bottom-right aligned causal for
+        a causal group (the own keys end with the request's new tokens, which no level
+        shares), non-causal for a bidirectional one, or under :attr:`own_mask`; no
+        window (a windowed group never runs on levels). Both executors run it as the
+        group's paged call, and :func:`~flashplan.materialize` reads it.
+
+        Raises:
+            PlanMismatchError: ``group_index`` does not run on the levels.
+        """
+        try:
+            at = self.groups.index(group_index)
+        except ValueError:
+            raise PlanMismatchError(
+                "group_index", "the group does not run on cascade levels",
+                group_index=group_index, cascade_groups=self.groups,
+            ) from None  # fmt: skip
+        return self._own_calls[self.own_causal[at]]
 
 
 def own_tree_mask(mask: TreeMask, part_start_page: IntArray, own: PageSpans) -> TreeMask:

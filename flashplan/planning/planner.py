@@ -180,13 +180,17 @@ def _with_cascade(
     groups = tuple(i for i, gp in enumerate(spec.group_plans) if _cascades(gp))
     if not groups or (auto and not cascade_pays(layout, shared, heads, levels=levels)):
         return spec
-    # a tree verify: every such group has the same windowless tree mask (of its draft)
-    part = spec.group_plans[groups[0]].paged
-    assert part is not None
+    parts = [spec.group_plans[k].paged for k in groups]
+    # a tree verify: every such group is causal, with the same windowless tree mask (of
+    # its draft); otherwise each group's own calls keep its causal flag (bidirectional
+    # groups see every new token of their request)
     own_mask = None
-    if isinstance(part.mask, TreeMask):
-        own_mask = own_tree_mask(part.mask, part.start_page, levels.own)
-    return attrs.evolve(spec, cascade=Cascade(levels, groups, own_mask))
+    first = parts[0]
+    assert first is not None
+    if isinstance(first.mask, TreeMask):
+        own_mask = own_tree_mask(first.mask, first.start_page, levels.own)
+    own_causal = tuple(bool(p is not None and p.causal) for p in parts)
+    return attrs.evolve(spec, cascade=Cascade(levels, groups, own_causal, own_mask))
 
 
 def _cascades(gp: GroupPlan) -> bool:

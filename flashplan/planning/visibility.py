@@ -78,7 +78,7 @@ def materialize(spec: _Plan, group: AttentionGroup) -> list[npt.NDArray[np.bool_
     <flashplan.PlanSpec>`) is rebuilt from those calls instead of its paged call: each
     level's call over its group's shared pages (every key visible; read from the group's
     first member's row, which holds the same pages: the sharing's promise) and the
-    request's own call (:attr:`Cascade.own_call <flashplan.planning.cascade.Cascade>`).
+    request's own call (:meth:`Cascade.own_call <flashplan.planning.cascade.Cascade.own_call>`).
 
     Raises:
         PlanMismatchError: ``group`` was not planned.
@@ -101,10 +101,13 @@ def materialize(spec: _Plan, group: AttentionGroup) -> list[npt.NDArray[np.bool_
     offset = starts - starts[np.searchsorted(req, req)]
     out = [np.zeros((int(qo[i]), int(gp.num_keys[i])), dtype=bool) for i in range(bs)]
     cascade = spec.cascade
-    if cascade is not None and not any(gp is spec.group_plans[k] for k in cascade.groups):
+    on_levels = [] if cascade is None else [
+        k for k in cascade.groups if gp is spec.group_plans[k]
+    ]  # fmt: skip
+    if not on_levels:
         cascade = None
-    # a group on cascade levels: its paged call is the own call (over the plan's requests)
-    paged = gp.paged if cascade is None else cascade.own_call
+    # a group on cascade levels: its paged call is its own call (over the plan's requests)
+    paged = gp.paged if cascade is None else cascade.own_call(on_levels[0])
     for v in range(req.shape[0]):
         i, e, row = int(req[v]), int(entry_q[v]), int(offset[v])
         k_total = int(gp.num_keys[i])

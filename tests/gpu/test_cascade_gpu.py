@@ -228,3 +228,49 @@ def test_fa3_levels_keep_their_plan_while_the_sharing_holds(page_size: int):
         if step == 4:
             assert kept == kept_before
         kept_before = kept
+
+
+def test_bidirectional_groups_on_levels_run_the_planned_calls():
+    """Issue 50, item 1: causal and bidirectional groups on the same cascade levels, over
+    extend and block-extend batches of varied sizes, on one long-lived executor: each
+    group's own call is planned with the plan's own causal flag (plan = run: the
+    executor's ``calls`` carry ``Cascade.own_call``'s flag), and every group equals the
+    reference executor's plain plan (no levels) and a fresh executor bit for bit."""
+    heads = fp.HeadConfig(16, 4, 128, q_dtype=torch.bfloat16)
+    groups = (fp.AttentionGroup.full(), fp.AttentionGroup.bidirectional())
+    executor = FlashInferExecutor()
+    for step in range(12):
+        seed = stable_seed("bidirectional cascade", step)
+        rng = np.random.default_rng(seed)
+        bs = 4 + (step * 3) % 9
+        page_size = (1, 16)[step % 2]
+        prefix = rng.integers(40, 300, bs)
+        if step % 3 == 2:  # a block extend: every new token sees its whole block
+            layout = fp.BatchLayout.block_extend(prefix + 8, 8, page_size=page_size)
+            layout = layout.with_groups(fp.AttentionGroup.full(), *layout.groups)
+        else:
+            seq = prefix + rng.integers(2, 40, bs)
+            layout = fp.BatchLayout.extend(seq, prefix, page_size=page_size, groups=groups)
+        shared = _sharing(("all", "groups", "nested")[step % 3], bs, layout.prefix_lens)
+        on = fp.plan(layout, heads, extend_path="paged", shared_prefix=shared, cascade="on")
+        off = fp.plan(layout, heads, extend_path="paged")
+        assert on.cascade is not None and len(on.cascade.groups) == len(layout.groups)
+        table = _table(layout, shared, seed)
+        inputs = _inputs(on, table, heads, seed)
+        for at, group in enumerate(layout.groups):
+            cache, q, k, v = inputs
+            results = []
+            for ex, spec in (
+                (executor, on),
+                (FlashInferExecutor(), on),
+                (fp.ReferenceExecutor(), off),
+            ):
+                c = cache.clone()
+                ex.apply(spec, table)
+                results.append((*ex.run(group, q, k, v, c, return_lse=True), c))
+            planned = executor.calls[at].paged.as_dict()
+            assert planned["causal"] == on.cascade.own_call(at).causal == group.causal
+            got, fresh, want = results
+            for a, b in zip(got, fresh, strict=True):
+                assert torch.equal(a, b), (step, group.describe())
+            _check(got, want)

@@ -86,7 +86,6 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
         ints[names.batch_int("qo.max_len")] = spec.max_q_len
     elements: dict[str, int] = {}
     cascade = spec.cascade
-    own = None if cascade is None else cascade.own_call
     for gc in calls:
         gp = spec.group_plans[gc.group_index]
         index = gc.group_index
@@ -96,7 +95,7 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
             ints[names.group_int(index, "qo.total")] = vq.total
             ints[names.group_int(index, "qo.max_len")] = vq.max_len
         # a group on cascade levels: its paged call reads each request's own keys
-        part = own if gc.levels else gp.paged
+        part = cascade.own_call(index) if gc.levels and cascade is not None else gp.paged
         if part is None:
             continue
         # the gather reads each request's span; the kernel is planned over the call's

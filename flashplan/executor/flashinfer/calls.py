@@ -60,6 +60,7 @@ from flashplan.executor.flashinfer.policy import (
     split_kwargs,
 )
 from flashplan.layout.heads import HeadConfig
+from flashplan.planning.parts import PagedPart
 from flashplan.planning.spec import GroupPlan, KernelPath, PlanKey, PlanSpec
 
 __all__ = [
@@ -119,7 +120,14 @@ def skeleton_key(
     if cascade is None:
         return spec.key, tensor_cores, masked, items, virtual, (), 0
     levels = len(cascade.levels.levels)
+    # (the own calls' causal flags follow from the groups in the key: each group's own)
     return spec.key, tensor_cores, masked, items, virtual, cascade.groups, levels
+
+
+def cascade_own_call(spec: PlanSpec, index: int) -> PagedPart:
+    """The own call that group plan ``index`` of ``spec`` runs on its cascade levels."""
+    assert spec.cascade is not None
+    return spec.cascade.own_call(index)
 
 
 def check_runnable(spec: PlanSpec, *, graph: bool = False) -> None:
@@ -201,7 +209,8 @@ def call_skeleton(
             names.group_array(index, "qo_indptr") if virtual[index] else names.QO_INDPTR
         )
         if gp.paged is not None:
-            part = gp.paged
+            # a group on cascade levels runs its own call (the plan's, flags included)
+            part = gp.paged if index not in cascaded else cascade_own_call(spec, index)
             pages = DeviceIndices(names.pages_region(index))
             page_indptr = HostArray(names.group_array(index, "page_indptr"))
             last_page_len = HostArray(names.group_array(index, "last_page_len"))
