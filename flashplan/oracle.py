@@ -129,7 +129,8 @@ def dense_attention(
     With ``sinks`` (a sink group), query head ``h``'s softmax denominator gets one more
     term ``exp(sinks[h])`` that carries no value, and the LSE includes it (the sink is a
     key of value 0 that every query sees): a query that sees no key then has output 0
-    and LSE ``sinks[h] / ln 2``.
+    and LSE ``sinks[h] / ln 2``. A ``-inf`` logit is no sink; a NaN or ``+inf`` one
+    gives the head NaN outputs and LSE (``docs/semantics.md``).
 
     Args:
         q: ``[num_queries, num_qo_heads, head_dim]``.
@@ -152,7 +153,7 @@ def dense_attention(
         lse = torch.full((e, hq), -math.inf, dtype=torch.float64, device=q.device)
         if sinks is not None:
             lse = sinks.double().to(q.device)[None, :].expand(e, hq) / _LN2
-        return out, lse
+        return _undefined_sinks(out, lse, sinks)
     gs = hq // k.shape[1]
     kh = k.double().repeat_interleave(gs, dim=1)
     vh = v.double().repeat_interleave(gs, dim=1)
@@ -170,7 +171,22 @@ def dense_attention(
     probs = torch.exp(logits - lse.clamp_min(-1e300)[..., None])
     probs = probs.masked_fill(~mask[None], 0.0)  # keys nobody sees contribute nothing
     out = torch.einsum("hqk,khd->qhd", probs, vh.masked_fill(~mask.any(0)[:, None, None], 0.0))
-    return out, (lse / _LN2).T
+    return _undefined_sinks(out, (lse / _LN2).T, sinks)
+
+
+def _undefined_sinks(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule for non-finite sink logits: a head whose logit is NaN or ``+inf`` has
+    NaN outputs and LSE (``-inf`` is no sink and has already been folded as 0)."""
+    if sinks is None:
+        return out, lse
+    undefined = ~(sinks.to(out.device) < math.inf)
+    nan = torch.tensor(math.nan, dtype=out.dtype, device=out.device)
+    return (
+        torch.where(undefined[None, :, None], nan, out),
+        torch.where(undefined[None, :], nan.to(lse.dtype), lse),
+    )
 
 
 def _verify_visibility(layout: BatchLayout, group: AttentionGroup) -> list[npt.NDArray[np.bool_]]:

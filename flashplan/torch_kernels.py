@@ -10,6 +10,7 @@ modules import their twins from here, and their tests compare each kernel with i
 
 from __future__ import annotations
 
+import math
 from typing import TypedDict
 
 import torch
@@ -24,6 +25,7 @@ __all__ = [
     "check_states",
     "fold_sinks_torch",
     "gather_slots_torch",
+    "mark_undefined_sinks",
     "merge_state_torch",
     "tensor_values",
 ]
@@ -267,8 +269,10 @@ def fold_sinks_torch(
 
     ``s' = log2(2**s + e**sinks[h])`` and ``v' = v * 2**(s - s')``: the share of the
     softmax mass that stays on the keys. A state with ``s = -inf`` (no key) becomes
-    ``v' = 0`` and ``s' = sinks[h] / ln 2``. Any device, vectorized, no sync; safe to
-    capture in a CUDA graph.
+    ``v' = 0`` and ``s' = sinks[h] / ln 2``. Non-finite logits follow
+    ``docs/semantics.md``: ``-inf`` is no sink; NaN or ``+inf`` make the head's
+    outputs and LSE NaN (:func:`mark_undefined_sinks`). Any device, vectorized, no
+    sync; safe to capture in a CUDA graph.
 
     Args:
         v: ``[tokens, heads, head_dim]`` (any float dtype; the result keeps it).
@@ -286,4 +290,24 @@ def fold_sinks_torch(
     total = torch.logaddexp(s_e, sink)
     keep = torch.exp(s_e - total)  # 0 where s = -inf
     out = torch.where(keep[..., None] > 0, v.to(math_dtype) * keep[..., None], 0.0)
-    return out.to(v.dtype), (total / ln2).float()
+    out, lse = out.to(v.dtype), (total / ln2).float()
+    mark_undefined_sinks(out, lse, sinks)
+    return out, lse
+
+
+def mark_undefined_sinks(out: torch.Tensor, lse: torch.Tensor | None, sinks: torch.Tensor) -> None:
+    """Set, in place, the outputs and LSE of every head whose sink logit is NaN or
+    ``+inf`` to NaN: the rule of ``docs/semantics.md`` (a ``-inf`` logit is no sink and
+    leaves the state as it is), which every kernel path of a sink group applies, so the
+    paths agree without reading the logits back on the host (one elementwise pass on
+    the device, no sync; safe to capture in a CUDA graph).
+
+    Args:
+        out: ``[tokens, heads, head_dim]`` (any float dtype), written in place.
+        lse: float32 ``[tokens, heads]`` (base 2), written in place, or ``None``.
+        sinks: float32 ``[heads]`` sink logits on the same device.
+    """
+    undefined = ~(sinks < math.inf)  # NaN compares false: NaN and +inf
+    out.masked_fill_(undefined[None, :, None], math.nan)
+    if lse is not None:
+        lse.masked_fill_(undefined[None, :], math.nan)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -368,3 +369,70 @@ def test_flashinfer_executor_refuses_virtual_requests_in_graphs_only() -> None:
     check_runnable(decode, graph=True)
     sink = fp.AttentionGroup.sliding(7, sinks=True)
     check_runnable(fp.plan(fp.BatchLayout.extend([20], [3], page_size=4, groups=[sink]), heads))
+
+
+# ------------------------------------------------------ non-finite sink logits (issue 50)
+_ODD_SINKS = torch.tensor([math.nan, math.inf, -math.inf, 0.7])  # heads 0..3
+
+
+def _sink_paths() -> list[tuple[str, fp.BatchLayout, str, fp.SharedPrefix | None]]:
+    """One sink group on every path that folds or computes a sink: decode, paged-only
+    extend, ragged + paged extend (the merge folds it), chunked (virtual requests)."""
+    sink = fp.AttentionGroup.full(sinks=True)
+    chunk = fp.AttentionGroup.chunked(4, sinks=True)
+    return [
+        ("decode", fp.BatchLayout.decode([5, 9], page_size=2, groups=[sink]), "auto", None),
+        ("paged", fp.BatchLayout.extend([7, 9], [3, 0], page_size=2, groups=[sink]), "paged",
+         None),
+        ("ragged", fp.BatchLayout.extend([7, 9], [3, 4], page_size=2, groups=[sink]), "ragged",
+         None),
+        ("chunked", fp.BatchLayout.extend([9, 11], [2, 3], page_size=2, groups=[chunk]),
+         "paged", None),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", [p[0] for p in _sink_paths()])
+def test_non_finite_sink_logits_follow_one_rule(name: str) -> None:
+    """Issue 50, item 6: ``-inf`` is no sink (the same group without sinks), NaN and
+    ``+inf`` give the head NaN outputs and LSE, a finite logit the oracle's value — on
+    every path of the reference executor, and in the oracle itself."""
+    ((_, layout, path, _),) = [p for p in _sink_paths() if p[0] == name]
+    heads = fp.HeadConfig(4, 2, 8, q_dtype=torch.float32)
+    spec = fp.plan(layout, heads, extend_path=path)
+    plain_layout = layout.with_groups(attrs.evolve(layout.groups[0], sinks=False))
+    plain_spec = fp.plan(plain_layout, heads, extend_path=path)
+    table = fp.PageTable.sequential(spec.pages_needed)
+    gen = torch.Generator().manual_seed(7)
+    pool = int(spec.pages_needed.sum())
+    cache = torch.randn(pool, 2, layout.page_size, 2, 8, generator=gen)
+    q = torch.randn(spec.total_q, 4, 8, generator=gen)
+    k, v = (torch.randn(spec.total_q, 2, 8, generator=gen) for _ in range(2))
+    results, written = [], []
+    for s, lay, sp in ((_ODD_SINKS, layout, spec), (None, plain_layout, plain_spec)):
+        ex = fp.ReferenceExecutor(compute_dtype=torch.float64)
+        ex.apply(sp, table)
+        written.append(cache.clone())
+        results.append(ex.run(lay.groups[0], q, k, v, written[-1], return_lse=True, sinks=s))
+    (out, lse), (plain_out, plain_lse) = results
+    assert torch.isnan(out[:, :2]).all() and torch.isnan(lse[:, :2]).all()
+    torch.testing.assert_close(out[:, 2], plain_out[:, 2])
+    torch.testing.assert_close(lse[:, 2], plain_lse[:, 2])
+    assert torch.isfinite(out[:, 3]).all() and torch.isfinite(lse[:, 3]).all()
+    want, want_lse = _dense(layout, layout.groups[0], q, written[0], table, _ODD_SINKS)
+    assert torch.isnan(want[:, :2]).all() and torch.isnan(want_lse[:, :2]).all()
+    torch.testing.assert_close(out[:, 2:].double(), want[:, 2:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[:, 2:].double(), want_lse[:, 2:], atol=1e-4, rtol=1e-5)
+
+
+def test_fold_sinks_non_finite_logits() -> None:
+    """The torch fold (the CPU twin of the Triton fold and merge) applies the rule to
+    empty and non-empty states alike."""
+    from flashplan.torch_kernels import fold_sinks_torch
+
+    v = torch.randn(3, 4, 8)
+    s = torch.tensor([[0.5] * 4, [-math.inf] * 4, [2.0] * 4])
+    out, lse = fold_sinks_torch(v, s, _ODD_SINKS)
+    assert torch.isnan(out[:, :2]).all() and torch.isnan(lse[:, :2]).all()
+    torch.testing.assert_close(out[:, 2], torch.where(s[:, 2:3] > -math.inf, v[:, 2], 0.0))
+    torch.testing.assert_close(lse[:, 2], s[:, 2])
+    assert torch.isfinite(out[:, 3]).all() and torch.isfinite(lse[:, 3]).all()

@@ -99,8 +99,9 @@ if HAS_TRITON:
         empty_b = s_b == float("-inf")
         empty_c = s_c == float("-inf")
         every = empty_a & empty_b & empty_c
-        # NaN on any side makes the result NaN
-        nan = (s_a != s_a) | (s_b != s_b) | (s_c != s_c)
+        # NaN on any side makes the result NaN, and so does a +inf sink logit
+        # (docs/semantics.md; torch_kernels.mark_undefined_sinks)
+        nan = (s_a != s_a) | (s_b != s_b) | (s_c != s_c) | (s_c == float("inf"))
         m0 = tl.where(every | nan, 0.0, tl.maximum(tl.maximum(s_a, s_b), s_c))
         w_a = tl.where(empty_a, 0.0, tl.exp2(s_a - m0))
         w_b = tl.where(empty_b, 0.0, tl.exp2(s_b - m0))

@@ -289,3 +289,53 @@ def test_virtual_requests_are_refused_in_graph_buckets() -> None:
     with pytest.raises(UnsupportedError) as err:
         gx.apply(spec, table)
     assert err.value.field == "groups"
+
+
+@pytest.mark.parametrize(
+    "mode", ["decode", "paged", "ragged", "soft_cap", "chunked"]
+)  # the sink kernel (decode, paged prefill), the merge fold, the state fold
+def test_non_finite_sink_logits_follow_one_rule(mode: str) -> None:
+    """Issue 50, item 6, on FlashInfer: heads whose sink logit is NaN or +inf give NaN
+    outputs and LSE, a -inf head equals the group without sinks, the other heads equal
+    the reference — on FlashInfer's sink kernel and on the folds alike (no sync)."""
+    cap = 30.0 if mode == "soft_cap" else 0.0
+    group = (
+        fp.AttentionGroup.chunked(32, sinks=True)
+        if mode == "chunked"
+        else fp.AttentionGroup.full(sinks=True, logits_soft_cap=cap)
+    )
+    plain = fp.AttentionGroup.chunked(32) if mode == "chunked" else fp.AttentionGroup.full(
+        logits_soft_cap=cap
+    )  # fmt: skip
+    rng = np.random.default_rng(11)
+    prefix = rng.integers(20, 200, 5)
+    if mode == "decode":
+        lays = [fp.BatchLayout.decode(prefix + 1, page_size=16, groups=g) for g in (group, plain)]
+    else:
+        seq = prefix + rng.integers(2, 50, 5)
+        lays = [fp.BatchLayout.extend(seq, prefix, page_size=16, groups=g) for g in (group, plain)]
+    path = "ragged" if mode == "ragged" else "paged"
+    sinks = torch.randn(16, device=DEV)
+    sinks[0], sinks[1], sinks[2] = float("nan"), float("inf"), float("-inf")
+    results = []
+    for lay, s in zip(lays, (sinks, None), strict=True):
+        spec = fp.plan(lay, HEADS, extend_path=path)
+        table = fp.PageTable.sequential(spec.pages_needed, device=DEV)
+        gen = torch.Generator(device=DEV).manual_seed(3)
+        cache = torch.randn(int(spec.pages_needed.sum()), 2, 16, 4, 128, generator=gen, device=DEV)
+        cache = cache.to(torch.bfloat16)
+        q = torch.randn(spec.total_q, 16, 128, generator=gen, device=DEV).to(torch.bfloat16)
+        k, v = (
+            torch.randn(spec.total_q, 4, 128, generator=gen, device=DEV).to(torch.bfloat16)
+            for _ in "kv"
+        )
+        for ex in (_executor(), fp.ReferenceExecutor()):
+            ex.apply(spec, table)
+            results.append(ex.run(lay.groups[0], q, k, v, cache.clone(), return_lse=True, sinks=s))
+    (out, lse), (out_ref, lse_ref), (plain_out, plain_lse), _ = results
+    assert torch.isnan(out[:, :2]).all() and torch.isnan(lse[:, :2]).all()
+    assert torch.isnan(out_ref[:, :2]).all() and torch.isnan(lse_ref[:, :2]).all()
+    assert rel_err(out[:, 2], plain_out[:, 2]) <= TOL_OUT
+    assert float((lse[:, 2] - plain_lse[:, 2]).abs().max()) <= TOL_LSE
+    assert rel_err(out[:, 3:], out_ref[:, 3:]) <= TOL_OUT
+    assert float((lse[:, 3:] - lse_ref[:, 3:]).abs().max()) <= TOL_LSE

@@ -355,3 +355,38 @@ def test_sink_argument_errors() -> None:
 @given(cases(max_tokens=40, max_heads=9))
 def test_gpu_sinks_match_brute_force(case: Case) -> None:
     check_sinks_case(case, "cuda")
+
+
+def check_non_finite_sinks(device: str) -> None:
+    """Issue 50, item 6: the Triton merge with sinks and fold (and the torch twin) give
+    NaN outputs and LSE to heads whose sink logit is NaN or +inf, and leave a -inf
+    head as without a sink."""
+    from flashplan.kernels.merge_state import fold_sinks_torch, fold_sinks_triton
+
+    gen = torch.Generator().manual_seed(3)
+    v_a, v_b = (torch.randn(5, 4, 16, generator=gen).to(device) for _ in range(2))
+    s_a, s_b = (torch.randn(5, 4, generator=gen).to(device) for _ in range(2))
+    s_a[0] = NEG_INF  # a query with no key on one side
+    sinks = torch.tensor([math.nan, math.inf, NEG_INF, 0.3], device=device)
+    plain_v, plain_s = merge_state_triton(v_a, s_a, v_b, s_b)
+    for v, s in (
+        merge_state_triton(v_a, s_a, v_b, s_b, sinks=sinks),
+        fold_sinks_triton(v_a, s_a, sinks),
+        fold_sinks_torch(v_a, s_a, sinks),
+    ):
+        assert torch.isnan(v[:, :2]).all() and torch.isnan(s[:, :2]).all()
+        assert torch.isfinite(v[:, 3]).all() and torch.isfinite(s[:, 3]).all()
+    v, s = merge_state_triton(v_a, s_a, v_b, s_b, sinks=sinks)
+    torch.testing.assert_close(v[:, 2], plain_v[:, 2])
+    torch.testing.assert_close(s[:, 2], plain_s[:, 2])
+
+
+@requires_interpreter
+def test_non_finite_sinks_interpreted() -> None:
+    check_non_finite_sinks("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_non_finite_sinks_gpu() -> None:
+    check_non_finite_sinks("cuda")

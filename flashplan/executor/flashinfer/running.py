@@ -11,6 +11,7 @@ import torch
 from flashplan.executor.flashinfer.wrapper_plans import level_part
 from flashplan.kernels.kv_write import write_kv
 from flashplan.kernels.merge_state import fold_sinks_triton, merge_state_triton
+from flashplan.torch_kernels import mark_undefined_sinks
 
 if TYPE_CHECKING:
     from flashplan.executor.checks import RunArgs
@@ -70,8 +71,14 @@ def run_group(
         wrapper = batch.planned[(args.index, "paged")]
         q_paged, k_scale = (q, None) if not spec.heads.kv_is_fp8 else _fold_k_scale(q, args)
         if in_kernel:  # the sink wrapper's run(q, cache, sinks, sm_scale)
+            assert sinks is not None
             scale = group.scale_for(spec.heads.head_dim) * (k_scale or 1.0)
             state = wrapper.run(q_paged, kv_cache, sinks, scale, return_lse=want_lse)
+            # NaN / +inf logits: NaN heads, as on every other path (docs/semantics.md)
+            if want_lse:
+                mark_undefined_sinks(state[0], state[1], sinks)
+            else:
+                mark_undefined_sinks(state, None, sinks)
         else:
             state = wrapper.run(q_paged, kv_cache, k_scale=k_scale, return_lse=want_lse)
         if spec.heads.kv_is_fp8:
