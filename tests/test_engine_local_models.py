@@ -1,10 +1,12 @@
-"""gpt-oss, Llama 4 and EmbeddingGemma through the example engine (examples/engine), on the
-CPU reference executor, against Hugging Face's eager forward.
+"""gpt-oss, Llama 4, EmbeddingGemma and ModernBERT through the example engine
+(examples/engine), on the CPU reference executor, against Hugging Face's eager forward; and
+every model family's config -> group mapping against that family's own Hugging Face code.
 
 - gpt-oss: attention sinks (``s_aux``) on alternating sliding-window and full layers;
 - Llama 4 (text): chunked local attention (chunk 8) on RoPE layers, full attention on NoPE;
-- EmbeddingGemma: an encoder-only pass, bidirectional windows on sliding layers and full
-  bidirectional attention on the others, several prompts packed into one batch.
+- EmbeddingGemma and ModernBERT: an encoder-only pass, bidirectional windows on sliding
+  layers and full bidirectional attention on the others, several prompts packed into one
+  batch.
 
 Decoder models run the continuous-batching step loop (requests joining and finishing,
 prompts chunked by the token budget, page sizes 1 and 16, decoding across chunk
@@ -12,20 +14,32 @@ boundaries): every logits row within 1e-4 of HF's forward of the request alone a
 greedy tokens. The encoder-only pass: every hidden state within 1e-4 of HF's forward of
 each prompt alone. And each convention mapped wrongly (a sink dropped, a chunk off by one,
 a one-sided or wider window) must break that parity.
+
+The mapping from a config object (``hf_config_groups``, the one table of
+docs/guide-local-attention.md) is checked per family, Mistral, Gemma 2 and 3, gpt-oss,
+Llama 4, EmbeddingGemma and ModernBERT, on tiny random-weight models (EmbeddingGemma's and
+ModernBERT's published windows included): each layer's group sees exactly the keys the mask
+HF's modeling code builds keeps, and is the group the engine plans from the module's call.
+The docs' snippets that state a mapping are run and compared with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("transformers")
+
+from transformers import AutoModel, PretrainedConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: examples.engine
 
@@ -37,18 +51,30 @@ from examples.engine.hf_attention import (
     expected_call,
     hf_bidirectional_window,
     hf_chunk_size,
+    hf_config_groups,
     hf_layer_chunk,
     hf_sink_logits,
 )
-from examples.engine.hf_models import EncoderOnly, adapter_for, load_model
+from examples.engine.hf_models import (
+    TINY_CONFIGS,
+    EncoderOnly,
+    adapter_for,
+    is_encoder_only,
+    load_model,
+)
 from examples.engine.parity import check_embed_parity, check_parity, reference_model
+from flashplan.oracle import visibility
 from flashplan.planning import KernelPath
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ATOL = 1e-4  # fp32 engine vs fp32 HF
 KV_TOKENS = 384  # KV capacity per layer: 24 pages of 16, or 384 pages of 1
 CHUNK = 8  # TINY_CONFIGS["llama4"]'s attention_chunk_size
 SINK_WINDOW = 6  # TINY_CONFIGS["gpt-oss"]'s sliding_window
 EMBED_WINDOW = 6  # TINY_CONFIGS["embeddinggemma"]: configured 10, HF's 10 // 2 + 1
+BERT_RADIUS = 4  # TINY_CONFIGS["modernbert"]: local_attention 8, keys |q - k| <= 8 // 2
+ENCODERS = ["embeddinggemma", "modernbert"]
 # Prompts of 9 to 60 tokens (chunked by the 16-token budget), 10 to 12 new tokens each:
 # every request decodes across at least one chunk boundary.
 PROMPT_LENS = [23, 9, 41, 20, 60, 30]
@@ -256,8 +282,9 @@ def run_embed(
     page_size: int,
     extend_path: str = "auto",
     conventions: HFConventions = HFConventions(),  # noqa: B008 (frozen)
+    name: str = "embeddinggemma",
 ) -> tuple[list[torch.Tensor], fp.PlanSpec]:
-    model, _ = models("embeddinggemma")
+    model, _ = models(name)
     adapter = adapter_for(model)
     assert isinstance(adapter, EncoderOnly)
     executor = fp.ReferenceExecutor()
@@ -269,12 +296,13 @@ def run_embed(
     return hidden, executor.spec
 
 
+@pytest.mark.parametrize("name", ENCODERS)
 @pytest.mark.parametrize("extend_path", ["auto", "paged"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_embed_parity_with_hf(page_size: int, extend_path: str) -> None:
+def test_embed_parity_with_hf(page_size: int, extend_path: str, name: str) -> None:
     """Seven prompts of 1 to 60 tokens in one pass, each equal to HF's forward of it alone."""
-    _, ref = models("embeddinggemma")
-    hidden, spec = run_embed(page_size, extend_path)
+    _, ref = models(name)
+    hidden, spec = run_embed(page_size, extend_path, name=name)
     assert [tuple(h.shape) for h in hidden] == [(n, 128) for n in EMBED_LENS]
     parity = check_embed_parity(ref, prompts(EMBED_LENS), hidden)
     assert parity.ok(ATOL), parity.line()
@@ -298,20 +326,178 @@ def _one_sided(sliding_window: int | None) -> tuple[int, int]:
 
 
 def _one_wider(sliding_window: int | None) -> tuple[int, int]:
+    """The passed ``sliding_window`` read as the radius: ModernBERT passes
+    ``local_attention // 2 + 1``, one more than its mask's radius (the issue-50 trap)."""
     left, right = hf_bidirectional_window(sliding_window)
     return (left + 1, right + 1) if sliding_window else (left, right)
+
+
+def _one_narrower(sliding_window: int | None) -> tuple[int, int]:
+    """EmbeddingGemma's old doc snippet: 255 for the published 512 (S − 2, not S − 1)."""
+    left, right = hf_bidirectional_window(sliding_window)
+    return (left - 1, right - 1) if sliding_window else (left, right)
 
 
 EMBED_WRONG = {
     "one-sided window (window_right = 0)": _one_sided,
     "window one wider on each side": _one_wider,
+    "window one narrower on each side": _one_narrower,
 }
 
 
+@pytest.mark.parametrize("name", ENCODERS)
 @pytest.mark.parametrize("wrong", EMBED_WRONG)
-def test_embed_negative_controls(wrong: str) -> None:
-    _, ref = models("embeddinggemma")
+def test_embed_negative_controls(wrong: str, name: str) -> None:
+    _, ref = models(name)
     conventions = dataclasses.replace(HFConventions(), bidirectional_window=EMBED_WRONG[wrong])
-    hidden, _ = run_embed(16, conventions=conventions)
+    hidden, _ = run_embed(16, conventions=conventions, name=name)
     parity = check_embed_parity(ref, prompts(EMBED_LENS), hidden)
     assert parity.max_abs_diff > 100 * ATOL, parity.line()
+
+
+# -- each family's config -> groups, against its own Hugging Face code ---------------------
+def _with(name: str, **fields: object) -> Callable[[], PretrainedConfig]:
+    """TINY_CONFIGS[name] rebuilt with ``fields`` (through the config class's constructor,
+    so that EmbeddingGemma's rewrite of ``sliding_window`` runs on the new value)."""
+
+    def build() -> PretrainedConfig:
+        config = TINY_CONFIGS[name]()
+        return type(config).from_dict({**config.to_dict(), **fields})
+
+    return build
+
+
+#: case -> (config, tokens of the probe sequence: more than every window and chunk).
+MAPPING_CASES: dict[str, tuple[Callable[[], PretrainedConfig], int]] = {
+    **{name: (TINY_CONFIGS[name], 24) for name in
+       ["mistral", "gemma2", "gemma3", "gpt-oss", "llama4", "embeddinggemma", "modernbert"]},
+    # the published windows: gpt-oss 128, EmbeddingGemma 512 (held as 257), ModernBERT 128
+    "gpt-oss sliding_window=128": (_with("gpt-oss", sliding_window=128), 160),
+    "embeddinggemma sliding_window=512": (_with("embeddinggemma", sliding_window=512), 300),
+    "modernbert local_attention=128": (_with("modernbert", local_attention=128), 160),
+}  # fmt: skip
+
+
+def _attention(layer: torch.nn.Module) -> torch.nn.Module:
+    """A layer's attention module: ``self_attn``, or ModernBERT's ``attn``."""
+    return cast(torch.nn.Module, getattr(layer, "self_attn", None) or layer.attn)
+
+
+@torch.no_grad()
+def hf_masks(
+    config: PretrainedConfig, tokens: int
+) -> tuple[list[np.ndarray], list[torch.nn.Module]]:
+    """Per layer, the keys HF's own modeling code lets each query see: bool
+    ``[tokens, tokens]`` read from the mask each attention module receives in an eager
+    forward of one sequence (a float mask: 0 keeps a key; ``None``: every key); and the
+    layers' attention modules (eager attention, random weights)."""
+    torch.manual_seed(0)
+    model = AutoModel.from_config(config, attn_implementation="eager")
+    model.eval()
+    seen: dict[int, np.ndarray] = {}
+
+    def hook(i: int) -> Callable[..., None]:
+        def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            mask = kwargs["attention_mask"]
+            if mask is None:
+                seen[i] = np.ones((tokens, tokens), bool)
+                return
+            assert tuple(mask.shape) == (1, 1, tokens, tokens)
+            keep = mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0
+            seen[i] = keep.numpy()
+
+        return record
+
+    attentions = [_attention(layer) for layer in cast(torch.nn.ModuleList, model.layers)]
+    for i, attention in enumerate(attentions):
+        attention.register_forward_pre_hook(hook(i), with_kwargs=True)
+    model(input_ids=torch.arange(3, 3 + tokens)[None])
+    return [seen[i] for i in range(len(attentions))], attentions
+
+
+@pytest.mark.parametrize("case", MAPPING_CASES)
+def test_config_groups_are_what_hf_computes(case: str) -> None:
+    """Each layer's group from the config (``hf_config_groups``: the docs' table) sees, on
+    one sequence, exactly the keys HF's modeling code keeps for that layer; and it is the
+    group the engine plans from what the layer's module passes (``expected_call``)."""
+    build, tokens = MAPPING_CASES[case]
+    config = build()
+    groups = hf_config_groups(config)
+    assert len(groups) == config.num_hidden_layers
+    assert any(g.has_window or g.has_chunks for g in groups)  # a mapping to check
+    want, attentions = hf_masks(config, tokens)
+    layout = fp.BatchLayout.extend([tokens], [0], page_size=16, groups=tuple(set(groups)))
+    for i, (group, keep) in enumerate(zip(groups, want, strict=True)):
+        got = visibility(layout, group)[0]
+        assert np.array_equal(got, keep), (case, i, group, np.argwhere(got != keep)[:4])
+    kind = Kind.ENCODER if is_encoder_only(config) else Kind.SELF
+    engine = [HFConventions().group(kind, expected_call(m)) for m in attentions]
+    assert engine == list(groups)
+
+
+def test_published_windows() -> None:
+    """The numbers the docs give for the published configs, from the config objects."""
+    gemma = _with("embeddinggemma", sliding_window=512)()
+    assert gemma.sliding_window == 257  # the constructor's rewrite: 512 // 2 + 1
+    assert (hf_config_groups(gemma)[0].window_left, hf_config_groups(gemma)[0].window_right) == (
+        256,
+        256,
+    )
+    bert = hf_config_groups(_with("modernbert", local_attention=128)())
+    assert [(g.window_left, g.window_right) for g in bert] == [(-1, -1), (64, 64), (64, 64)]
+    assert [g.window_left for g in hf_config_groups(_with("gpt-oss", sliding_window=128)())] == [
+        127,
+        -1,
+    ]
+
+
+def test_config_groups_refuse_an_unknown_family() -> None:
+    with pytest.raises(ValueError, match="bart"):
+        hf_config_groups(TINY_CONFIGS["bart"]())
+
+
+# -- the docs' snippets that state a mapping ------------------------------------------------
+_PYTHON = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
+
+
+def doc_blocks(name: str) -> list[str]:
+    """The fenced python blocks of docs/``name``."""
+    return _PYTHON.findall((ROOT / "docs" / name).read_text())
+
+
+def _seen(group: fp.AttentionGroup) -> tuple[object, ...]:
+    """What decides which keys a group's query sees, and whether it has sinks."""
+    return (group.causal, group.window_left, group.window_right, group.attention_chunk_size,
+            group.sinks)  # fmt: skip
+
+
+def test_doc_snippets_give_the_mapping() -> None:
+    """guide-local-attention.md's first snippet (a group per kind, named after a model) and
+    its table's snippet (groups from config objects) run, and give the groups
+    ``hf_config_groups`` gives for the published configs."""
+    from transformers import Gemma3TextConfig, GptOssConfig, Llama4TextConfig, ModernBertConfig
+
+    blocks = doc_blocks("guide-local-attention.md")
+    picture: dict[str, object] = {}
+    exec(blocks[0], picture)  # our own docs
+    published = {
+        "sink_local": (GptOssConfig(), 0),  # sliding_window 128; layer 0 sliding
+        "sink_full": (GptOssConfig(), 1),
+        "chunked": (Llama4TextConfig(), 0),  # attention_chunk_size 8192; layer 0 chunked
+        "band": (Gemma3TextConfig(sliding_window=512, use_bidirectional_attention=True), 0),
+    }
+    for var, (config, layer) in published.items():
+        group = picture[var]
+        assert isinstance(group, fp.AttentionGroup)
+        assert _seen(group) == _seen(hf_config_groups(config)[layer]), var
+    table = next(b for b in blocks if "ModernBertConfig(" in b)
+    ns: dict[str, object] = {}
+    exec(table, ns)
+    assert isinstance(ns["gemma"], Gemma3TextConfig) and isinstance(ns["bert"], ModernBertConfig)
+    for var, config_var in [("embedding_gemma_local", "gemma"), ("modernbert_local", "bert")]:
+        cfg, group = ns[config_var], ns[var]
+        assert isinstance(cfg, PretrainedConfig) and isinstance(group, fp.AttentionGroup)
+        want = hf_config_groups(cfg)[list(cfg.layer_types).index("sliding_attention")]
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        assert _seen(group) == _seen(want), var
+        assert group.scale_for(head_dim) == want.scale_for(head_dim), var

@@ -11,8 +11,12 @@ into one ``executor.run(group, q, k_new, v_new, kv_cache[, sinks=...])``. Under
 
 HF's conventions map to flashplan's in exactly one place each: :func:`hf_window_left`,
 :func:`hf_sm_scale`, :func:`hf_soft_cap`, :func:`hf_sink_logits` (gpt-oss),
-:func:`hf_chunk_size` (Llama 4) and :func:`hf_bidirectional_window` (EmbeddingGemma), bundled
-in :class:`HFConventions` so that a test can swap one for a wrong one and watch parity fail.
+:func:`hf_chunk_size` (Llama 4) and :func:`hf_bidirectional_window` (EmbeddingGemma,
+ModernBERT), bundled in :class:`HFConventions` so that a test can swap one for a wrong one and
+watch parity fail. They map what a module passes its attention function. What a user holds is
+the config: :func:`hf_config_groups` maps a config object to each layer's group, family by
+family, as the one table of docs/guide-local-attention.md states it (the tests check that it
+gives the groups the modules' calls give, and the keys HF's own masks keep).
 """
 
 from __future__ import annotations
@@ -20,11 +24,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
 
 import flashplan as fp
 
@@ -71,10 +75,14 @@ def hf_chunk_size(attention_chunk_size: int | None) -> int:
 
 
 def hf_bidirectional_window(sliding_window: int | None) -> tuple[int, int]:
-    """HF ``sliding_window`` S of a bidirectional layer (EmbeddingGemma: its mask keeps keys
-    with |q − k| < S; ``Gemma3TextConfig(use_bidirectional_attention=True)`` has already
-    turned the configured window W into S = W // 2 + 1) -> flashplan ``(window_left,
-    window_right)`` = (S − 1, S − 1); ``None`` -> (−1, −1) (every key of the request)."""
+    """The ``sliding_window`` S a bidirectional layer passes its attention function (HF's
+    exclusive bound: the layer's mask keeps the keys with |q − k| < S) -> flashplan
+    ``(window_left, window_right)`` = (S − 1, S − 1); ``None`` -> (−1, −1) (every key of the
+    request). EmbeddingGemma passes its config's ``sliding_window`` (which
+    ``Gemma3TextConfig(use_bidirectional_attention=True)`` has already turned from the
+    configured W into S = W // 2 + 1); ModernBERT passes ``local_attention // 2 + 1`` (its
+    mask keeps |q − k| <= ``config.sliding_window`` = ``local_attention // 2``). Both give
+    S − 1: W // 2 and ``local_attention // 2``."""
     if sliding_window is None:
         return -1, -1
     return int(sliding_window) - 1, int(sliding_window) - 1
@@ -91,6 +99,95 @@ def hf_layer_chunk(module: nn.Module) -> int | None:
     if layer_types is None or idx is None or layer_types[idx] != "chunked_attention":
         return None
     return int(config.attention_chunk_size)
+
+
+# -- a config object, family by family (the table of docs/guide-local-attention.md) -------------
+def _head_scale(config: PretrainedConfig) -> float:
+    """``head_dim**-0.5`` (``head_dim``, else ``hidden_size // num_attention_heads``): the
+    ``scaling`` of Mistral, gpt-oss, Llama 4 and ModernBERT."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return float(head_dim**-0.5)
+
+
+def _mistral_group(config: PretrainedConfig, layer_type: str) -> fp.AttentionGroup:
+    """Mistral: every layer passes ``config.sliding_window`` S (``None``: full)."""
+    return fp.AttentionGroup(
+        window_left=hf_window_left(config.sliding_window), sm_scale=_head_scale(config)
+    )
+
+
+def _gemma_group(config: PretrainedConfig, layer_type: str) -> fp.AttentionGroup:
+    """Gemma 2, Gemma 3 and EmbeddingGemma (Gemma 3 with ``use_bidirectional_attention``):
+    ``config.sliding_window`` S on ``"sliding_attention"`` layers, scale
+    ``query_pre_attn_scalar**-0.5``; Gemma 2's ``attn_logit_softcapping`` (Gemma 3's modules
+    never pass theirs)."""
+    window = config.sliding_window if layer_type == "sliding_attention" else None
+    scale = hf_sm_scale(config.query_pre_attn_scalar**-0.5)
+    if getattr(config, "use_bidirectional_attention", False):
+        left, right = hf_bidirectional_window(window)
+        return fp.AttentionGroup.bidirectional(window_left=left, window_right=right, sm_scale=scale)
+    cap = config.attn_logit_softcapping if config.model_type == "gemma2" else None
+    return fp.AttentionGroup(
+        window_left=hf_window_left(window), logits_soft_cap=hf_soft_cap(cap), sm_scale=scale
+    )
+
+
+def _gpt_oss_group(config: PretrainedConfig, layer_type: str) -> fp.AttentionGroup:
+    """gpt-oss: ``config.sliding_window`` S on ``"sliding_attention"`` layers; sinks on all."""
+    window = config.sliding_window if layer_type == "sliding_attention" else None
+    return fp.AttentionGroup(
+        window_left=hf_window_left(window), sinks=True, sm_scale=_head_scale(config)
+    )
+
+
+def _llama4_group(config: PretrainedConfig, layer_type: str) -> fp.AttentionGroup:
+    """Llama 4: ``config.attention_chunk_size`` C on ``"chunked_attention"`` layers."""
+    chunk = config.attention_chunk_size if layer_type == "chunked_attention" else None
+    return fp.AttentionGroup(
+        attention_chunk_size=hf_chunk_size(chunk), sm_scale=_head_scale(config)
+    )
+
+
+def _modernbert_group(config: PretrainedConfig, layer_type: str) -> fp.AttentionGroup:
+    """ModernBERT: keys with |q − k| <= ``local_attention // 2`` on ``"sliding_attention"``
+    layers (``config.sliding_window`` is that radius itself, not S with S − 1 to see)."""
+    radius = config.local_attention // 2 if layer_type == "sliding_attention" else -1
+    return fp.AttentionGroup.bidirectional(
+        window_left=radius, window_right=radius, sm_scale=_head_scale(config)
+    )
+
+
+#: ``config.model_type`` -> the group of one layer of that family, from the config and the
+#: layer's ``config.layer_types`` entry.
+_FAMILIES: dict[str, Callable[[PretrainedConfig, str], fp.AttentionGroup]] = {
+    "mistral": _mistral_group,
+    "gemma2": _gemma_group,
+    "gemma3_text": _gemma_group,
+    "gpt_oss": _gpt_oss_group,
+    "llama4_text": _llama4_group,
+    "modernbert": _modernbert_group,
+}
+
+
+def hf_config_groups(config: PretrainedConfig) -> tuple[fp.AttentionGroup, ...]:
+    """Each layer's group (``num_hidden_layers`` of them, in layer order), read from a
+    Hugging Face config object as docs/guide-local-attention.md's table states it: Mistral,
+    Gemma 2, Gemma 3 and EmbeddingGemma (``Gemma3TextConfig``), gpt-oss, Llama 4 (text) and
+    ModernBERT. The config is the constructed object, not its JSON:
+    ``Gemma3TextConfig(use_bidirectional_attention=True)`` holds ``sliding_window`` = W // 2 + 1
+    for a configured W. Groups carry the window, chunk, sinks, soft cap and an explicit
+    ``sm_scale``, as the engine builds them from the modules' calls.
+
+    Raises:
+        ValueError: a ``model_type`` the table does not cover.
+    """
+    family = _FAMILIES.get(config.model_type)
+    if family is None:
+        raise ValueError(
+            f"model_type {config.model_type!r} has no mapping; known: {sorted(_FAMILIES)}"
+        )
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return tuple(family(config, t) for t in types[: config.num_hidden_layers])
 
 
 class Kind(enum.Enum):
@@ -167,14 +264,17 @@ def planned_groups(
 def expected_call(module: nn.Module) -> HFCall:
     """What ``module`` will pass its attention function, read from the module the way the
     modeling code reads it, so that groups can be planned before the forward. (Mistral passes
-    ``config.sliding_window``; Gemma, Qwen2 and gpt-oss set ``module.sliding_window`` per layer
-    type; gpt-oss passes ``s_aux=module.sinks``.) If this disagrees with the real call, ``run``
-    raises ``PlanMismatchError``: never silent."""
+    ``config.sliding_window``; Gemma, Qwen2, gpt-oss and ModernBERT set
+    ``module.sliding_window`` per layer type; gpt-oss passes ``s_aux=module.sinks``.) If this
+    disagrees with the real call, ``run`` raises ``PlanMismatchError``: never silent."""
     window = getattr(module, "sliding_window", getattr(module.config, "sliding_window", None))
     cap = getattr(module, "attn_logit_softcapping", None)
     s_aux = getattr(module, "sinks", None)
     s_aux = s_aux if isinstance(s_aux, torch.Tensor) else None
-    return HFCall(float(module.scaling), window, cap, s_aux, hf_layer_chunk(module))
+    scaling = getattr(module, "scaling", None)
+    if scaling is None:  # ModernBERT keeps none and passes scaling=module.head_dim**-0.5
+        scaling = cast(int, module.head_dim) ** -0.5
+    return HFCall(float(scaling), window, cap, s_aux, hf_layer_chunk(module))
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ one packed forward. Decoder-only models (gpt-oss and Llama 4 included) go throug
 positions from a cache length, which a packed batch of several requests has not, so its
 adapter calls BART's own modules in the order ``BartEncoder`` / ``BartDecoder.forward`` do,
 with per-request positions. Encoder-only models (EmbeddingGemma: Gemma 3 with
-``use_bidirectional_attention``, loaded with ``AutoModel``) have no LM head and no decoding:
-:class:`EncoderOnly` returns last hidden states (``engine.embed``).
+``use_bidirectional_attention``; ModernBERT; both loaded with ``AutoModel``) have no LM head
+and no decoding: :class:`EncoderOnly` returns last hidden states (``engine.embed``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from transformers import (
     Llama4TextConfig,
     LlamaConfig,
     MistralConfig,
+    ModernBertConfig,
     PretrainedConfig,
 )
 
@@ -126,12 +127,34 @@ TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         query_pre_attn_scalar=48,
         **_DECODER,
     ),
+    # ModernBERT encoder: bidirectional; local_attention 8 (keys with |q - k| <= 8 // 2 = 4:
+    # HF's config.sliding_window, which the modules pass as 4 + 1) on layers 1 and 2, full
+    # bidirectional attention on layer 0 (global_attn_every_n_layers' default 3). 2 heads of
+    # 64, no GQA. Special token ids inside the tiny vocabulary. AutoModel: ModernBertModel.
+    "modernbert": lambda: ModernBertConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        local_attention=8,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        cls_token_id=1,
+        sep_token_id=2,
+    ),
 }
 
 
 def is_encoder_only(config: PretrainedConfig) -> bool:
     """Whether a config is an encoder-only (embedding) model: Gemma 3 with
-    ``use_bidirectional_attention`` (EmbeddingGemma). Loaded with ``AutoModel``."""
+    ``use_bidirectional_attention`` (EmbeddingGemma), or ModernBERT. Loaded with
+    ``AutoModel``."""
+    if config.model_type == "modernbert":
+        return True
     return bool(getattr(config, "use_bidirectional_attention", False))
 
 
@@ -162,6 +185,7 @@ def load_model(
 
 
 def _heads(config: PretrainedConfig, num_heads: int, num_kv: int, dtype: torch.dtype):
+    """The model's head counts and size (``head_dim``, else ``hidden_size // num_heads``)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     return fp.HeadConfig(num_heads, num_kv, head_dim, q_dtype=dtype)
 
@@ -230,8 +254,9 @@ class DecoderOnly:
 
 
 class EncoderOnly:
-    """EmbeddingGemma (``Gemma3TextModel`` with ``use_bidirectional_attention``):
-    ``model.layers[i].self_attn``, bidirectional (windowed on sliding layers), each layer
+    """EmbeddingGemma (``Gemma3TextModel`` with ``use_bidirectional_attention``) and ModernBERT
+    (``ModernBertModel``): ``model.layers[i].self_attn`` (ModernBERT: ``.attn``),
+    bidirectional (windowed on sliding layers), each layer
     writing its K/V into the context's cache ``i`` and reading it back (a bidirectional window
     runs on one paged prefill with a position mask, which reads the keys from a cache;
     ``engine.embed`` gives every layer one shared scratch cache). No LM head: the output is
@@ -244,9 +269,11 @@ class EncoderOnly:
         self.model = model
         c = model.config
         self.num_layers: int = c.num_hidden_layers
-        self.heads = _heads(c, c.num_attention_heads, c.num_key_value_heads, model.dtype)
+        num_kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads  # ModernBERT: MHA
+        self.heads = _heads(c, c.num_attention_heads, num_kv, model.dtype)
         self.bindings: dict[nn.Module, Binding] = {
-            layer.self_attn: Binding(Kind.ENCODER, i) for i, layer in enumerate(model.layers)
+            _attention_module(layer): Binding(Kind.ENCODER, i)
+            for i, layer in enumerate(model.layers)
         }
         if any(getattr(m, "is_causal", False) for m in self.bindings):
             raise ValueError("an encoder-only model with causal attention: use DecoderOnly")
@@ -259,6 +286,15 @@ class EncoderOnly:
             input_ids=ids[None], position_ids=positions[None], use_cache=False, flashplan=ctx
         )
         return out.last_hidden_state[0]
+
+
+def _attention_module(layer: nn.Module) -> nn.Module:
+    """An encoder layer's attention module: ``self_attn`` (Gemma 3), else ``attn`` (ModernBERT)."""
+    for name in ("self_attn", "attn"):
+        attn = getattr(layer, name, None)
+        if isinstance(attn, nn.Module):
+            return attn
+    raise ValueError(f"{type(layer).__name__} has neither self_attn nor attn")
 
 
 class EncoderDecoder:

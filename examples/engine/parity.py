@@ -1,7 +1,7 @@
 """Parity with Hugging Face: each request alone, full forward, eager attention, no cache.
 
 :func:`check_parity` compares a generation run's logits (decoder models);
-:func:`check_embed_parity` an encoder-only pass's last hidden states (EmbeddingGemma).
+:func:`check_embed_parity` an encoder-only pass's last hidden states (EmbeddingGemma, ModernBERT).
 """
 
 from __future__ import annotations
