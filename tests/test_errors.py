@@ -114,3 +114,106 @@ def test_every_flashplan_error_is_raised_with_a_field_and_a_message() -> None:
                 if name in classes and len(node.args) < 2 and path.name != "errors.py":
                     bad.append(f"{path.relative_to(root)}:{node.lineno} {name}")
     assert not bad, bad
+
+
+# -- the FlashInfer executor's constructors on a machine without CUDA (issue 50, item 5) ---
+
+#: How a user names "the GPU" when constructing an executor.
+CUDA_DEVICES = [None, "cuda", "cuda:0", torch.device("cuda"), torch.device("cuda", 0), 0]
+
+#: The public ways to construct a FlashInfer executor (flashplan and its flashinfer package).
+EXECUTOR_CONSTRUCTORS = {
+    "FlashInferExecutor": lambda device: fp.FlashInferExecutor(device),
+    "FlashInferExecutor, bad options": lambda device: fp.FlashInferExecutor(
+        device, policy="fast", workspace_bytes=1, check_pages="yes"
+    ),
+    "GraphExecutor": lambda device: fp.GraphExecutor(
+        fp.FlashInferExecutor(device), fp.GraphBucket.decode(batch_size=8, max_pages=4)
+    ),
+    "for_bucket": lambda device: fp.FlashInferExecutor(device).for_bucket(
+        fp.GraphBucket.extend(batch_size=2, max_pages=4, tokens_per_request=3)
+    ),
+}
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process sees no CUDA (the CPU CI machine's case, forced on a GPU machine)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.mark.usefixtures("no_cuda")
+@pytest.mark.parametrize("device", CUDA_DEVICES, ids=repr)
+@pytest.mark.parametrize("make", EXECUTOR_CONSTRUCTORS.values(), ids=EXECUTOR_CONSTRUCTORS.keys())
+def test_an_executor_without_cuda_is_an_unsupported_error_saying_so(
+    make: object, device: object
+) -> None:
+    """Without CUDA every public constructor raises the documented
+    :class:`~flashplan.UnsupportedError` naming ``device`` and saying CUDA is missing,
+    before any option check; never torch's bare ``AssertionError`` ("Torch not compiled
+    with CUDA enabled"), which the default device's lookup raised first."""
+    assert callable(make)
+    with pytest.raises(fp.UnsupportedError) as err:
+        make(device)
+    assert err.value.field == "device"
+    assert "needs CUDA, which is not available here" in str(err.value)
+
+
+@pytest.mark.usefixtures("no_cuda")
+def test_the_graph_helpers_refuse_a_non_executor_with_their_documented_error() -> None:
+    """Without CUDA no executor exists: ``GraphExecutor`` and ``capture`` given something
+    else raise their documented :class:`~flashplan.PlanMismatchError`, and the buckets
+    (pure) are made as on a GPU machine."""
+    import flashplan.executor.flashinfer as fi
+
+    bucket = fi.GraphBucket.verify(batch_size=2, max_pages=3, num_tokens=4)
+    assert bucket.total_q == 8
+    for field, call in (
+        ("parent", lambda: fi.GraphExecutor("executor", bucket)),  # type: ignore[arg-type]
+        ("executor", lambda: fi.capture("executor", lambda: None)),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(fp.PlanMismatchError, match=r"FlashInferExecutor|for_bucket") as err:
+            call()
+        assert err.value.field == field
+
+
+def test_a_cuda_index_this_machine_lacks_is_an_unsupported_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``cuda:3`` on a one-GPU machine is refused naming the device and the count, before
+    the workspace allocation (a RuntimeError) or torch's device-properties lookup (a bare
+    ``AssertionError("Invalid device id")``)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(fp.UnsupportedError, match=r"no such CUDA device: this machine has 1"):
+        fp.FlashInferExecutor("cuda:3")
+
+
+def test_the_executor_constructors_check_arguments_without_assert() -> None:
+    """Argument checks of the executor constructors are raises, never ``assert``
+    (which ``python -O`` removes)."""
+    import ast
+    import textwrap
+    from collections.abc import Callable
+
+    from flashplan.executor.flashinfer import bucket, executor, graphs, settings
+
+    functions: list[Callable[..., object]] = [
+        executor.FlashInferExecutor.__init__,
+        executor.FlashInferExecutor.for_bucket,
+        settings.ExecutorSettings.make,
+        settings.cuda_device,
+        settings._as_device,
+        graphs.GraphExecutor,
+        bucket.GraphBucket.__attrs_post_init__,
+        bucket.GraphBucket.decode,
+        bucket.GraphBucket.extend,
+        bucket.GraphBucket.verify,
+    ]
+    found = [
+        f"{f.__qualname__}:{node.lineno}"
+        for f in functions
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(f))))
+        if isinstance(node, ast.Assert)
+    ]
+    assert not found, found

@@ -42,25 +42,47 @@ def import_flashinfer() -> Any:
 def cuda_device(device: torch.device | str | None) -> torch.device:
     """``device`` as a ``cuda:N`` device (default: the current one).
 
+    Whether CUDA is here is asked first: on a machine without it torch's own calls
+    (``torch.cuda.current_device()``) raise a bare ``AssertionError``, not the
+    documented error.
+
     Raises:
-        UnsupportedError: not a torch device, not CUDA, or no CUDA here.
+        UnsupportedError: not a torch device, not CUDA, no CUDA here, or a device
+            index this machine does not have.
     """
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise UnsupportedError("device", f"not a torch device ({exc})", value=device) from None
-    if dev.type != "cuda":
+    dev = _as_device(device)
+    if dev is not None and dev.type != "cuda":
         raise UnsupportedError("device", "FlashInferExecutor needs a CUDA device", device=str(dev))
     if not torch.cuda.is_available():
         raise UnsupportedError(
             "device", "FlashInferExecutor needs CUDA, which is not available here"
         )
-    if dev.index is None:  # "cuda" means the current device; tensors say cuda:N
-        # (torch's stubs type index as int; it is None for a bare "cuda")
-        dev = torch.device("cuda", torch.cuda.current_device())  # type: ignore[unreachable]
+    if dev is None or dev.index is None:  # "cuda" means the current device: tensors say cuda:N
+        return torch.device("cuda", torch.cuda.current_device())
+    count = torch.cuda.device_count()
+    if not 0 <= dev.index < count:
+        raise UnsupportedError(
+            "device", f"no such CUDA device: this machine has {count}", device=str(dev)
+        )
     return dev
+
+
+def _as_device(device: object) -> torch.device | None:
+    """``device`` as a torch device, ``None`` for ``None`` (the current CUDA device).
+
+    Raises:
+        UnsupportedError: not something ``torch.device`` takes.
+    """
+    if device is None:
+        return None
+    if isinstance(device, bool):
+        raise UnsupportedError("device", "not a torch device", value=device)
+    try:
+        if isinstance(device, int):  # an index: of a CUDA device, as torch reads it there
+            return torch.device("cuda", device)
+        return torch.device(device)  # type: ignore[call-overload]  # any value: checked here
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise UnsupportedError("device", f"not a torch device ({exc})", value=device) from None
 
 
 @attrs.frozen(eq=False)
