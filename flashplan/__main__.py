@@ -5,11 +5,14 @@ Commands:
 * ``demo``: plan and run a mixed example batch on the best executor available and
   check it against a float64 dense attention (:mod:`flashplan.cli.demo`).
 * ``explain``: print the plan of a layout given on the command line and a picture of
-  what each query sees (:mod:`flashplan.cli.explain`).
+  what each query sees (:mod:`flashplan.cli.explain`); a group with more than
+  ``--max-cells`` query x key cells gets its plan table only.
 
 Exit status: 0 on success; 1 when the demo's error is above tolerance, a plan check
-fails or a PNG cannot be written; 2 for invalid arguments (argparse's usage errors and
-flashplan's input errors, reported as one line without traceback).
+fails or writing the PNG fails; 2 for invalid arguments (argparse's usage errors,
+flashplan's input errors, and ``explain --png`` refused before any planning: a file
+that cannot be written, no matplotlib, or a batch over ``--max-cells``), reported as
+one line without traceback.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import flashplan as fp
 from flashplan import AttentionGroup, BatchLayout, HeadConfig, plan
@@ -366,3 +368,230 @@ def test_explain_parents_accepts_a_leading_minus_one(capsys: pytest.CaptureFixtu
     joined = _explain(capsys, "--prefix-lens", "5,9", "--parents=-1,0,0,1", "--page-size", "4")
     assert spaced == joined
     assert spaced.startswith("layout: verify")
+
+
+# ---------------------------------------------------------------------------- explain size
+# Issue 50, item 7: ``explain`` built every group's dense [queries, keys] masks whatever
+# the size (30,000 tokens: 47-97 s and 3.7 GB; 100,000: killed), and checked --png only
+# after all that work.
+
+#: A batch far too large to plan quickly: a plan would allocate gigabytes.
+HUGE = ["--seq-lens", "2000000000", "--prefix-lens", "0"]
+
+
+@pytest.fixture
+def no_planning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``explain`` may not plan: a refusal must come before any planning."""
+    import flashplan.cli.explain as cli_explain
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("explain planned the batch before refusing an option")
+
+    monkeypatch.setattr(cli_explain, "plan", refuse)
+
+
+def _refused(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """``explain``'s stderr for ``args``, which it must refuse (exit status 2) at once."""
+    import time
+
+    start = time.perf_counter()
+    assert main(["explain", *args]) == 2
+    assert time.perf_counter() - start < 0.5
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    return captured.err
+
+
+@pytest.mark.usefixtures("no_planning")
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        ("missing/plan.png", "missing' of "),
+        ("", "is a directory, not a file"),
+        ("a-file/plan.png", "a-file' of "),
+    ],
+    ids=["missing directory", "a directory", "under a file"],
+)
+def test_explain_refuses_a_bad_png_path_before_planning(
+    where: str, message: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A --png file that cannot be written is refused first (exit status 2, one line
+    naming --png and the path), even for a batch that would take minutes to draw."""
+    (tmp_path / "a-file").write_text("not a directory")
+    target = str(tmp_path / where) if where else str(tmp_path)
+    err = _refused(capsys, *HUGE, "--png", target)
+    assert err.startswith("flashplan explain: error: --png: ") and message in err
+    assert not (tmp_path / "missing").exists()
+
+
+@pytest.mark.usefixtures("no_planning")
+def test_explain_refuses_png_without_matplotlib_before_planning(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    err = _refused(capsys, *HUGE, "--png", str(tmp_path / "plan.png"))
+    assert "--png needs matplotlib: pip install 'flashplan[plot]'" in err
+    assert not (tmp_path / "plan.png").exists()
+
+
+@pytest.mark.usefixtures("no_planning")
+def test_explain_refuses_png_over_the_cell_limit_naming_it(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--png draws every cell: a group over --max-cells is refused before planning,
+    the count and the limit named."""
+    from flashplan.cli.explain import DEFAULT_MAX_CELLS
+
+    target = tmp_path / "plan.png"
+    err = _refused(capsys, "--seq-lens", "30000", "--prefix-lens", "0", "--png", str(target))
+    assert DEFAULT_MAX_CELLS == 4096 * 4096
+    assert (
+        "--png draws every cell: group 0 (self causal) has 900,000,000 cells (queries x keys "
+        "summed over the requests), over the limit of 16,777,216 (--max-cells)"
+    ) in err
+    # queries x keys: the self group's 1 x 4 + 2 x 5 = 14 <= 16; the cross group's keys
+    # are the encoder's, 1 x 5 + 2 x 6 = 17 > 16
+    cross = ["--seq-lens", "4,5", "--prefix-lens", "3,3", "--encoder-lens", "5,6", "--cross"]
+    err = _refused(capsys, *cross, "--max-cells", "16", "--png", str(target))
+    assert (
+        "group 1 (cross bidirectional) has 17 cells" in err
+        and "the limit of 16 (--max-cells)" in err
+    )
+    assert not target.exists()
+
+
+def test_explain_summarises_a_group_over_the_cell_limit(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Without --png a batch over --max-cells still gets its plan tables (linear), and
+    each group over the limit a line naming its cells and the limit instead of its
+    picture and dense check; a group within the limit is drawn and checked as before."""
+    args = ["--seq-lens", "60", "--prefix-lens", "0", "--window", "2", "--max-cells", "3600"]
+    text = _explain(capsys, *args)
+    assert _picture_row(_group_block(text, "self causal"), 59).endswith("60: 0..59")
+    text = _explain(capsys, *args[:-1], "3599")
+    full = _group_block(text, "self causal")
+    assert _plan_row(full, 0)[:3] == ["0", "[0,", "60)"]
+    assert " ".join(line.strip() for line in full[-3:]) == (
+        "visibility: not drawn or checked: 3,600 cells (queries x keys summed over the "
+        "requests), over the limit of 3,599 (--max-cells); raise it to draw and check this "
+        "group (time and memory grow with the cells)"
+    )
+    assert not any("#" in line for line in full)
+    assert text.count("not drawn or checked") == 2
+    assert "check: the plan's kernel calls show exactly these keys" not in text
+
+
+def test_explain_of_a_long_prefill_is_linear(capsys: pytest.CaptureFixture[str]) -> None:
+    """30,000 tokens (900,000,000 cells; 47-97 s and 3.7 GB before the limit) print their
+    plan at once; 10,000,000 tokens too."""
+    import time
+
+    for tokens in (30_000, 10_000_000):
+        start = time.perf_counter()
+        text = _explain(capsys, "--seq-lens", str(tokens), "--prefix-lens", "0")
+        assert time.perf_counter() - start < 10.0
+        assert f"{tokens * tokens:,} cells" in text
+        assert f"total_q {tokens}, max_q_len {tokens}" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-cols", "7"], "argument --max-cols: must be >= 8; got 7"),
+        (["--max-cells", "0"], "argument --max-cells: must be >= 1; got 0"),
+        (["--max-cells", "1e6"], "argument --max-cells: expected an integer; got '1e6'"),
+    ],
+)
+@pytest.mark.usefixtures("no_planning")
+def test_explain_refuses_bad_limits(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert message in _refused(capsys, *HUGE, *args)
+
+
+def test_explain_png_takes_any_file_name(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--png FILE writes a PNG whatever FILE's suffix (matplotlib would otherwise pick the
+    format from it and raise on ``.txt``)."""
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "plan.txt"
+    _explain(capsys, "--seq-lens", "5", "--png", str(target))
+    assert target.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_png_panel_draws_at_most_1024_rows_and_columns() -> None:
+    """A large request's panel is drawn from every k-th row and column (3 bytes a
+    pixel), with the colours of the cells it keeps."""
+    from flashplan.cli.explain import _RGB8, _panel_rgb
+
+    mask = np.tril(np.ones((3000, 2050), dtype=bool))
+    cover = np.full(2050, COVER_RAGGED, dtype=np.int8)
+    cover[:1000] = COVER_PAGED
+    rgb = _panel_rgb(mask, cover)
+    assert rgb.shape == (1000, 684, 3) and rgb.dtype == np.uint8
+    rows, cols = np.arange(0, 3000, 3)[:, None], np.arange(0, 2050, 3)[None, :]
+    want = np.where(cols < 1000, 1, 2) * (cols <= rows)  # 0 masked, 1 paged, 2 ragged
+    for code, name in enumerate(("masked", "paged", "ragged")):
+        assert (rgb[want == code] == _RGB8[name]).all()
+    small = _panel_rgb(mask[:5, :7], cover[:7])
+    assert small.shape == (5, 7, 3)
+
+
+@given(
+    lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(1, 9)),
+                  min_size=1, max_size=5),
+    window=st.integers(-1, 5),
+)  # fmt: skip
+def test_dense_cells_counts_the_cells_explain_builds(
+    lens: list[tuple[int, int, int]], window: int
+) -> None:
+    """``dense_cells`` is the number of cells of the oracle's masks (what the picture
+    and the check build), for self and cross groups."""
+    from flashplan.cli.explain import dense_cells
+    from flashplan.oracle import visibility
+
+    seq = [p + e for p, e, _ in lens]
+    groups = [AttentionGroup.sliding(window), AttentionGroup.cross()]
+    layout = BatchLayout.extend(
+        seq, [p for p, _, _ in lens], groups=groups, encoder_lens=[n for *_, n in lens]
+    )
+    for group in groups:
+        assert dense_cells(layout, group) == sum(m.size for m in visibility(layout, group))
+
+
+def test_cascade_check_is_linear_in_the_batch() -> None:
+    """The --shared check reads each level's rows once: 20,000 requests in one group
+    (each request used to rebuild the group's 20,000 rows as a set: 4e8 steps)."""
+    import time
+
+    from flashplan.cli.cascade_text import cascade_problem
+
+    n = 20_000
+    layout = BatchLayout.decode([40] * n, page_size=4)
+    shared = fp.SharedPrefix.from_groups([range(n)], [20])
+    spec = plan(layout, HEADS, shared_prefix=shared, cascade="on")
+    start = time.perf_counter()
+    assert cascade_problem(spec, layout) is None
+    assert time.perf_counter() - start < 5.0
+
+
+def test_cascade_problem_finds_a_level_that_runs_some_rows_of_a_request() -> None:
+    import attrs
+
+    from flashplan.cli.cascade_text import cascade_problem
+
+    layout = fp.BatchLayout.extend([40, 44, 50], [30, 30, 30], page_size=4)
+    shared = fp.SharedPrefix.from_groups([range(3)], [20])
+    spec = fp.plan(layout, HEADS, shared_prefix=shared, cascade="on")
+    assert spec.cascade is not None and cascade_problem(spec, layout) is None
+    (level,) = spec.cascade.levels.levels
+    rows = level.q_rows.copy()
+    rows[12] = rows[11]  # request 1's third row (rows 10..23) is not run, its second twice
+    broken_level = attrs.evolve(level, q_rows=rows)
+    levels = attrs.evolve(spec.cascade.levels, levels=(broken_level,))
+    broken = attrs.evolve(spec, cascade=attrs.evolve(spec.cascade, levels=levels))
+    assert cascade_problem(broken, layout) == (
+        "request 1: level 0 runs some of its query rows only"
+    )

@@ -72,8 +72,14 @@ def describe_cascade(spec: PlanSpec) -> str:
                 f"    group {g}: query rows {_ranges(rows)}; pages {first // ps}..{end // ps - 1}"
                 f" of request {owner}'s row (tokens {first}..{end - 1})"
             )  # a level's group reads at least one whole page (cascade_levels)
-    mask = "under the tree mask" if cascade.own_mask is not None else "causal"
-    lines.append(f"  own parts (each request's own call, {mask}):")
+    if cascade.own_mask is not None:
+        how = "under the tree mask"
+    else:
+        how = ", ".join(
+            f"group plan {g} {'causal' if c else 'non-causal'}"
+            for g, c in zip(cascade.groups, cascade.own_causal, strict=True)
+        )
+    lines.append(f"  own parts (each request's own call, {how}):")
     own = plan.own
     for i in range(spec.batch_size):
         lines.append(
@@ -86,36 +92,82 @@ def describe_cascade(spec: PlanSpec) -> str:
 def cascade_problem(spec: PlanSpec, layout: BatchLayout) -> str | None:
     """``None`` when the levels and own parts of ``spec`` read each request's keys (its
     row tokens ``[decoder_start, decoder_start + seq_len)``) exactly once and every
-    level reads only whole cached pages; else what is wrong (naming the request)."""
+    level reads only whole cached pages; else what is wrong (naming the request).
+
+    Linear in the batch: each level's query rows are read once (a group's members are
+    found by the request of each of its rows), and each request's parts are checked as
+    token intervals, not token by token.
+    """
     cascade = spec.cascade
     if cascade is None:
         return None
     plan: CascadePlan = cascade.levels
-    qo = spec.qo_indptr
-    ps = spec.page_size
+    parts = _level_parts(plan, spec.qo_lens)
     for i in range(spec.batch_size):
-        rows = set(range(int(qo[i]), int(qo[i + 1])))
-        parts = []
-        for k, level in enumerate(plan.levels):
-            for g in range(level.row_of.shape[0]):
-                mine = set(level.q_rows[level.qo_indptr[g] : level.qo_indptr[g + 1]].tolist())
-                if not mine & rows:
-                    continue
-                if not rows <= mine:
-                    return f"request {i}: level {k} runs some of its query rows only"
-                a, b = int(level.spans.first_token[g]), int(level.spans.end_token[g])
-                if b > a and (a % ps or b % ps):
-                    return f"request {i}: level {k} reads a partial page"
-                parts.append((a, b))
-        parts.append((int(plan.own.first_token[i]), int(plan.own.end_token[i])))
-        start = int(layout.decoder_start[i])
-        tokens = sorted(t for a, b in parts for t in range(a, b))
-        if tokens != list(range(start, start + int(layout.seq_lens[i]))):
-            return f"request {i}: the levels and its own part do not read each key once"
-        level_ends = [b for a, b in parts[:-1] if b > a]
-        if level_ends and max(level_ends) > start + int(layout.prefix_lens[i]):
-            return f"request {i}: a level reads tokens it adds in this step"
+        problem = _request_problem(spec, layout, plan, i, parts[i])
+        if problem is not None:
+            return problem
     return None
+
+
+#: One level group's part of a request: (level, rows of the request it runs, first row
+#: token, end row token).
+_Part = tuple[int, int, int, int]
+
+
+def _level_parts(plan: CascadePlan, qo_lens: np.ndarray) -> list[list[_Part]]:
+    """Per request, the level groups that run any of its query rows, level by level.
+
+    Args:
+        plan: the cascade's levels.
+        qo_lens: int ``[bs]``: each request's query rows (``spec.qo_lens``).
+    """
+    lens = np.asarray(qo_lens, dtype=np.int64)
+    row_request = np.repeat(np.arange(lens.shape[0]), lens)  # [total_q]: request of a row
+    parts: list[list[_Part]] = [[] for _ in range(lens.shape[0])]
+    for k, level in enumerate(plan.levels):
+        ptr = level.qo_indptr.tolist()
+        for g in range(level.row_of.shape[0]):
+            rows = np.unique(np.asarray(level.q_rows[ptr[g] : ptr[g + 1]], dtype=np.int64))
+            rows = rows[(rows >= 0) & (rows < row_request.shape[0])]
+            members, counts = np.unique(row_request[rows], return_counts=True)
+            first, end = int(level.spans.first_token[g]), int(level.spans.end_token[g])
+            for r, n in zip(members.tolist(), counts.tolist(), strict=True):
+                parts[r].append((k, n, first, end))
+    return parts
+
+
+def _request_problem(
+    spec: PlanSpec, layout: BatchLayout, plan: CascadePlan, i: int, levels: list[_Part]
+) -> str | None:
+    """What is wrong with request ``i``'s level parts and own part, or ``None``."""
+    ps = spec.page_size
+    spans: list[tuple[int, int]] = []
+    for k, rows, a, b in levels:
+        if rows != int(spec.qo_lens[i]):
+            return f"request {i}: level {k} runs some of its query rows only"
+        if b > a and (a % ps or b % ps):
+            return f"request {i}: level {k} reads a partial page"
+        spans.append((a, b))
+    own = (int(plan.own.first_token[i]), int(plan.own.end_token[i]))
+    start = int(layout.decoder_start[i])
+    if not _tiles([*spans, own], start, start + int(layout.seq_lens[i])):
+        return f"request {i}: the levels and its own part do not read each key once"
+    level_ends = [b for a, b in spans if b > a]
+    if level_ends and max(level_ends) > start + int(layout.prefix_lens[i]):
+        return f"request {i}: a level reads tokens it adds in this step"
+    return None
+
+
+def _tiles(spans: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether the token ranges ``[a, b)`` (empty ones ignored) cover ``[start, end)``
+    exactly once."""
+    at = start
+    for a, b in sorted(s for s in spans if s[1] > s[0]):
+        if a != at:
+            return False
+        at = b
+    return at == end
 
 
 def _ranges(values: np.ndarray) -> str:

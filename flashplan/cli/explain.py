@@ -13,15 +13,32 @@ and exits with 1 if they do not. ``--shared LEVELS`` plans the batch with cascad
 and shows and checks them too (:mod:`flashplan.cli.cascade_text`). ``--png FILE`` draws
 the same pictures with matplotlib, colouring each visible key by the kernel call that
 covers it (paged or ragged) and the keys a kernel reads but masks out.
+
+**Size.** The pictures and the check build every group's dense ``[queries, keys]``
+masks, so their work grows with the batch's *cells*: queries x keys summed over the
+requests (a group's key space: decoder or encoder keys). A group with more than
+``--max-cells`` cells (:data:`DEFAULT_MAX_CELLS`, a 4096-token prefill) is not drawn or
+checked; its block says so and names the limit, while the layout, the plan's tables and
+the cascade check (linear in the batch) are still printed. ``--png`` draws every cell,
+so it refuses such a batch (exit status 2, the limit in the message).
+Every option is checked before any planning: a ``--png`` file that cannot be written
+(a missing directory, a directory, no write permission) or a missing matplotlib is
+refused at once, with exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
 from flashplan.cli.cascade_text import cascade_problem, describe_cascade, shared_prefix_arg
 from flashplan.cli.render import (
@@ -40,26 +57,34 @@ from flashplan.layout.drafts import DraftTree
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
 from flashplan.layout.shared_prefix import SharedPrefix
-from flashplan.oracle import visibility
+from flashplan.oracle import key_space_len, visibility
 from flashplan.planning.planner import plan
 from flashplan.planning.spec import PlanSpec
 from flashplan.planning.visibility import materialize
 
 __all__ = [
+    "DEFAULT_MAX_CELLS",
     "MissingDependencyError",
     "build_layout",
     "check_plan",
     "command",
     "configure",
     "delimiter_lists",
+    "dense_cells",
     "draw_png",
     "explain",
     "int_list",
     "item_tags",
+    "png_problem",
 ]
 
 #: Heads used by ``explain`` (they do not change the plan's arrays).
 EXPLAIN_HEADS = HeadConfig(8, 2, 64)
+
+#: Default of ``--max-cells``: the most cells (queries x keys summed over the requests)
+#: of one group that ``explain`` draws and checks densely, 2**24 (a 4096-token prefill);
+#: the dense masks take a few bytes and tens of nanoseconds per cell.
+DEFAULT_MAX_CELLS = 1 << 24
 
 
 def int_list(text: str) -> list[int]:
@@ -73,6 +98,21 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers such as 7,40; got {text!r}"
         ) from None
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an int ``>= minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer; got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}; got {value}")
+        return value
+
+    return parse
 
 
 def delimiter_lists(text: str) -> list[list[int]]:
@@ -203,13 +243,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="extend path of self-attention groups (auto)",
     )
     parser.add_argument(
-        "--max-cols", type=int, default=80, help="widest picture drawn in full, in keys (80)"
+        "--max-cols",
+        type=_int_at_least(8),
+        default=80,
+        help="widest picture drawn in full, in keys (80; at least 8)",
+    )
+    parser.add_argument(
+        "--max-cells",
+        type=_int_at_least(1),
+        default=DEFAULT_MAX_CELLS,
+        metavar="N",
+        help="most cells (queries x keys, summed over the requests) of a group drawn and "
+        f"checked densely ({DEFAULT_MAX_CELLS}, a 4096-token prefill); a larger group "
+        "gets its plan table only, and --png refuses it",
     )
     parser.add_argument(
         "--png",
         metavar="FILE",
         default=None,
-        help="also draw the pictures into a PNG file (needs matplotlib)",
+        help="also draw the pictures into a PNG file (needs matplotlib; the file's "
+        "directory must exist and be writable; refused over --max-cells)",
     )
 
 
@@ -315,6 +368,23 @@ def item_tags(spec: PlanSpec, layout: BatchLayout) -> list[list[str] | None] | N
     return out
 
 
+def dense_cells(layout: BatchLayout, group: AttentionGroup) -> int:
+    """The cells of ``group``'s dense masks: queries x keys (the group's key space),
+    summed over the requests; what the picture and the check of the group cost (the
+    oracle's :func:`~flashplan.oracle.visibility` and :func:`~flashplan.materialize`
+    each build one bool per cell)."""
+    keys = key_space_len(layout, group).astype(np.int64)
+    return int(np.dot(layout.extend_lens.astype(np.int64), keys))
+
+
+def _over_limit(cells: int, max_cells: int) -> str:
+    """The sentence that says a group's cells are over ``--max-cells``."""
+    return (
+        f"{cells:,} cells (queries x keys summed over the requests), over the limit of "
+        f"{max_cells:,} (--max-cells)"
+    )
+
+
 def check_plan(spec: PlanSpec, layout: BatchLayout, group: AttentionGroup) -> str | None:
     """``None`` when the plan's kernel calls show exactly the oracle's keys, else why not."""
     try:
@@ -334,12 +404,16 @@ def explain(
     heads: HeadConfig = EXPLAIN_HEADS,
     max_cols: int = 80,
     shared_prefix: SharedPrefix | None = None,
+    max_cells: int = DEFAULT_MAX_CELLS,
 ) -> tuple[str, bool]:
-    """The text ``explain`` prints for ``layout``, and whether every plan check passed.
+    """The text ``explain`` prints for ``layout``, and whether every plan check that ran
+    passed.
 
     With ``shared_prefix`` the batch is planned with ``cascade="on"``, and the cascade
     levels and own parts are shown and checked too
-    (:mod:`~flashplan.cli.cascade_text`)."""
+    (:mod:`~flashplan.cli.cascade_text`). A group with more than ``max_cells`` cells
+    (:func:`dense_cells`) gets its plan table and a line naming the limit instead of
+    its picture and dense check, so the work stays linear in the batch beyond it."""
     spec = plan(
         layout, heads, extend_path=extend_path, shared_prefix=shared_prefix,
         cascade="off" if shared_prefix is None else "on",
@@ -373,6 +447,21 @@ def explain(
     )
     for index, gp in enumerate(spec.group_plans):
         group = gp.group
+        cells = dense_cells(layout, group)
+        if cells > max_cells:
+            blocks.append(
+                describe_group(spec, gp, index=index)
+                + "\n\n"
+                + textwrap.fill(
+                    f"visibility: not drawn or checked: {_over_limit(cells, max_cells)}; "
+                    "raise it to draw and check this group (time and memory grow with "
+                    "the cells)",
+                    width=90,
+                    initial_indent="  ",
+                    subsequent_indent="  ",
+                )
+            )
+            continue
         key_name = "encoder keys" if group.cross_attention else "keys"
         group_tags = None if group.cross_attention else tags
         pictures = ascii_visibility(
@@ -430,6 +519,8 @@ _COLOURS = {
     "ragged": (1.0, 0.50, 0.05),
     "unread": (0.84, 0.15, 0.16),
 }
+#: The same colours as uint8 RGB (a picture's pixels: 3 bytes per cell, not 24).
+_RGB8 = {name: np.round(np.array(c) * 255).astype(np.uint8) for name, c in _COLOURS.items()}
 
 
 def _int_ticks(first: int, count: int, most: int = 8) -> list[int]:
@@ -437,6 +528,27 @@ def _int_ticks(first: int, count: int, most: int = 8) -> list[int]:
     step = max(1, -(-count // most))
     ticks = list(range(first, first + count, step))
     return ticks
+
+
+#: Most rows and columns of a request's mask a PNG panel is drawn from (a panel is a few
+#: hundred pixels wide; nearest-neighbour display would pick that few anyway).
+_PANEL_CELLS = 1024
+
+
+def _panel_rgb(mask: npt.NDArray[np.bool_], cover: npt.NDArray[np.int8]) -> npt.NDArray[np.uint8]:
+    """A panel's pixels: uint8 RGB ``[rows, cols, 3]`` from a request's bool ``mask``
+    ``[queries, keys]`` and its int8 ``cover`` ``[keys]`` (:func:`kernel_coverage`),
+    every k-th row and column where there are more than :data:`_PANEL_CELLS`."""
+    e, n = mask.shape
+    rows, cols = -(-e // _PANEL_CELLS), -(-n // _PANEL_CELLS)
+    m, c = mask[::rows, ::cols], cover[None, ::cols]
+    rgb = np.empty((*m.shape, 3), dtype=np.uint8)
+    rgb[:] = _RGB8["hidden"]
+    rgb[~m & (c != COVER_NONE)] = _RGB8["masked"]
+    rgb[m & (c == COVER_PAGED)] = _RGB8["paged"]
+    rgb[m & (c == COVER_RAGGED)] = _RGB8["ragged"]
+    rgb[m & (c == COVER_NONE)] = _RGB8["unread"]
+    return rgb
 
 
 def draw_png(spec: PlanSpec, layout: BatchLayout, path: str) -> None:
@@ -463,7 +575,7 @@ def draw_png(spec: PlanSpec, layout: BatchLayout, path: str) -> None:
 
     bs, ng = layout.batch_size, len(spec.group_plans)
     starts = spec.prefix_lens
-    fig = Figure(figsize=(max(4.0, 3.2 * max(bs, 1)), 2.8 * ng + 0.8), layout="constrained")
+    fig = Figure(figsize=(max(6.0, 3.2 * max(bs, 1)), 2.8 * ng + 0.8), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(ng, max(bs, 1), squeeze=False)
     for r, gp in enumerate(spec.group_plans):
@@ -484,17 +596,10 @@ def draw_png(spec: PlanSpec, layout: BatchLayout, path: str) -> None:
                     transform=ax.transAxes,
                 )
                 continue
-            m, c = masks[i], cover[i][None, :]
-            rgb = np.empty((*m.shape, 3))
-            rgb[:] = _COLOURS["hidden"]
-            rgb[~m & (c != COVER_NONE)] = _COLOURS["masked"]
-            rgb[m & (c == COVER_PAGED)] = _COLOURS["paged"]
-            rgb[m & (c == COVER_RAGGED)] = _COLOURS["ragged"]
-            rgb[m & (c == COVER_NONE)] = _COLOURS["unread"]
-            e, n = m.shape
+            e, n = masks[i].shape
             p0 = int(starts[i])
             ax.imshow(
-                rgb,
+                _panel_rgb(masks[i], cover[i]),
                 interpolation="nearest",
                 aspect="auto",
                 extent=(-0.5, n - 0.5, p0 + e - 0.5, p0 - 0.5),
@@ -511,22 +616,76 @@ def draw_png(spec: PlanSpec, layout: BatchLayout, path: str) -> None:
         Patch(facecolor=_COLOURS["hidden"], edgecolor="0.6", label="not read"),
     ]
     fig.legend(handles=handles, loc="outside lower center", ncol=2, fontsize=8)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")  # whatever the file name's suffix
 
 
 # ---------------------------------------------------------------------------- command
+def png_problem(path: str) -> str | None:
+    """Why ``--png path`` cannot be honoured, or ``None``; checked before any work.
+
+    Refused: an empty path, a directory, a file in a directory that does not exist or
+    is not writable, an existing file that is not writable, and no matplotlib (looked
+    up, not imported).
+    """
+    if not path:
+        return "--png: the file name is empty"
+    target = Path(path)
+    parent = target.parent
+    if target.is_dir():
+        return f"--png: {path!r} is a directory, not a file"
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        return f"--png: the directory {str(parent)!r} of {path!r} {what}"
+    if target.exists():
+        if not os.access(target, os.W_OK):
+            return f"--png: {path!r} exists and is not writable"
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        return f"--png: the directory {str(parent)!r} of {path!r} is not writable"
+    if importlib.util.find_spec("matplotlib") is None:
+        return "--png needs matplotlib: pip install 'flashplan[plot]' (or pip install matplotlib)"
+    return None
+
+
+def _png_size_problem(layout: BatchLayout, max_cells: int) -> str | None:
+    """Why ``--png`` refuses ``layout`` (a group over ``max_cells``), or ``None``."""
+    for index, group in enumerate(layout.groups):
+        cells = dense_cells(layout, group)
+        if cells > max_cells:
+            return (
+                f"--png draws every cell: group {index} ({group.describe()}) has "
+                f"{_over_limit(cells, max_cells)}: draw a smaller batch or raise --max-cells"
+            )
+    return None
+
+
+def _refuse(problem: str) -> int:
+    """Report a refused option as argparse does (one line on stderr); exit status 2."""
+    print(f"flashplan explain: error: {problem}", file=sys.stderr)
+    return 2
+
+
 def command(args: argparse.Namespace) -> int:
-    """Run ``explain``; return the exit status (0 ok, 1 plan mismatch or PNG failure).
+    """Run ``explain``; return the exit status (0 ok, 1 plan mismatch or a PNG write
+    that failed, 2 an option refused before any planning: a ``--png`` file that cannot
+    be written, no matplotlib, or a batch over ``--max-cells`` with ``--png``).
 
     Raises:
         FlashplanError: invalid layout (the caller reports it and exits with 2).
     """
+    if args.png is not None and (problem := png_problem(args.png)) is not None:
+        return _refuse(problem)
     layout = build_layout(args)
+    if args.png is not None and (problem := _png_size_problem(layout, args.max_cells)):
+        return _refuse(problem)
     text, ok = explain(
-        layout, extend_path=args.path, max_cols=args.max_cols, shared_prefix=args.shared
+        layout,
+        extend_path=args.path,
+        max_cols=args.max_cols,
+        shared_prefix=args.shared,
+        max_cells=args.max_cells,
     )
     print(text)
-    if args.png:
+    if args.png is not None:
         spec = plan(layout, EXPLAIN_HEADS, extend_path=args.path)
         try:
             draw_png(spec, layout, args.png)
