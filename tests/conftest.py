@@ -20,4 +20,13 @@ settings.register_profile(
     parent=settings.get_profile("flashplan"),
     max_examples=1000,
 )
+# CI: the same examples on every run (a red CI is then caused by a commit, never by a new
+# draw); no example database. .ci/run sets HYPOTHESIS_PROFILE=ci; local runs stay random.
+settings.register_profile(
+    "ci",
+    parent=settings.get_profile("flashplan"),
+    derandomize=True,
+    database=None,
+    print_blob=True,
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "flashplan"))
