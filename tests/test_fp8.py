@@ -257,3 +257,54 @@ def test_the_flashinfer_translation_plans_fp8_on_fa2(kv_dtype: torch.dtype) -> N
         if spec.total_q > spec.batch_size:
             with pytest.raises(fp.UnsupportedError, match="prefill_backend"):
                 call_skeleton(spec, ExecutorPolicy(prefill_backend="fa3"), sm90=True)
+
+
+# ----------------------------------------------- a tensor k_scale's rounding (issue 50)
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_tensor_k_scale_rounds_each_logit_once(index: int) -> None:
+    """Issue 50, item 2, the cause: with a 0-d tensor ``k_scale`` the FlashInfer executor
+    computes the logits from ``bf16(q · k_scale)`` (FlashInfer takes a softmax scale only
+    as a host number, so a device scale can reach the kernel only through ``q``), which
+    moves each logit by up to ``2⁻⁸`` of ``sm_scale · Σ_d |q_d · k_scale · k_d|``. On the
+    issue's batches (keys over the formats' whole range: logits in the hundreds) that
+    moves the LSE by O(1); a number scale is exact. Here on the reference executor in
+    float64: the folded query's run differs from the exact run by more than the bf16
+    tolerance and never by more than the bound (the LSE is 1-Lipschitz in the logits)."""
+    from flashplan.testing import large_logit_fp8_batches, large_logit_inputs
+
+    case = large_logit_fp8_batches()[index]
+    layout, heads = case.layout, case.heads
+    spec = fp.plan(layout, heads)
+    table = fp.PageTable.shuffled(spec.pages_needed, seed=index)
+    cache, q, k_new, v_new, sink_logits = large_logit_inputs(case, spec, table, seed=index)
+    ks, vs = case.k_scale, case.v_scale
+    worst = 0.0
+    for group in layout.groups:
+        sinks = sink_logits if group.sinks else None
+        ex = fp.ReferenceExecutor(compute_dtype=torch.float64)
+        ex.apply(spec, table)
+        c = cache.clone()
+        exact = ex.run(
+            group, q, k_new, v_new, c, return_lse=True, sinks=sinks, k_scale=ks, v_scale=vs
+        )
+        folded_q = (q.float() * ks).to(heads.q_dtype)  # what the kernels see: one rounding
+        folded = ex.run(group, folded_q, None, None, c, return_lse=True, sinks=sinks, v_scale=vs)
+        # the bound: 2^-8 * sm_scale * sum_d |q_d k_scale k_d| over the request's keys
+        sm = group.scale_for(heads.head_dim)
+        qo = spec.qo_indptr
+        tokens = key_row_tokens(layout, group)
+        bound = torch.zeros(spec.total_q, heads.num_qo_heads, dtype=torch.float64)
+        g = heads.num_qo_heads // heads.num_kv_heads
+        for i in range(layout.batch_size):
+            row = int(table.rows[i])
+            page = table.pages[row, torch.from_numpy(tokens[i] // layout.page_size)].long()
+            keys = c[page, 0, torch.from_numpy(tokens[i] % layout.page_size)].double()
+            keys = keys.repeat_interleave(g, dim=1)  # [n, Hq, D]
+            abs_q = (q[qo[i] : qo[i + 1]].double() * ks).abs()  # [e, Hq, D]
+            bound[qo[i] : qo[i + 1]] = torch.einsum("qhd,khd->qhk", abs_q, keys.abs()).amax(-1)
+        bound = 2.0**-8 * sm * bound / math.log(2)
+        finite = torch.isfinite(exact[1])
+        diff = (folded[1] - exact[1]).abs()[finite].double()
+        assert (diff <= bound[finite] + 1e-9).all(), group.describe()
+        worst = max(worst, float(diff.max()))
+    assert worst > 5e-2  # the bf16 LSE tolerance: why the issue's check failed

@@ -284,7 +284,8 @@ class ReferenceExecutor:
                 **base 2**; ``-inf`` for a query that sees no key (its output is 0). For
                 a sink group it includes the sink term (``docs/semantics.md``).
             sinks: a sink group's sink logits, float32 ``[num_qo_heads]`` (natural-log
-                units, not scaled or capped); ``None`` for other groups.
+                units, not scaled or capped; ``-inf`` is no sink, NaN or ``+inf`` give
+                that head NaN outputs and LSE); ``None`` for other groups.
             k_scale, v_scale: an fp8 cache's per-tensor scales (a positive finite
                 number or a 0-d float32 tensor on the cache's device; ``None``: 1.0):
                 new K/V (in ``q_dtype``) are stored as ``x / scale`` saturated to the

@@ -4,7 +4,9 @@
 (a prompt followed by items, each after a delimiter, and a closing delimiter), and
 :func:`bushy_tree_parents` the draft trees of the verify benchmark
 (``benchmarks/bench_speculative.py``), each drawn from a numpy generator so that every
-user of one seed gets the same batch.
+user of one seed gets the same batch. :func:`large_logit_fp8_batches` are the two fp8
+batches of issue 50 whose keys reach the formats' range (logits in the hundreds), where
+an fp8 tensor scale's rounding shows (``docs/semantics.md``, FP8 KV cache).
 """
 
 from __future__ import annotations
@@ -12,8 +14,21 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+import torch
 
-__all__ = ["ScoringBatch", "bushy_tree_parents", "scoring_batch"]
+from flashplan.layout import AttentionGroup, BatchLayout
+from flashplan.layout.heads import HeadConfig
+from flashplan.layout.page_table import PageTable
+from flashplan.planning.spec import PlanSpec
+
+__all__ = [
+    "Fp8Batch",
+    "ScoringBatch",
+    "bushy_tree_parents",
+    "large_logit_fp8_batches",
+    "large_logit_inputs",
+    "scoring_batch",
+]
 
 
 class ScoringBatch(NamedTuple):
@@ -77,3 +92,81 @@ def bushy_tree_parents(
     for j in range(1, num_tokens):
         parents[:, j] = rng.integers(max(0, j - reach), j, batch_size)
     return parents
+
+
+class Fp8Batch(NamedTuple):
+    """An fp8 batch with its scales and the size of its new K/V.
+
+    Attributes:
+        name: what it is.
+        layout, heads: the batch and its heads (bf16 queries over an fp8 cache).
+        k_scale, v_scale: the cache's per-tensor scales.
+        new_kv_std: standard deviation of the new K/V a test draws (values beyond
+            ``fp8_max * scale`` saturate the format).
+    """
+
+    name: str
+    layout: BatchLayout
+    heads: HeadConfig
+    k_scale: float
+    v_scale: float
+    new_kv_std: float
+
+
+def large_logit_fp8_batches() -> list[Fp8Batch]:
+    """Issue 50's two fp8 batches (item 2): a decode over an e5m2 cache (windowed sink,
+    bidirectional and band groups with their own scales) and an extend over an e4m3 cache
+    whose new K/V saturate the format (two sliding windows and a soft-capped band with
+    sinks)."""
+    g = AttentionGroup
+    bf16 = torch.bfloat16
+    decode = BatchLayout.decode(
+        [26, 257, 264, 210, 38], page_size=8,
+        groups=[g.sliding(2, sinks=True, sm_scale=0.11), g.bidirectional(),
+                g.bidirectional(window_left=7, window_right=9, sm_scale=0.3)],
+    )  # fmt: skip
+    extend = BatchLayout.extend(
+        [137, 177, 93], [0, 82, 0], page_size=16,
+        groups=[g.sliding(7), g.sliding(16),
+                g.bidirectional(window_left=7, window_right=5, sinks=True, logits_soft_cap=5.0,
+                                sm_scale=0.11)],
+    )  # fmt: skip
+    return [
+        Fp8Batch(
+            "decode, e5m2", decode, HeadConfig(2, 2, 128, q_dtype=bf16, kv_dtype=torch.float8_e5m2),
+            2.4118, 3.4396, 1.0,
+        ),
+        Fp8Batch(
+            "extend, e4m3, saturated new K/V", extend,
+            HeadConfig(16, 4, 128, q_dtype=bf16, kv_dtype=torch.float8_e4m3fn), 2.4186, 2.3357,
+            2000.0,
+        ),
+    ]  # fmt: skip
+
+
+def large_logit_inputs(
+    case: Fp8Batch, spec: PlanSpec, table: PageTable, *, seed: int, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs of one :func:`large_logit_fp8_batches` batch planned as ``spec`` over
+    ``table``: ``(cache, q, k_new, v_new, sink_logits)`` — a cache of random finite fp8
+    values over the format's whole range ``[table.num_pages, 2, page_size, kv_heads,
+    head_dim]``, queries ``[total_q, qo_heads, head_dim]`` and new K/V ``[total_q,
+    kv_heads, head_dim]`` in the queries' dtype (the new K/V of standard deviation
+    ``case.new_kv_std``), float32 sink logits ``[qo_heads]``; drawn from ``seed``."""
+    heads, ps = case.heads, case.layout.page_size
+    assert table.num_pages is not None
+    gen = torch.Generator().manual_seed(seed)
+    shape = (table.num_pages, 2, ps, heads.num_kv_heads, heads.head_dim)
+    raw = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).view(heads.kv_dtype)
+    values = raw.float()
+    cache = torch.where(torch.isfinite(values), values, 0.0).to(heads.kv_dtype)
+    q = torch.randn(spec.total_q, heads.num_qo_heads, heads.head_dim, generator=gen)
+    rows = (spec.total_q, heads.num_kv_heads, heads.head_dim)
+    k_new = torch.randn(rows, generator=gen) * case.new_kv_std
+    v_new = torch.randn(rows, generator=gen) * case.new_kv_std
+    sinks = torch.randn(heads.num_qo_heads, generator=gen) * 3
+    half = heads.q_dtype
+    return (
+        cache.to(device), q.to(half).to(device), k_new.to(half).to(device),
+        v_new.to(half).to(device), sinks.to(device),
+    )  # fmt: skip

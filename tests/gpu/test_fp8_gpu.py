@@ -153,3 +153,53 @@ def test_graph_replay_reads_tensor_scales_at_replay(page_size: int):
         torch.cuda.synchronize()
         assert rel_err(out[:bs], want) <= OUT_TOL, (bs, scales)
         assert torch.equal(kv.view(torch.uint8), kv_ref.view(torch.uint8)), (bs, scales)
+
+
+@pytest.mark.parametrize("index", [0, 1])
+@pytest.mark.parametrize("policy", [{}, {"decode_tensor_cores": False}])
+def test_large_logit_batches_number_and_tensor_scales(index: int, policy: dict) -> None:
+    """Issue 50, item 2, on FlashInfer with one executor for both scale kinds: over the
+    issue's two batches (keys across the formats' range, saturated new K/V), a number
+    scale matches the reference executor within the bf16 bounds; a 0-d tensor scale
+    matches the reference run on the folded query ``bf16(q · k_scale)`` within the same
+    bounds — the fold's one rounding is the whole difference (``docs/semantics.md``);
+    both write the same cache bytes."""
+    from flashplan.testing import large_logit_fp8_batches, large_logit_inputs
+
+    case = large_logit_fp8_batches()[index]
+    spec = fp.plan(case.layout, case.heads)
+    table = fp.PageTable.shuffled(spec.pages_needed, seed=index, device=DEV)
+    cache, q, k_new, v_new, sink_logits = large_logit_inputs(
+        case, spec, table, seed=index, device=DEV
+    )
+    ks, vs = case.k_scale, case.v_scale
+    tensors = (torch.tensor(ks, device=DEV), torch.tensor(vs, device=DEV))
+    ex = FlashInferExecutor(policy=ExecutorPolicy(**policy))
+    ref = fp.ReferenceExecutor()
+    for group in case.layout.groups:
+        sinks = sink_logits if group.sinks else None
+        got = {}
+        for kind, (k_s, v_s) in (("number", (ks, vs)), ("tensor", tensors)):
+            c = cache.clone()
+            ex.apply(spec, table)
+            out, lse = ex.run(
+                group, q, k_new, v_new, c, return_lse=True, sinks=sinks, k_scale=k_s, v_scale=v_s
+            )
+            got[kind] = (out, lse, c)
+        c_ref = cache.clone()
+        ref.apply(spec, table)
+        want = ref.run(
+            group, q, k_new, v_new, c_ref, return_lse=True, sinks=sinks, k_scale=ks, v_scale=vs
+        )
+        folded_q = (q.float() * ks).to(q.dtype)
+        want_folded = ref.run(
+            group, folded_q, None, None, c_ref, return_lse=True, sinks=sinks, v_scale=vs
+        )
+        for kind, (out_ref, lse_ref) in (("number", want), ("tensor", want_folded)):
+            out, lse, c = got[kind]
+            finite = torch.isfinite(lse_ref)
+            assert torch.equal(torch.isfinite(lse), finite), (kind, group.describe())
+            assert rel_err(out, out_ref) <= OUT_TOL, (kind, group.describe(), rel_err(out, out_ref))
+            lse_err = float((lse - lse_ref)[finite].abs().max())
+            assert lse_err <= LSE_TOL, (kind, group.describe(), lse_err)
+            assert torch.equal(c.view(torch.uint8), c_ref.view(torch.uint8)), kind

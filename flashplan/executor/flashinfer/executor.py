@@ -461,14 +461,16 @@ class FlashInferExecutor:
         (contiguous; ``None`` for a ragged-path group); returns ``out`` and, with
         ``return_lse``, float32 base-2 LSE ``[total_q, num_qo_heads]``. A sink
         group takes its sink logits as ``sinks`` (float32 ``[num_qo_heads]``); they count
-        once and the LSE includes them. The one call the plan marks applies them: a
+        once and the LSE includes them (``-inf``: no sink; NaN or ``+inf``: NaN outputs
+        and LSE for that head, ``docs/semantics.md``). The one call the plan marks applies them: a
         decode or paged-only prefill on FlashInfer's own sink kernel (its sink wrapper,
         FA2; :func:`~flashplan.executor.flashinfer.calls.sink_kernel`), otherwise a
         fold into the call's or the merged state on the device (a value-0 key of logit
         ``sinks[h]``, :func:`~flashplan.kernels.merge_state.fold_sinks_triton`). They
         are never passed to a kernel that ignores them. ``k_scale`` / ``v_scale``
         are an fp8 cache's per-tensor scales (a number: folded into the softmax scale on
-        the host; a 0-d float32 tensor: ``q * k_scale`` and ``out *= v_scale`` on the
+        the host, exact; a 0-d float32 tensor: ``q * k_scale`` — rounded to the queries'
+        dtype, up to 2⁻⁸ of each logit in bf16 — and ``out *= v_scale`` on the
         device, read at each CUDA-graph replay); ``None`` for another cache.
 
         Raises:

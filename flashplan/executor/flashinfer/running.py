@@ -135,11 +135,13 @@ def _merge_levels(
 
 def _fold_k_scale(q: torch.Tensor, args: RunArgs) -> tuple[torch.Tensor, float | None]:
     """An fp8 cache's ``k_scale`` where the kernel takes it: a number multiplies the
-    kernel's softmax scale (FlashInfer's ``k_scale`` argument, host arithmetic); a 0-d
-    tensor multiplies the queries on the device (``q * k_scale`` in the queries' dtype:
-    FlashInfer would multiply its host float by the tensor, which is a sync, and a
-    CUDA graph would keep the value of its capture). ``(q for the kernel, k_scale
-    for FlashInfer or None)``."""
+    kernel's softmax scale (FlashInfer's ``k_scale`` argument, host arithmetic: exact); a
+    0-d tensor multiplies the queries on the device (``q * k_scale`` in the queries'
+    dtype: FlashInfer takes its softmax scale only as a host number, so multiplying by the
+    tensor there would be a sync, and a CUDA graph would keep the value of its capture).
+    That product is rounded once, which moves each logit by up to 2⁻⁸ of its size in
+    bf16 — the documented cost of a device scale (``docs/semantics.md``, FP8 KV cache).
+    ``(q for the kernel, k_scale for FlashInfer or None)``."""
     if isinstance(args.k_scale, torch.Tensor):
         return q * args.k_scale, None
     return q, None if args.k_scale == 1.0 else args.k_scale
