@@ -67,8 +67,10 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    """Run ``python -m flashplan demo`` on the CPU (reference executor)."""
-    _install_project(session, "flashinfer")
+    """Run ``python -m flashplan demo`` on the CPU (reference executor): the lean install
+    of the README's first command (no FlashInfer, no Triton)."""
+    session.install(TORCH_CPU)
+    session.install("-e", ".")
     session.run("python", "-m", "flashplan", "demo", *session.posargs)
 
 
