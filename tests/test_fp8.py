@@ -262,14 +262,16 @@ def test_the_flashinfer_translation_plans_fp8_on_fa2(kv_dtype: torch.dtype) -> N
 # ----------------------------------------------- a tensor k_scale's rounding (issue 50)
 @pytest.mark.parametrize("index", [0, 1])
 def test_a_tensor_k_scale_rounds_each_logit_once(index: int) -> None:
-    """Issue 50, item 2, the cause: with a 0-d tensor ``k_scale`` the FlashInfer executor
-    computes the logits from ``bf16(q · k_scale)`` (FlashInfer takes a softmax scale only
-    as a host number, so a device scale can reach the kernel only through ``q``), which
-    moves each logit by up to ``2⁻⁸`` of ``sm_scale · Σ_d |q_d · k_scale · k_d|``. On the
-    issue's batches (keys over the formats' whole range: logits in the hundreds) that
-    moves the LSE by O(1); a number scale is exact. Here on the reference executor in
-    float64: the folded query's run differs from the exact run by more than the bf16
-    tolerance and never by more than the bound (the LSE is 1-Lipschitz in the logits)."""
+    """Issue 50, item 2, what a device scale costs once the bias is gone: with a 0-d
+    tensor ``k_scale`` the FlashInfer executor computes the logits from ``bf16(float32(q)
+    · k_scale)`` (FlashInfer takes a softmax scale only as a host number, so a device
+    scale can reach the kernel only through ``q``; the GPU test checks that the executor
+    computes exactly this, and the product was computed from ``bf16(k_scale)`` before the
+    fix), which moves each logit by up to ``2⁻⁸`` of ``sm_scale · Σ_d |q_d · k_scale ·
+    k_d|``. On the issue's batches (keys over the formats' whole range: logits in the
+    hundreds) that still moves the LSE past the bf16 tolerance; a number scale is exact.
+    Here on the reference executor in float64: the folded query's run differs from the
+    exact run by never more than the bound (the LSE is 1-Lipschitz in the logits)."""
     from flashplan.testing import large_logit_fp8_batches, large_logit_inputs
 
     case = large_logit_fp8_batches()[index]

@@ -136,19 +136,27 @@ def _merge_levels(
 def _fold_k_scale(q: torch.Tensor, args: RunArgs) -> tuple[torch.Tensor, float | None]:
     """An fp8 cache's ``k_scale`` where the kernel takes it: a number multiplies the
     kernel's softmax scale (FlashInfer's ``k_scale`` argument, host arithmetic: exact); a
-    0-d tensor multiplies the queries on the device (``q * k_scale`` in the queries'
-    dtype: FlashInfer takes its softmax scale only as a host number, so multiplying by the
-    tensor there would be a sync, and a CUDA graph would keep the value of its capture).
-    That product is rounded once, which moves each logit by up to 2⁻⁸ of its size in
-    bf16 — the documented cost of a device scale (``docs/semantics.md``, FP8 KV cache).
+    0-d tensor multiplies the queries on the device (FlashInfer takes its softmax scale
+    only as a host number, so multiplying by the tensor there would be a sync, and a CUDA
+    graph would keep the value of its capture).
+
+    The product is computed in float32 and rounded to the queries' dtype once. (``q *
+    k_scale`` would not do: on CUDA, torch casts a 0-d float32 tensor to the other
+    operand's bf16 *before* multiplying, so every logit was scaled by ``bf16(k_scale)``,
+    up to 2⁻⁹ off — a bias that moved the LSE of large logits by hundreds: issue 50.) What
+    remains is each product's own rounding, up to 2⁻⁸ of each logit in bf16, unbiased —
+    the documented cost of a device scale (``docs/semantics.md``, FP8 KV cache).
     ``(q for the kernel, k_scale for FlashInfer or None)``."""
     if isinstance(args.k_scale, torch.Tensor):
-        return q * args.k_scale, None
+        return (q.float() * args.k_scale).to(q.dtype), None
     return q, None if args.k_scale == 1.0 else args.k_scale
 
 
 def _apply_v_scale(out: torch.Tensor, v_scale: float | torch.Tensor) -> None:
     """Multiply a paged call's output by an fp8 cache's ``v_scale`` in place (attention
-    is linear in V; the LSE does not depend on it)."""
-    if isinstance(v_scale, torch.Tensor) or v_scale != 1.0:
-        out.mul_(v_scale)
+    is linear in V; the LSE does not depend on it), in float32: a tensor scale is not
+    rounded to the output's dtype first (see :func:`_fold_k_scale`)."""
+    if isinstance(v_scale, torch.Tensor):
+        out.copy_(out.float() * v_scale)
+    elif v_scale != 1.0:
+        out.mul_(v_scale)  # a Python number: torch computes in float32 (opmath)
