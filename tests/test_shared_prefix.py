@@ -625,8 +625,8 @@ def test_cascade_on_equals_off_for_every_group_kind(case, seed: int) -> None:  #
     for at, k in enumerate(on.cascade.groups):
         gp = on.group_plans[k]
         assert gp.paged is not None and on.cascade.own_causal[at] == gp.paged.causal
-        own = on.cascade.own_call(k)
-        assert own.causal == (gp.group.causal and on.cascade.own_mask is None)
+        own = on.cascade.own_call(k)  # (a decode's one query: its flag changes nothing)
+        assert own.causal == (gp.paged.causal and on.cascade.own_mask is None)
     for gc in translate(on, ExecutorPolicy(), sm90=False).calls:
         if gc.levels and gc.paged is not None and "causal" in gc.paged.as_dict():
             assert gc.paged.as_dict()["causal"] == on.cascade.own_call(gc.group_index).causal
