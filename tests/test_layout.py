@@ -167,8 +167,20 @@ def test_replace_revalidates() -> None:
     with pytest.raises(LayoutError) as err:
         layout.replace(mode=Mode.DECODE)  # 3 and 4 new tokens: not a decode
     assert (err.value.field, err.value.request) == ("seq_lens", 0)
-    # __init__ (and so attrs.evolve) stores what it is given: equal fields, equal record
+    # attrs.evolve is replace: __init__ converts and checks (issue 50, item 3)
     assert attrs.evolve(layout) == layout and hash(attrs.evolve(layout)) == hash(layout)
+    for changes, field in (
+        ({"page_size": 0}, "page_size"),
+        ({"mode": Mode.DECODE}, "seq_lens"),
+        ({"prefix_lens": [6, 3]}, "prefix_lens"),
+        ({"seq_lens": [5.5, 7]}, "seq_lens"),
+        ({"item_delimiters": [[9], None]}, "item_delimiters"),
+    ):
+        with pytest.raises(LayoutError) as err:
+            attrs.evolve(layout, **changes)
+        assert err.value.field == field, str(err.value)
+    moved = attrs.evolve(layout, seq_lens=[6, 7.0])  # converted as a constructor converts
+    assert moved == BatchLayout.extend([6, 7], [2, 3]) and moved.seq_lens.dtype == np.int32
 
 
 def test_replace_groups_converts_to_tuple() -> None:
@@ -260,6 +272,45 @@ def test_decoder_start_and_pages_needed_by_hand() -> None:
     token_table = BatchLayout.decode([1, 7], page_size=1, encoder_lens=[3, 0])
     assert token_table.decoder_start.tolist() == [3, 0]
     assert token_table.pages_needed.tolist() == [4, 7]
+
+
+# --------------------------------------------------------------------------- int32 totals
+M32 = 2**31 - 1
+
+
+@settings(max_examples=80)
+@given(
+    st.lists(st.integers(0, 40) | st.integers(M32 // 3, M32), min_size=1, max_size=5),
+    st.sampled_from((1, 16, 2**20, M32)),
+    st.sampled_from(("decode", "extend", "half")),
+)
+def test_build_refuses_exactly_the_totals_a_plan_cannot_hold(
+    lens: list[int], page_size: int, kind: str
+) -> None:
+    """Issue 50, item 4: a layout is refused when built, naming ``seq_lens`` and the total,
+    exactly when its new tokens or its rows' pages in all pass int32 (what a plan indexes
+    with int32); otherwise ``pages_needed`` keeps its contract and the layout plans."""
+    if kind == "decode":
+        seq, pre = [max(n, 1) for n in lens], [max(n, 1) - 1 for n in lens]
+    else:
+        seq, pre = lens, [0 if kind == "extend" else n // 2 for n in lens]
+    new = sum(s - p for s, p in zip(seq, pre, strict=True))
+    pages = sum(-(-s // page_size) for s in seq)
+    try:
+        if kind == "decode":
+            layout = BatchLayout.decode(seq, page_size=page_size)
+        else:
+            layout = BatchLayout.extend(seq, pre, page_size=page_size)
+    except LayoutError as err:
+        assert new > M32 or pages > M32, str(err)
+        assert err.field == "seq_lens" and err.request is None
+        want = {"total_new_tokens": new} if new > M32 else {"total_pages": pages}
+        assert want.items() <= err.values.items(), str(err)
+        return
+    assert new <= M32 and pages <= M32
+    assert layout.pages_needed.tolist() == [-(-s // page_size) for s in seq]
+    spec = flashplan.plan(layout, HeadConfig(1, 1, 64))
+    assert spec.total_q == new and int(spec.pages_needed.sum()) == pages
 
 
 # --------------------------------------------------------------------------- HeadConfig

@@ -170,17 +170,62 @@ def test_error_carries_the_values() -> None:
     assert err.value.values == {"value": 0}
 
 
-def test_plan_refuses_int32_overflow_of_totals() -> None:
+def test_layouts_refuse_totals_beyond_int32_when_built() -> None:
+    """Totals a plan indexes with int32 are refused when the layout is built (issue 50,
+    item 4), naming the field and the total; before, the layout was accepted and
+    ``pages_needed`` / ``plan`` raised later."""
+    M = 2**31 - 1
     # more new tokens in all than int32 holds
-    layout = BatchLayout.extend([2**30, 2**30, 2**30], page_size=16)
     with pytest.raises(LayoutError) as err:
-        flashplan.plan(layout, HeadConfig(1, 1, 64))
-    assert err.value.field == "extend_lens"
-    # more pages in all than int32 holds (a page per token): named after seq_lens
-    layout = BatchLayout.decode([2**30, 2**30, 2**30], page_size=1)
+        BatchLayout.extend([2**30, 2**30, 2**30], page_size=16)
+    assert err.value.field == "seq_lens" and err.value.values == {"total_new_tokens": 3 * 2**30}
+    # every row fits, the pages of all rows do not (a page per token)
+    for build in (
+        lambda: BatchLayout.extend([M] * 3),
+        lambda: BatchLayout.extend([M] * 3, [M - 1] * 3),
+        lambda: BatchLayout.decode([M] * 3),
+        lambda: BatchLayout.decode([2**30, 2**30]),
+        lambda: BatchLayout.verify([2**30, 2**30], flashplan.DraftTree.chain(2, 4)),
+    ):
+        with pytest.raises(LayoutError) as err:
+            build()
+        assert err.value.field == "seq_lens" and "total" in str(err.value), str(err.value)
+    # the same rows on pages of 2**20 tokens: accepted, and planned
+    heads = HeadConfig(1, 1, 64)
+    for layout in (
+        BatchLayout.decode([M] * 3, page_size=2**20),
+        BatchLayout.extend([M] * 3, [M - 1] * 3, page_size=2**20),
+        BatchLayout.decode([2**30, 2**30 - 1]),  # 2**31 - 1 pages: the largest total
+    ):
+        assert layout.pages_needed.dtype == np.int32
+        flashplan.plan(layout, heads)
+    # the encoder tokens written this step, in all
+    cross = (AttentionGroup(), AttentionGroup.cross())
     with pytest.raises(LayoutError) as err:
-        flashplan.plan(layout, HeadConfig(1, 1, 64))
-    assert err.value.field == "seq_lens" and "total" in err.value.message
+        BatchLayout.decode([1] * 3, encoder_lens=[2**30] * 3, page_size=2**20, groups=cross)
+    assert (err.value.field, err.value.values) == (
+        "encoder_lens",
+        {"total_encoder_tokens": 3 * 2**30},
+    )
+    cached = BatchLayout.decode(
+        [1] * 3, encoder_lens=[2**30] * 3, encoder_cached=[True, False, True], page_size=2**20,
+        groups=cross,
+    )  # fmt: skip
+    flashplan.plan(cached, heads)  # only 2**30 encoder tokens are written
+
+
+def test_draft_decode_refuses_steps_beyond_int32_when_built() -> None:
+    """Every step of an accepted DraftDecode plans: its last step's rows fit int32."""
+    with pytest.raises(LayoutError) as err:
+        flashplan.DraftDecode([4, 2**31 - 3], topk=2, steps=5)
+    assert (err.value.field, err.value.request) == ("prefix_lens", 1)
+    with pytest.raises(LayoutError) as err:  # each row fits; 2 * 2 rows of pages do not
+        flashplan.DraftDecode([2**30, 2**30], topk=2, steps=1)
+    assert err.value.field == "prefix_lens" and err.value.values["total_pages"] > 2**31
+    steps = flashplan.plan_steps(
+        flashplan.DraftDecode([2**30, 2**30], topk=2, steps=2, page_size=16), HeadConfig(1, 1, 64)
+    )
+    assert len(steps) == 2
 
 
 def _sealed(arr: object, want: list[int]) -> None:

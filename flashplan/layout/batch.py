@@ -11,7 +11,6 @@ import numpy as np
 import numpy.typing as npt
 
 from flashplan.arrays import (
-    INT32_MAX,
     IntArray,
     array_key,
     checked_int32,
@@ -23,16 +22,23 @@ from flashplan.arrays import (
 from flashplan.errors import FieldTypeError, LayoutError
 from flashplan.layout.checks import (
     check_encoder,
-    check_lengths,
+    check_layout,
+    check_totals,
+    draft_field,
+    encoder_cached_field,
+    encoder_lens_field,
     first_index,
-    optional_flags,
-    optional_lengths,
+    groups_field,
+    item_delimiters_field,
+    mode_field,
+    page_size_field,
+    prefix_lens_field,
+    seq_lens_field,
 )
 from flashplan.layout.convert import ArrayLike, as_int, as_lengths
-from flashplan.layout.drafts import DraftTree, check_draft_fits
+from flashplan.layout.drafts import DraftTree
 from flashplan.layout.group import DEFAULT_GROUPS, AttentionGroup, as_groups
-from flashplan.layout.items import FIELD as ITEMS
-from flashplan.layout.items import MAX_ITEM_ROW, ItemDelimiters, as_item_delimiters, check_items_fit
+from flashplan.layout.items import MAX_ITEM_ROW, ItemDelimiters
 from flashplan.layout.mode import Mode
 from flashplan.lengths import PageSpans, ceil_pages
 
@@ -53,9 +59,13 @@ class BatchLayout:
     Per-request arrays are read-only int32 numpy arrays of shape ``[bs]``; the
     record compares and hashes by value. Build it with a named constructor
     (:meth:`decode`, :meth:`extend`, :meth:`from_extend_lens`, :meth:`verify`,
-    :meth:`draft_extend`, :meth:`block_extend`, or :meth:`of` with every field), which
-    converts and checks its input; ``__init__`` only stores fields that a constructor
-    checked (as attrs advises), and :meth:`replace` is the checked ``attrs.evolve``.
+    :meth:`draft_extend`, :meth:`block_extend`) or from every field (``BatchLayout(...)``,
+    or :meth:`of`, the same with typed arguments). Every path converts and checks alike:
+    ``__init__`` converts each field and checks the fields against each other, so
+    ``attrs.evolve`` (and :meth:`replace`) checks too, and no invalid layout exists to
+    be planned (the rules: :mod:`flashplan.layout`). An accepted layout also keeps every
+    total a plan indexes with int32 within int32 (new tokens, the rows' pages, the
+    encoder tokens written), so none of its properties raises.
 
     Token coordinates: a *row token* is the index of a logical token in a request's
     page-table row (row token ``t`` lives in slot ``t % page_size`` of page
@@ -93,15 +103,28 @@ class BatchLayout:
             which ignore items). See ``docs/semantics.md``.
     """
 
-    mode: Mode
-    seq_lens: IntArray = attrs.field(eq=array_key)
-    prefix_lens: IntArray = attrs.field(eq=array_key)
-    encoder_lens: IntArray | None = attrs.field(default=None, eq=array_key)
-    page_size: int = 1
-    groups: tuple[AttentionGroup, ...] = DEFAULT_GROUPS
-    encoder_cached: npt.NDArray[np.bool_] | None = attrs.field(default=None, eq=array_key)
-    draft: DraftTree | None = None
-    item_delimiters: ItemDelimiters | None = None
+    mode: Mode = attrs.field(converter=mode_field)
+    seq_lens: IntArray = attrs.field(converter=seq_lens_field, eq=array_key)
+    prefix_lens: IntArray = attrs.field(converter=prefix_lens_field, eq=array_key)
+    encoder_lens: IntArray | None = attrs.field(
+        default=None, converter=encoder_lens_field, eq=array_key
+    )
+    page_size: int = attrs.field(default=1, converter=page_size_field)
+    groups: tuple[AttentionGroup, ...] = attrs.field(default=DEFAULT_GROUPS, converter=groups_field)
+    encoder_cached: npt.NDArray[np.bool_] | None = attrs.field(
+        default=None, converter=encoder_cached_field, eq=array_key
+    )
+    draft: DraftTree | None = attrs.field(default=None, converter=draft_field)
+    item_delimiters: ItemDelimiters | None = attrs.field(
+        default=None, converter=item_delimiters_field
+    )
+
+    def __attrs_post_init__(self) -> None:
+        # The converters checked each field alone; here the fields against each other.
+        check_layout(
+            self.mode, self.seq_lens, self.prefix_lens, self.encoder_lens, self.page_size,
+            self.groups, self.encoder_cached, self.draft, self.item_delimiters,
+        )  # fmt: skip
 
     # -- the general constructor ----------------------------------------------------------
     @classmethod
@@ -117,9 +140,9 @@ class BatchLayout:
         draft: DraftTree | None = None,
         item_delimiters: object = None,
     ) -> BatchLayout:
-        """A layout from every field, converted and checked (the named constructors
-        below compute the fields of their kind of step and call this; it is also the
-        checked form of ``attrs.evolve``: :meth:`replace`).
+        """A layout from every field: ``BatchLayout(...)`` itself, with the fields typed
+        (the named constructors below compute the fields of their kind of step and call
+        it; :meth:`replace` and ``attrs.evolve`` run the same checks).
 
         Per-request data is any sequence of ints, integer array or CPU tensor.
 
@@ -128,41 +151,15 @@ class BatchLayout:
                 field and the first offending request
                 (:class:`~flashplan.errors.FieldTypeError` for a wrong type).
         """
-        if not isinstance(mode, Mode):
-            raise FieldTypeError("mode", "must be a flashplan.Mode", value=mode)
-        seq = as_lengths("seq_lens", seq_lens)
-        prefix = as_lengths("prefix_lens", prefix_lens)
-        encoder = optional_lengths("encoder_lens", encoder_lens)
-        ps = as_int("page_size", page_size, minimum=1)
-        checked = as_groups("groups", groups)
-        cached = optional_flags("encoder_cached", encoder_cached)
-        items = as_item_delimiters(ITEMS, item_delimiters)
-        if draft is not None and not isinstance(draft, DraftTree):
-            raise FieldTypeError("draft", "must be a DraftTree", value=type(draft).__name__)
-        check_lengths(mode, seq, prefix)
-        if (draft is not None) != (mode is Mode.VERIFY):
-            raise LayoutError("draft", "a verify batch, and only a verify batch, has a draft")
-        if draft is not None:
-            check_draft_fits(draft, new_tokens=seq - prefix, groups=checked)
-        check_encoder(seq, encoder, cached, checked)
-        if items is not None:
-            check_items_fit(
-                items, extend=mode is Mode.EXTEND, extend_lens=seq - prefix, groups=checked
-            )
-        layout = cls(mode, seq, prefix, encoder, ps, checked, cached, draft, items)
-        # Derived values, in wide integers, must fit the int32 arrays kernels get. Without
-        # an encoder each is at most its seq_len (the pages' total, which could pass
-        # int32 only for a 2**31-token batch, is checked when first read, by plan()).
-        if encoder is not None:
-            _ = layout.row_spans
-        return layout
+        return cls(
+            mode, seq_lens, prefix_lens, encoder_lens, page_size, groups, encoder_cached,
+            draft, item_delimiters,
+        )  # fmt: skip
 
     def replace(self, **changes: Any) -> BatchLayout:
-        """This layout with some fields changed, checked as :meth:`of` checks (what
-        ``attrs.evolve`` does, with the checks: ``__init__`` only stores)."""
-        fields = {f.name: getattr(self, f.name) for f in attrs.fields(type(self))}
-        fields.update(changes)
-        return type(self).of(**fields)
+        """This layout with some fields changed: ``attrs.evolve``, checked as every
+        constructor is."""
+        return attrs.evolve(self, **changes)
 
     # -- named constructors -------------------------------------------------------------
     @classmethod
@@ -179,13 +176,33 @@ class BatchLayout:
         seq = as_lengths("seq_lens", seq_lens, minimum=1)
         prefix = seal_inplace(seq - constant_operand(1))
         if encoder_lens is not None or encoder_cached is not None:
-            return cls.of(Mode.DECODE, seq, prefix, encoder_lens, page_size, groups, encoder_cached)
-        # seq_lens >= 1, so prefix_lens = seq_lens - 1 is valid and the step adds one
-        # token per request: only the page size and the groups can still be wrong.
+            return cls(Mode.DECODE, seq, prefix, encoder_lens, page_size, groups, encoder_cached)
         ps = as_int("page_size", page_size, minimum=1)
-        checked = as_groups("groups", groups)
-        check_encoder(seq, None, None, checked)
-        return cls(Mode.DECODE, seq, prefix, None, ps, checked)
+        return cls._decode_of(seq, prefix, ps, as_groups("groups", groups))
+
+    @classmethod
+    def _decode_of(
+        cls, seq: IntArray, prefix: IntArray, page_size: int, groups: tuple[AttentionGroup, ...]
+    ) -> BatchLayout:
+        """The decode layout without encoder of fields :meth:`decode` converted
+        (``seq >= 1`` and ``prefix = seq - 1``, both sealed int32 ``[bs]``), equal to
+        ``BatchLayout(Mode.DECODE, seq, prefix, None, page_size, groups)``: the rules
+        between the fields that such fields can still break are checked here, the rest
+        hold by construction, so ``__init__`` does not convert and check them again."""
+        check_encoder(seq, None, None, groups)  # a cross group without encoder
+        check_totals(seq, prefix, None, None, page_size)
+        self = object.__new__(cls)
+        store = object.__setattr__
+        store(self, "mode", Mode.DECODE)
+        store(self, "seq_lens", seq)
+        store(self, "prefix_lens", prefix)
+        store(self, "encoder_lens", None)
+        store(self, "page_size", page_size)
+        store(self, "groups", groups)
+        store(self, "encoder_cached", None)
+        store(self, "draft", None)
+        store(self, "item_delimiters", None)
+        return self
 
     @classmethod
     def extend(
@@ -408,15 +425,13 @@ class BatchLayout:
     def decoder_start(self) -> IntArray:
         """Row token of each request's decoder position 0, int32 ``[bs]`` (tokens).
 
-        0 without encoder; else the encoder's length rounded up to a page boundary.
-
-        Raises:
-            LayoutError: the rounded value exceeds int32.
+        0 without encoder; else the encoder's length rounded up to a page boundary (it
+        fits int32: the layout checked each row's end when it was built).
         """
         if self.encoder_lens is None:
             return filled(0, self.batch_size)
         start = self.encoder_pages.astype(np.int64) * self.page_size
-        return checked_int32("encoder_lens", start, "encoder length rounded to a page")
+        return seal_inplace(start)
 
     @cached_property
     def row_spans(self) -> PageSpans:
@@ -424,20 +439,12 @@ class BatchLayout:
         the decoder's ``seq_lens`` tokens), and the pages it covers
         (:class:`~flashplan.lengths.PageSpans`): without an encoder, the keys of a decode
         step and of a paged extend's or a verify's call for a group without window or
-        chunks (the planner shares this record with those calls).
-
-        Raises:
-            LayoutError: the row's last token (encoder + decoder), or the pages of all
-                rows together, exceed int32 (named ``seq_lens``).
+        chunks (the planner shares this record with those calls). Never raises: each
+        row's end and the pages of all rows fit int32 (checked when the layout was built).
         """
         if self.encoder_lens is None:
             return PageSpans.from_row_start(self.seq_lens, self.page_size, field="seq_lens")
         end = self.decoder_start.astype(np.int64) + self.seq_lens
-        if end.size and int(end.max()) > INT32_MAX:
-            i = int(np.argmax(end))
-            raise LayoutError(
-                "seq_lens", "encoder + decoder tokens exceed int32", request=i, end=int(end[i])
-            )
         return PageSpans.from_row_start(seal_inplace(end), self.page_size, field="seq_lens")
 
     @cached_property
@@ -458,8 +465,9 @@ class BatchLayout:
         :attr:`row_spans`' pages (the decoder's last token's page; an empty decoder
         after an encoder still needs the encoder's pages, which end where it starts).
 
-        Raises:
-            LayoutError: the row's last token (encoder + decoder) exceeds int32.
+        Never raises: a layout whose rows need more pages in all than int32 holds (or
+        whose row ends past int32) is refused when it is built, naming ``seq_lens`` and
+        the total (:func:`~flashplan.plan` indexes the pages with int32 index pointers).
         """
         return self.row_spans.pages.lens
 

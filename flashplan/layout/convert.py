@@ -189,6 +189,8 @@ def as_lengths(field: str, values: object, *, minimum: int = 0) -> IntArray:
             return copy_readonly(arr)
         bad = (arr < minimum) | (arr > INT32_MAX)
     elif kind == "f":
+        if arr.dtype.itemsize < 8:  # float16 / float32: INT32_MAX would not fit the dtype
+            arr = arr.astype(np.float64)
         with np.errstate(invalid="ignore"):
             bad = ~np.isfinite(arr) | (arr != np.round(arr)) | (arr < minimum) | (arr > INT32_MAX)
     else:  # bools, objects: one check per element

@@ -9,7 +9,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from flashplan.arrays import array_key, readonly_when_unpickled, seal_inplace
+from flashplan.arrays import INT32_MAX, array_key, readonly_when_unpickled, seal_inplace
 from flashplan.errors import LayoutError
 from flashplan.layout.batch import DEFAULT_GROUPS, BatchLayout, as_groups
 from flashplan.layout.convert import as_int, as_lengths
@@ -54,6 +54,23 @@ class DraftDecode:
     groups: tuple[AttentionGroup, ...] = attrs.field(
         default=None, converter=lambda v: _draft_groups(v)
     )
+
+    def __attrs_post_init__(self) -> None:
+        # Every step's decode layout must be valid: the last holds the most tokens.
+        last = self.prefix_lens.astype(np.int64) + self.steps
+        if last.size and int(np.maximum.reduce(last)) > INT32_MAX:
+            i = int(np.flatnonzero(last > INT32_MAX)[0])
+            raise LayoutError(
+                "prefix_lens", "prefix + steps exceeds int32 (the last step's seq_len)",
+                request=i, prefix_len=int(self.prefix_lens[i]), steps=self.steps,
+            )  # fmt: skip
+        pages = int(np.add.reduce(ceil_pages(last, self.page_size))) * self.topk
+        if pages > INT32_MAX:
+            raise LayoutError(
+                "prefix_lens", "the last step's rows (topk per request) need more pages in "
+                "all than int32 holds: a plan indexes them with int32 index pointers",
+                total_pages=pages, topk=self.topk, page_size=self.page_size,
+            )  # fmt: skip
 
     @property
     def batch_size(self) -> int:

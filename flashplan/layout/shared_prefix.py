@@ -42,7 +42,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from flashplan.arrays import array_key, concat_ranges, readonly_when_unpickled, seal_inplace
+from flashplan.arrays import array_key, concat_ranges, readonly_when_unpickled
 from flashplan.errors import FieldTypeError, LayoutError, PageTableError
 from flashplan.layout.convert import as_int, as_lengths
 
@@ -51,11 +51,25 @@ __all__ = ["ShareLevel", "SharedPrefix", "check_shared_pages", "share_pages"]
 IntArray = npt.NDArray[np.int32]
 
 
+def _first_field(value: object) -> IntArray:
+    return as_lengths("first", value)
+
+
+def _count_field(value: object) -> IntArray:
+    return as_lengths("count", value)
+
+
+def _shared_len_field(value: object) -> IntArray:
+    return as_lengths("shared_len", value)
+
+
 @readonly_when_unpickled
 @attrs.frozen(cache_hash=True)
 class ShareLevel:
     """One level of sharing: groups of consecutive requests and the leading tokens each
-    group shares. Build it with :meth:`from_groups` or :meth:`from_ranges`.
+    group shares. Build it with :meth:`from_groups` or :meth:`from_ranges` (or
+    ``ShareLevel(first, count, shared_len)``, which is :meth:`from_ranges`: every path,
+    ``attrs.evolve`` included, converts and checks alike).
 
     Attributes:
         first: int32 ``[groups]``: the first request of each group (increasing).
@@ -64,23 +78,12 @@ class ShareLevel:
         shared_len: int32 ``[groups]`` (tokens): leading tokens the group's members share.
     """
 
-    first: IntArray = attrs.field(eq=array_key)
-    count: IntArray = attrs.field(eq=array_key)
-    shared_len: IntArray = attrs.field(eq=array_key)
+    first: IntArray = attrs.field(converter=_first_field, eq=array_key)
+    count: IntArray = attrs.field(converter=_count_field, eq=array_key)
+    shared_len: IntArray = attrs.field(converter=_shared_len_field, eq=array_key)
 
-    @classmethod
-    def from_ranges(cls, first: object, count: object, shared_len: object) -> ShareLevel:
-        """Groups given as first request, request count and shared tokens (1-D integers
-        of one length).
-
-        Raises:
-            LayoutError: a negative first request, a group of fewer than 2 requests, a
-                shared length below 1, arrays of different lengths, or groups that
-                overlap or are out of order (naming the group and its values).
-        """
-        f = as_lengths("first", first)
-        c = as_lengths("count", count)
-        n = as_lengths("shared_len", shared_len)
+    def __attrs_post_init__(self) -> None:
+        f, c, n = self.first, self.count, self.shared_len
         if not f.shape[0] == c.shape[0] == n.shape[0]:
             raise LayoutError(
                 "shared_len", "first, count and shared_len must have one length",
@@ -102,7 +105,18 @@ class ShareLevel:
                 "first", "groups must be disjoint and in batch order", group=int(g) + 1,
                 first=int(f[g + 1]), previous_end=int(ends[g]),
             )  # fmt: skip
-        return cls(seal_inplace(f), seal_inplace(c), seal_inplace(n))
+
+    @classmethod
+    def from_ranges(cls, first: object, count: object, shared_len: object) -> ShareLevel:
+        """Groups given as first request, request count and shared tokens (1-D integers
+        of one length).
+
+        Raises:
+            LayoutError: a negative first request, a group of fewer than 2 requests, a
+                shared length below 1, arrays of different lengths, or groups that
+                overlap or are out of order (naming the group and its values).
+        """
+        return cls(first, count, shared_len)
 
     @classmethod
     def from_groups(cls, groups: Iterable[Iterable[int]], shared_len: object) -> ShareLevel:
@@ -148,41 +162,46 @@ class ShareLevel:
         return concat_ranges(self.first, self.count)
 
 
+def _levels_field(value: object) -> tuple[ShareLevel, ...]:
+    """``levels``: one :class:`ShareLevel` or a non-empty iterable of them, as a tuple."""
+    if isinstance(value, ShareLevel):
+        return (value,)
+    if isinstance(value, (str, bytes, np.ndarray, torch.Tensor)) or not isinstance(value, Iterable):
+        raise FieldTypeError(
+            "levels", "must be a ShareLevel or an iterable of them", type=type(value).__name__
+        )
+    try:
+        levels = tuple(value)
+    except TypeError:
+        raise FieldTypeError(
+            "levels", "must be a ShareLevel or an iterable of them", type=type(value).__name__
+        ) from None
+    if not levels:
+        raise LayoutError("levels", "a SharedPrefix needs at least one level")
+    for i, level in enumerate(levels):
+        if not isinstance(level, ShareLevel):
+            raise FieldTypeError(
+                "levels", "must be ShareLevel records", level=i, value=type(level).__name__
+            )
+    return levels
+
+
 @readonly_when_unpickled
 @attrs.frozen(cache_hash=True)
 class SharedPrefix:
     """Levels of sharing, outermost first (see the module docstring). Build it with
-    :meth:`from_groups` (one level) or :meth:`nested`.
+    :meth:`from_groups` (one level) or :meth:`nested` (or ``SharedPrefix(levels)``,
+    which is :meth:`nested`: every path, ``attrs.evolve`` included, checks alike).
 
     Attributes:
         levels: the levels; a group of level ``l + 1`` lies inside one group of level
             ``l`` and shares more tokens than it.
     """
 
-    levels: tuple[ShareLevel, ...]
+    levels: tuple[ShareLevel, ...] = attrs.field(converter=_levels_field)
 
-    @classmethod
-    def from_groups(cls, groups: Iterable[Iterable[int]], shared_len: object) -> SharedPrefix:
-        """One level (:meth:`ShareLevel.from_groups`)."""
-        return cls.nested(ShareLevel.from_groups(groups, shared_len))
-
-    @classmethod
-    def nested(cls, *levels: ShareLevel) -> SharedPrefix:
-        """Levels, outermost first.
-
-        Raises:
-            LayoutError: no level, or a group of an inner level that does not lie inside
-                one group of the level before it, or shares no more tokens than it
-                (naming the level, the group and the values).
-            FieldTypeError: a level that is not a :class:`ShareLevel`.
-        """
-        if not levels:
-            raise LayoutError("levels", "a SharedPrefix needs at least one level")
-        for i, level in enumerate(levels):
-            if not isinstance(level, ShareLevel):
-                raise FieldTypeError(
-                    "levels", "must be ShareLevel records", level=i, value=type(level).__name__
-                )
+    def __attrs_post_init__(self) -> None:
+        levels = self.levels
         for i in range(1, len(levels)):
             outer, inner = levels[i - 1], levels[i]
             last = inner.first.astype(np.int64) + inner.count - 1
@@ -202,7 +221,23 @@ class SharedPrefix:
                         "group", level=i, group=g, shared_len=int(inner.shared_len[g]),
                         outer_shared_len=int(outer.shared_len[p]),
                     )  # fmt: skip
-        return cls(tuple(levels))
+
+    @classmethod
+    def from_groups(cls, groups: Iterable[Iterable[int]], shared_len: object) -> SharedPrefix:
+        """One level (:meth:`ShareLevel.from_groups`)."""
+        return cls.nested(ShareLevel.from_groups(groups, shared_len))
+
+    @classmethod
+    def nested(cls, *levels: ShareLevel) -> SharedPrefix:
+        """Levels, outermost first.
+
+        Raises:
+            LayoutError: no level, or a group of an inner level that does not lie inside
+                one group of the level before it, or shares no more tokens than it
+                (naming the level, the group and the values).
+            FieldTypeError: a level that is not a :class:`ShareLevel`.
+        """
+        return cls(levels)
 
     @property
     def num_levels(self) -> int:

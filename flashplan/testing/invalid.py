@@ -11,7 +11,8 @@ from typing import Any
 import attrs
 from hypothesis import strategies as st
 
-from flashplan.layout.batch import MAX_ITEM_ROW
+from flashplan.layout.batch import MAX_ITEM_ROW, Mode
+from flashplan.layout.shared_prefix import ShareLevel
 from flashplan.testing.constructors import construct
 from flashplan.testing.valid import attention_groups, item_requests
 
@@ -61,24 +62,40 @@ _STRINGS = ("3", "x", "", "2.5", "one")
 _BAD_PAGE_SIZES: tuple[Any, ...] = (0, -1, -16, 2.0, 1.5, "16", None, True, 16.0)
 
 
+#: The routes to a layout from all its fields (``mode`` included): the attrs ``__init__``,
+#: :meth:`BatchLayout.of` and ``attrs.evolve`` of a valid layout.
+_RAW_CTORS = ("BatchLayout", "BatchLayout.of", "evolve(BatchLayout)")
+#: The routes to an extend layout: :meth:`BatchLayout.extend` and the raw routes.
+_EXTEND_CTORS = ("BatchLayout.extend", *_RAW_CTORS)
+
+
 def _layout_fields(ctor: str) -> tuple[str, ...]:
+    if ctor in _EXTEND_CTORS:
+        return ("seq_lens", "prefix_lens", "encoder_lens")
     return {
         "BatchLayout.decode": ("seq_lens", "encoder_lens"),
-        "BatchLayout.extend": ("seq_lens", "prefix_lens", "encoder_lens"),
         "BatchLayout.from_extend_lens": ("extend_lens", "prefix_lens"),
     }[ctor]
 
 
 def _layout_kwargs(ctor: str, seq: list[int], pre: list[int]) -> dict[str, Any]:
-    """Valid kwargs for a layout constructor over this batch."""
+    """Valid kwargs for a layout constructor over this batch (an extend but for
+    ``BatchLayout.decode``)."""
     if ctor == "BatchLayout.decode":
         return {"seq_lens": list(seq)}
-    if ctor == "BatchLayout.extend":
-        return {"seq_lens": list(seq), "prefix_lens": list(pre)}
+    if ctor in _EXTEND_CTORS:
+        return _extend_kwargs(ctor, {"seq_lens": list(seq), "prefix_lens": list(pre)})
     return {"extend_lens": [s - p for s, p in zip(seq, pre, strict=True)], "prefix_lens": list(pre)}
 
 
-_LAYOUT_CTORS = ("BatchLayout.decode", "BatchLayout.extend", "BatchLayout.from_extend_lens")
+def _extend_kwargs(ctor: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``BatchLayout.extend``'s kwargs for ``ctor`` (the raw routes add ``mode``)."""
+    return {"mode": Mode.EXTEND, **kwargs} if ctor in _RAW_CTORS else kwargs
+
+
+_LAYOUT_CTORS = (
+    "BatchLayout.decode", "BatchLayout.extend", "BatchLayout.from_extend_lens", *_RAW_CTORS,
+)  # fmt: skip
 
 
 @st.composite
@@ -117,13 +134,9 @@ def _prefix_over_seq(draw: st.DrawFn) -> InvalidCase:
     bad = _offenders(draw, len(seq))
     for i in bad:
         pre[i] = seq[i] + draw(st.integers(1, 50))
-    return InvalidCase(
-        "BatchLayout.extend",
-        {"seq_lens": seq, "prefix_lens": pre},
-        "prefix_lens",
-        bad[0],
-        "prefix_over_seq",
-    )
+    ctor = draw(st.sampled_from(_EXTEND_CTORS))
+    kwargs = _extend_kwargs(ctor, {"seq_lens": seq, "prefix_lens": pre})
+    return InvalidCase(ctor, kwargs, "prefix_lens", bad[0], "prefix_over_seq")
 
 
 @st.composite
@@ -138,11 +151,105 @@ def _decode_zero(draw: st.DrawFn) -> InvalidCase:
 
 
 @st.composite
+def _decode_not_one_token(draw: st.DrawFn) -> InvalidCase:
+    """A decode layout built from all its fields whose prefix is not ``seq_lens - 1``
+    (issue 50: accepted by ``__init__``, it planned one write and read two new keys)."""
+    seq, _ = draw(_valid_batch())
+    pre = [s - 1 for s in seq]
+    bad = _offenders(draw, len(seq))
+    for i in bad:
+        pre[i] = draw(st.sampled_from([p for p in range(seq[i] + 4) if p != seq[i] - 1]))
+    ctor = draw(st.sampled_from(_RAW_CTORS))
+    kwargs = {"mode": Mode.DECODE, "seq_lens": seq, "prefix_lens": pre}
+    return InvalidCase(ctor, kwargs, "seq_lens", bad[0], "decode_not_one_token")
+
+
+@st.composite
+def _items_on_decode(draw: st.DrawFn) -> InvalidCase:
+    """Delimiters (valid in themselves) on a decode layout built from all its fields."""
+    seq, _ = draw(_valid_batch())
+    delims = [draw(st.sampled_from(([0], None, (), [0]))) for _ in seq]
+    kwargs = {
+        "mode": Mode.DECODE, "seq_lens": seq, "prefix_lens": [s - 1 for s in seq],
+        "item_delimiters": delims,
+    }  # fmt: skip
+    ctor = draw(st.sampled_from(_RAW_CTORS))
+    return InvalidCase(ctor, kwargs, "item_delimiters", None, "items_on_decode")
+
+
+@st.composite
+def _int32_totals(draw: st.DrawFn) -> InvalidCase:
+    """Rows that each fit int32 whose new tokens or pages in all do not (page size 1)."""
+    bs = draw(st.integers(2, 4))
+    big = 2**31 - 1
+    seq = [draw(st.integers(big // 2 + 1, big)) for _ in range(bs)]
+    pre = [s - draw(st.sampled_from((0, 1, s))) for s in seq]
+    ctor = draw(st.sampled_from((*_EXTEND_CTORS, "BatchLayout.decode")))
+    if ctor == "BatchLayout.decode":
+        kwargs: dict[str, Any] = {"seq_lens": seq}
+    else:
+        kwargs = _extend_kwargs(ctor, {"seq_lens": seq, "prefix_lens": pre, "page_size": 1})
+    return InvalidCase(ctor, kwargs, "seq_lens", None, "int32_totals")
+
+
+_SHARE_FAULTS = ("sizes", "count", "shared_len", "overlap")
+
+
+@st.composite
+def _bad_share_level(draw: st.DrawFn) -> InvalidCase:
+    """A :class:`~flashplan.ShareLevel` with one fault, on each route to one."""
+    n = draw(st.integers(1, 4))
+    count = [draw(st.integers(2, 5)) for _ in range(n)]
+    first = [sum(count[:g]) + 2 * g for g in range(n)]
+    shared = [draw(st.integers(1, 64)) for _ in range(n)]
+    fault = draw(st.sampled_from(_SHARE_FAULTS))
+    g = draw(st.integers(0, n - 1))
+    field, request = fault, None
+    if fault == "sizes":
+        shared.append(7)
+        field = "shared_len"
+    elif fault == "count":
+        count[g] = draw(st.integers(0, 1))
+        request = first[g]
+    elif fault == "shared_len":
+        shared[g] = 0
+    else:
+        first.insert(g + 1, first[g] + count[g] - 1)
+        count.insert(g + 1, 2)
+        shared.insert(g + 1, 1)
+        field = "first"
+    ctor = draw(st.sampled_from(("ShareLevel", "ShareLevel.from_ranges", "evolve(ShareLevel)")))
+    kwargs = {"first": first, "count": count, "shared_len": shared}
+    return InvalidCase(ctor, kwargs, field, request, "bad_share_level")
+
+
+@st.composite
+def _bad_shared_prefix(draw: st.DrawFn) -> InvalidCase:
+    """A :class:`~flashplan.SharedPrefix` without a level, with a level of another type,
+    or with an inner level outside its outer groups or sharing no more tokens."""
+    outer = ShareLevel.from_ranges([0], [4], [16])
+    fault = draw(st.sampled_from(("empty", "type", "outside", "fewer")))
+    levels: Any
+    field = "levels"
+    if fault == "empty":
+        levels = draw(st.sampled_from(((), [])))
+    elif fault == "type":
+        levels = (outer, draw(st.sampled_from((None, 3, "level", (0, 2, 4)))))
+    elif fault == "outside":
+        levels = (outer, ShareLevel.from_ranges([3], [2], [32]))
+    else:
+        levels = (outer, ShareLevel.from_ranges([0], [2], [draw(st.integers(1, 16))]))
+        field = "shared_len"
+    ctor = draw(st.sampled_from(("SharedPrefix", "evolve(SharedPrefix)")))
+    return InvalidCase(ctor, {"levels": levels}, field, None, "bad_shared_prefix")
+
+
+@st.composite
 def _batch_mismatch(draw: st.DrawFn) -> InvalidCase:
     ctor = draw(st.sampled_from(_LAYOUT_CTORS))
     seq, pre = draw(_valid_batch())
     kwargs = _layout_kwargs(ctor, seq, pre)
-    if ctor == "BatchLayout.extend":
+    if ctor in _EXTEND_CTORS:
         field = draw(st.sampled_from(("prefix_lens", "encoder_lens")))
     else:  # decode has no prefix argument; from_extend_lens checks its own prefix size
         field = "encoder_lens" if ctor == "BatchLayout.decode" else "prefix_lens"
@@ -206,18 +313,23 @@ def _bad_window(draw: st.DrawFn) -> InvalidCase:
                 "window_below_minus_one",
             )
         return InvalidCase(
-            "AttentionGroup", {"window_left": w}, "window_left", None, "window_below_minus_one"
+            draw(_group_ctor()), {"window_left": w}, "window_left", None, "window_below_minus_one"
         )
     if which == "non_int":
         not_int: Any = draw(st.sampled_from((2.5, 3.0, "4", None, True)))
         return InvalidCase(
-            "AttentionGroup", {"window_left": not_int}, "window_left", None, "window_not_int"
+            draw(_group_ctor()), {"window_left": not_int}, "window_left", None, "window_not_int"
         )
     w = draw(st.integers(0, 300))
     kwargs: dict[str, Any] = {"window_left": w, "causal": False}
     if which == "cross":
         kwargs["cross_attention"] = True
-    return InvalidCase("AttentionGroup", kwargs, "window_left", None, "window_non_causal")
+    return InvalidCase(draw(_group_ctor()), kwargs, "window_left", None, "window_non_causal")
+
+
+def _group_ctor() -> st.SearchStrategy[str]:
+    """``AttentionGroup(...)`` or ``attrs.evolve`` of a sliding group."""
+    return st.sampled_from(("AttentionGroup", "evolve(AttentionGroup)"))
 
 
 @st.composite
@@ -226,7 +338,7 @@ def _bad_heads(draw: st.DrawFn) -> InvalidCase:
         kv = draw(st.integers(2, 16))
         qo = draw(st.integers(1, 64).filter(lambda q: q % kv != 0))
         return InvalidCase(
-            "HeadConfig",
+            draw(st.sampled_from(("HeadConfig", "evolve(HeadConfig)"))),
             {"num_qo_heads": qo, "num_kv_heads": kv, "head_dim": 128},
             "num_kv_heads",
             None,
@@ -235,7 +347,8 @@ def _bad_heads(draw: st.DrawFn) -> InvalidCase:
     field = draw(st.sampled_from(("num_qo_heads", "num_kv_heads", "head_dim")))
     kwargs: dict[str, Any] = {"num_qo_heads": 8, "num_kv_heads": 2, "head_dim": 128}
     kwargs[field] = draw(st.sampled_from((0, -1, 2.0, "8", None, True)))
-    return InvalidCase("HeadConfig", kwargs, field, None, "heads_not_positive_int")
+    ctor = draw(st.sampled_from(("HeadConfig", "evolve(HeadConfig)")))
+    return InvalidCase(ctor, kwargs, field, None, "heads_not_positive_int")
 
 
 def _cross_causal() -> st.SearchStrategy[InvalidCase]:
@@ -301,8 +414,9 @@ def _bad_delimiters(draw: st.DrawFn, fault: str) -> InvalidCase:
             d = d or [0]
             seq[i] = pre[i] + first + MAX_ITEM_ROW + draw(st.sampled_from((1, 2, 1000)))
         delims[i] = d
-    kwargs = {"seq_lens": seq, "prefix_lens": pre, "item_delimiters": delims}
-    return InvalidCase("BatchLayout.extend", kwargs, "item_delimiters", bad[0], f"items_{fault}")
+    ctor = draw(st.sampled_from(_EXTEND_CTORS))
+    kwargs = _extend_kwargs(ctor, {"seq_lens": seq, "prefix_lens": pre, "item_delimiters": delims})
+    return InvalidCase(ctor, kwargs, "item_delimiters", bad[0], f"items_{fault}")
 
 
 @st.composite
@@ -310,13 +424,9 @@ def _items_batch_mismatch(draw: st.DrawFn) -> InvalidCase:
     seq, pre, delims = draw(_item_batch())
     size = draw(st.integers(0, len(seq) + 3).filter(lambda n: n != len(seq)))
     delims = (delims * (size // max(len(delims), 1) + 1))[:size]
-    return InvalidCase(
-        "BatchLayout.extend",
-        {"seq_lens": seq, "prefix_lens": pre, "item_delimiters": delims},
-        "item_delimiters",
-        None,
-        "items_batch_mismatch",
-    )
+    ctor = draw(st.sampled_from(_EXTEND_CTORS))
+    kwargs = _extend_kwargs(ctor, {"seq_lens": seq, "prefix_lens": pre, "item_delimiters": delims})
+    return InvalidCase(ctor, kwargs, "item_delimiters", None, "items_batch_mismatch")
 
 
 @st.composite
@@ -326,8 +436,11 @@ def _items_bad_group(draw: st.DrawFn) -> InvalidCase:
     bad = draw(attention_groups(kinds=("sliding", "bidirectional")))
     others = draw(st.lists(attention_groups(kinds=("full",)), max_size=2, unique=True))
     groups = tuple(draw(st.permutations([*others, bad])))
-    kwargs = {"seq_lens": seq, "prefix_lens": pre, "item_delimiters": delims, "groups": groups}
-    return InvalidCase("BatchLayout.extend", kwargs, "groups", None, "items_bad_group")
+    ctor = draw(st.sampled_from(_EXTEND_CTORS))
+    kwargs = _extend_kwargs(
+        ctor, {"seq_lens": seq, "prefix_lens": pre, "item_delimiters": delims, "groups": groups}
+    )
+    return InvalidCase(ctor, kwargs, "groups", None, "items_bad_group")
 
 
 _INVALID_KINDS: Mapping[str, Callable[[], st.SearchStrategy[InvalidCase]]] = {
@@ -337,6 +450,11 @@ _INVALID_KINDS: Mapping[str, Callable[[], st.SearchStrategy[InvalidCase]]] = {
     "string_length": lambda: _bad_values("string_length"),
     "prefix_over_seq": _prefix_over_seq,
     "decode_zero_length": _decode_zero,
+    "decode_not_one_token": _decode_not_one_token,
+    "items_on_decode": _items_on_decode,
+    "int32_totals": _int32_totals,
+    "bad_share_level": _bad_share_level,
+    "bad_shared_prefix": _bad_shared_prefix,
     "batch_size_mismatch": _batch_mismatch,
     "bad_page_size": _bad_page_size,
     "cross_without_encoder": _cross_without_encoder,
@@ -359,7 +477,10 @@ def invalid_layout_kwargs(*, kinds: Sequence[str] | None = None) -> st.SearchStr
     Each draw is an :class:`InvalidCase`: constructor name, kwargs, the expected error
     field, the first offending request's index (or ``None``) and the kind of rule
     broken. Build it with ``case.build()``; it must raise a
-    :class:`~flashplan.FlashplanError` whose ``field`` and ``request`` match.
+    :class:`~flashplan.FlashplanError` whose ``field`` and ``request`` match. The
+    constructor is drawn among the routes to the record (named constructors, the attrs
+    ``__init__``, ``attrs.evolve`` of a valid record:
+    :data:`~flashplan.testing.constructors.CONSTRUCTORS`), which must refuse alike.
     Every draw breaks exactly one rule:
 
     * negative lengths (``seq_lens``, ``prefix_lens``, ``encoder_lens``, ``extend_lens``),
@@ -369,7 +490,9 @@ def invalid_layout_kwargs(*, kinds: Sequence[str] | None = None) -> st.SearchStr
     * ``prefix_lens > seq_lens`` (the first offender is expected),
     * batch-size mismatches between per-request fields,
     * ``page_size <= 0`` or not an int (2.0, "16", ``None``, ``True``),
-    * a decode request with ``seq_len = 0``,
+    * a decode request with ``seq_len = 0``, or (from all fields) whose prefix is not
+      ``seq_len - 1``; delimiters on a decode layout,
+    * rows that fit int32 whose new tokens or pages in all do not (``seq_lens``),
     * ``encoder_lens`` of the wrong size, a cross group without ``encoder_lens``,
     * no group, or a repeated group,
     * ``window_left < -1`` or not an int, a window on a non-causal (or cross) group,
@@ -379,7 +502,11 @@ def invalid_layout_kwargs(*, kinds: Sequence[str] | None = None) -> st.SearchStr
       negative, not below the request's new-token count, not integers, or leave more
       than 65535 tokens from the first delimiter on (FlashInfer's uint16 positions);
       one entry per request missing or extra; a sliding-window or bidirectional group
-      in a multi-item batch.
+      in a multi-item batch,
+    * a :class:`~flashplan.ShareLevel` of arrays of different lengths, a group of fewer
+      than 2 requests or sharing no token, groups that overlap; a
+      :class:`~flashplan.SharedPrefix` without a level, with a level that is not one, or
+      an inner level outside its outer group or sharing no more tokens.
 
     Args:
         kinds: restrict to some of :data:`INVALID_KINDS`.
