@@ -19,6 +19,7 @@ from typing import Any
 from flashplan.draft_kv import compact_accepted, copy_prefix_pages
 from flashplan.errors import (
     BucketError,
+    DeviceUnavailableError,
     FieldTypeError,
     FlashplanError,
     LayoutError,
@@ -27,6 +28,7 @@ from flashplan.errors import (
     PageTableError,
     PlanIntegrityError,
     PlanMismatchError,
+    RunTypeError,
     UnsupportedError,
 )
 from flashplan.executor import Executor, ReferenceExecutor
@@ -67,6 +69,7 @@ __all__ = [
     "AttentionOp",
     "BatchLayout",
     "BucketError",
+    "DeviceUnavailableError",
     "DraftDecode",
     "DraftTree",
     "Executor",
@@ -89,6 +92,7 @@ __all__ = [
     "PlanMismatchError",
     "PlanSpec",
     "ReferenceExecutor",
+    "RunTypeError",
     "ShareLevel",
     "SharedPrefix",
     "UnsupportedError",

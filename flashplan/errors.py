@@ -15,6 +15,7 @@ from typing import Any
 
 __all__ = [
     "BucketError",
+    "DeviceUnavailableError",
     "FieldTypeError",
     "FlashplanError",
     "LayoutError",
@@ -24,6 +25,7 @@ __all__ = [
     "PageTableError",
     "PlanIntegrityError",
     "PlanMismatchError",
+    "RunTypeError",
     "UnsupportedError",
 ]
 
@@ -121,9 +123,21 @@ class PlanMismatchError(FlashplanError):
     a call comes out of order (``run`` before ``apply``); ``field`` names the argument."""
 
 
+class RunTypeError(PlanMismatchError, TypeError):
+    """An executor's ``apply`` / ``run`` argument of the wrong type (not a tensor, not a
+    ``PlanSpec``, not a bool): both a :class:`PlanMismatchError` and the ``TypeError``
+    a Python user expects."""
+
+
 class UnsupportedError(FlashplanError):
     """The combination is valid in principle but not implemented by this planner or
     executor; ``field`` names the argument or setting that would have to change."""
+
+
+class DeviceUnavailableError(UnsupportedError, RuntimeError):
+    """The machine lacks what was asked for (no CUDA, no such CUDA device): a missing
+    device rather than a bad value, so also the ``RuntimeError`` a Python user expects
+    (and, as before, an :class:`UnsupportedError`)."""
 
 
 class BucketError(LayoutError):

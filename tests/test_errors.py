@@ -217,3 +217,30 @@ def test_the_executor_constructors_check_arguments_without_assert() -> None:
         if isinstance(node, ast.Assert)
     ]
     assert not found, found
+
+
+def test_errors_are_also_the_builtins_python_users_expect() -> None:
+    """Issue 53, item 4: a wrong argument type is a flashplan error and a TypeError; a
+    missing device is a flashplan error and a RuntimeError (and still the documented
+    UnsupportedError)."""
+    assert issubclass(fp.RunTypeError, fp.PlanMismatchError)
+    assert issubclass(fp.RunTypeError, TypeError)
+    assert issubclass(fp.DeviceUnavailableError, fp.UnsupportedError)
+    assert issubclass(fp.DeviceUnavailableError, RuntimeError)
+    ex = fp.ReferenceExecutor()
+    with pytest.raises(TypeError) as err:
+        ex.apply("not a plan", None)  # type: ignore[arg-type]
+    assert isinstance(err.value, fp.RunTypeError) and err.value.field == "spec"
+    layout = fp.BatchLayout.decode([3, 5])
+    heads = fp.HeadConfig(2, 1, 8, q_dtype=torch.float32)
+    spec = fp.plan(layout, heads)
+    ex.apply(spec, fp.PageTable.sequential(spec.pages_needed))
+    with pytest.raises(TypeError) as err:
+        ex.run(layout.groups[0], [[0.0]], None, None, None)  # type: ignore[arg-type]
+    assert err.value.field == "q"
+    if not torch.cuda.is_available():
+        from flashplan.executor.flashinfer import FlashInferExecutor
+
+        with pytest.raises(RuntimeError) as err:
+            FlashInferExecutor()
+        assert isinstance(err.value, fp.DeviceUnavailableError)

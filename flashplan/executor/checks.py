@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from flashplan.errors import OptionError, PageTableError, PlanMismatchError
+from flashplan.errors import OptionError, PageTableError, PlanMismatchError, RunTypeError
 from flashplan.fp8 import Scale, check_scale
 from flashplan.layout.group import AttentionGroup
 from flashplan.layout.heads import HeadConfig
@@ -31,7 +31,7 @@ __all__ = [
 
 def _tensor(name: str, t: object, device: torch.device) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise PlanMismatchError(name, "expected a torch.Tensor", type=type(t).__name__)
+        raise RunTypeError(name, "expected a torch.Tensor", type=type(t).__name__)
     if t.layout != torch.strided:
         raise PlanMismatchError(name, "expected a dense tensor", layout=str(t.layout))
     if t.device != device:
@@ -65,9 +65,9 @@ def check_apply_args(spec: object, table: object) -> tuple[PlanSpec, PageTable]:
             or the table is too small for the plan.
     """
     if not isinstance(spec, PlanSpec):
-        raise PlanMismatchError("spec", "expected a PlanSpec", type=type(spec).__name__)
+        raise RunTypeError("spec", "expected a PlanSpec", type=type(spec).__name__)
     if not isinstance(table, PageTable):
-        raise PlanMismatchError("table", "expected a PageTable", type=type(table).__name__)
+        raise RunTypeError("table", "expected a PageTable", type=type(table).__name__)
     device = table.pages.device  # metadata only: no device access
     if device.type in _UNREADABLE_DEVICES:
         raise PageTableError(
@@ -136,7 +136,7 @@ def check_run_args(
     gp = spec.group_plans[index]
     assert isinstance(group, AttentionGroup)
     if not isinstance(return_lse, bool):
-        raise PlanMismatchError("return_lse", "expected a bool", value=return_lse)
+        raise RunTypeError("return_lse", "expected a bool", value=return_lse)
     heads = spec.heads
     _check_sinks(sinks, gp.sinks, heads.num_qo_heads, device)
     d = heads.head_dim

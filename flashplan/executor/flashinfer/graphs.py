@@ -38,7 +38,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 import torch
 
-from flashplan.errors import PlanMismatchError
+from flashplan.errors import PlanMismatchError, RunTypeError
 from flashplan.executor.flashinfer.bucket import GraphBucket
 from flashplan.executor.flashinfer.executor import FlashInferExecutor
 from flashplan.executor.flashinfer.graph_buffers import GraphBuffers
@@ -65,9 +65,7 @@ def GraphExecutor(parent: FlashInferExecutor, bucket: GraphBucket) -> FlashInfer
             in the default mode (bad ids are then neutralised and counted).
     """
     if not isinstance(parent, FlashInferExecutor):
-        raise PlanMismatchError(
-            "parent", "expected a FlashInferExecutor", type=type(parent).__name__
-        )
+        raise RunTypeError("parent", "expected a FlashInferExecutor", type=type(parent).__name__)
     return parent.for_bucket(bucket)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import torch
 
-from flashplan.errors import OptionTypeError, UnsupportedError, as_option
+from flashplan.errors import DeviceUnavailableError, OptionTypeError, UnsupportedError, as_option
 from flashplan.executor.checks import check_page_map
 from flashplan.executor.flashinfer.adapter import (
     check_version,
@@ -47,21 +47,22 @@ def cuda_device(device: torch.device | str | None) -> torch.device:
     documented error.
 
     Raises:
-        UnsupportedError: not a torch device, not CUDA, no CUDA here, or a device
-            index this machine does not have.
+        UnsupportedError: not a torch device, or not CUDA.
+        DeviceUnavailableError: (an ``UnsupportedError`` and a ``RuntimeError``) no
+            CUDA here, or a device index this machine does not have.
     """
     dev = _as_device(device)
     if dev is not None and dev.type != "cuda":
         raise UnsupportedError("device", "FlashInferExecutor needs a CUDA device", device=str(dev))
     if not torch.cuda.is_available():
-        raise UnsupportedError(
+        raise DeviceUnavailableError(
             "device", "FlashInferExecutor needs CUDA, which is not available here"
         )
     if dev is None or dev.index is None:  # "cuda" means the current device: tensors say cuda:N
         return torch.device("cuda", torch.cuda.current_device())
     count = torch.cuda.device_count()
     if not 0 <= dev.index < count:
-        raise UnsupportedError(
+        raise DeviceUnavailableError(
             "device", f"no such CUDA device: this machine has {count}", device=str(dev)
         )
     return dev
