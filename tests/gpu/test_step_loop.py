@@ -92,7 +92,7 @@ class Engine:
         outs = self.step.replay(spec, table)
         # the backend the graph's prefill wrappers run (FA2), so that the comparison also
         # holds under compute-sanitizer, which does not run FlashInfer's FA3 kernels
-        # faithfully (docs/benchmarks.md, runs BW-BX)
+        # faithfully (benchmarks/results/log-2026-12-02-to-06.md, runs BW-BX)
         eager_policy = attrs.evolve(self.policy, prefill_backend="fa2")
         eager = FlashInferExecutor(policy=eager_policy, page_map=self.page_map)
         eager.apply(spec, table)
