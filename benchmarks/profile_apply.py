@@ -5,7 +5,7 @@
                                         [--no-graph] [--no-cprofile] [--fixed]
 
 For a decode batch (kv 4096, 32/8 heads x 128, bf16) it times, on an idle GPU, every
-stage of ``apply`` (``GraphExecutor.apply`` too: the CUDA-graph replay planning) with
+stage of ``apply`` (``graph_executor.apply`` too: the CUDA-graph replay planning) with
 manual timers wrapped around the executor's own steps:
 
   check_fits         (graph) whether the plan fits the bucket

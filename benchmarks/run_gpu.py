@@ -77,7 +77,7 @@ import flashplan as fp
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 from flashplan.executor.flashinfer.bucket import GraphBucket
 from flashplan.executor.flashinfer.calls import translate
-from flashplan.executor.flashinfer.graphs import GraphExecutor, capture
+from flashplan.executor.flashinfer.graphs import capture, graph_executor
 from flashplan.executor.flashinfer.policy import decode_uses_tensor_cores
 
 try:  # renamed from build_threshold_mask (same leading arguments)
@@ -663,7 +663,7 @@ def part_graph() -> None:
 
             return step
 
-        gx = GraphExecutor(FlashInferExecutor(), GraphBucket.decode(bs, max_pages))
+        gx = graph_executor(FlashInferExecutor(), GraphBucket.decode(bs, max_pages))
         graph_step = replayed(gx)
         # (b') the same over a bound page table: the gather and the indptr refresh replay
         # inside the graph
@@ -773,7 +773,7 @@ def part_graph() -> None:
         [
             "",
             "Replay planning alone, host µs (median, idle GPU; *behind*: issued right after "
-            "a 20 ms kernel). flashplan = layout + plan + `GraphExecutor.apply` (apply alone "
+            "a 20 ms kernel). flashplan = layout + plan + `graph_executor.apply` (apply alone "
             "in brackets; bound table: the graph replays the gather and indptr refresh); "
             "raw `plan()` = the graph wrapper's `plan()` on pinned host "
             "indptrs; raw refresh + `plan()` = what (c) does per step before the replay; "

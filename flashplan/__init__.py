@@ -5,7 +5,7 @@ pure-torch reference).
 
 The top level holds what a user needs: the layout records, ``plan`` / ``plan_steps``, the
 reference executor and the errors. ``import flashplan`` loads neither Triton nor
-FlashInfer; the GPU executor's names (``FlashInferExecutor``, ``GraphExecutor``,
+FlashInfer; the GPU executor's names (``FlashInferExecutor``, ``graph_executor``,
 ``GraphBucket``, ``capture``, ``ExecutorPolicy``) are reachable here too, imported on first
 use. The plan's parts (``PagedPart``, ``PlanKey``, ``KernelPath`` …) live in
 :mod:`flashplan.planning`.
@@ -57,7 +57,7 @@ _GPU_NAMES = {
     "ExecutorPolicy": "flashplan.executor.flashinfer",
     "FlashInferExecutor": "flashplan.executor.flashinfer",
     "GraphBucket": "flashplan.executor.flashinfer",
-    "GraphExecutor": "flashplan.executor.flashinfer",
+    "graph_executor": "flashplan.executor.flashinfer",
     "capture": "flashplan.executor.flashinfer",
     # registers the flashplan::run custom op on first use (torch.library)
     "AttentionOp": "flashplan.executor.custom_op",
@@ -79,7 +79,6 @@ __all__ = [
     "FlashInferExecutor",
     "FlashplanError",
     "GraphBucket",
-    "GraphExecutor",
     "HeadConfig",
     "ItemDelimiters",
     "LayoutError",
@@ -103,6 +102,7 @@ __all__ = [
     "check_shared_pages",
     "compact_accepted",
     "copy_prefix_pages",
+    "graph_executor",
     "materialize",
     "plan",
     "plan_steps",

@@ -127,7 +127,7 @@ EXECUTOR_CONSTRUCTORS = {
     "FlashInferExecutor, bad options": lambda device: fp.FlashInferExecutor(
         device, policy="fast", workspace_bytes=1, check_pages="yes"
     ),
-    "GraphExecutor": lambda device: fp.GraphExecutor(
+    "graph_executor": lambda device: fp.graph_executor(
         fp.FlashInferExecutor(device), fp.GraphBucket.decode(batch_size=8, max_pages=4)
     ),
     "for_bucket": lambda device: fp.FlashInferExecutor(device).for_bucket(
@@ -161,7 +161,7 @@ def test_an_executor_without_cuda_is_an_unsupported_error_saying_so(
 
 @pytest.mark.usefixtures("no_cuda")
 def test_the_graph_helpers_refuse_a_non_executor_with_their_documented_error() -> None:
-    """Without CUDA no executor exists: ``GraphExecutor`` and ``capture`` given something
+    """Without CUDA no executor exists: ``graph_executor`` and ``capture`` given something
     else raise their documented :class:`~flashplan.PlanMismatchError`, and the buckets
     (pure) are made as on a GPU machine."""
     import flashplan.executor.flashinfer as fi
@@ -169,7 +169,7 @@ def test_the_graph_helpers_refuse_a_non_executor_with_their_documented_error() -
     bucket = fi.GraphBucket.verify(batch_size=2, max_pages=3, num_tokens=4)
     assert bucket.total_q == 8
     for field, call in (
-        ("parent", lambda: fi.GraphExecutor("executor", bucket)),  # type: ignore[arg-type]
+        ("parent", lambda: fi.graph_executor("executor", bucket)),  # type: ignore[arg-type]
         ("executor", lambda: fi.capture("executor", lambda: None)),  # type: ignore[arg-type]
     ):
         with pytest.raises(fp.PlanMismatchError, match=r"FlashInferExecutor|for_bucket") as err:
@@ -204,7 +204,7 @@ def test_the_executor_constructors_check_arguments_without_assert() -> None:
         settings.ExecutorSettings.make,
         settings.cuda_device,
         settings._as_device,
-        graphs.GraphExecutor,
+        graphs.graph_executor,
         bucket.GraphBucket.__attrs_post_init__,
         bucket.GraphBucket.decode,
         bucket.GraphBucket.extend,

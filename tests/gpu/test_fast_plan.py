@@ -19,7 +19,7 @@ import torch
 import flashplan as fp
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 from flashplan.executor.flashinfer.bucket import GraphBucket
-from flashplan.executor.flashinfer.graphs import GraphExecutor, capture
+from flashplan.executor.flashinfer.graphs import capture, graph_executor
 
 from .helpers import stable_seed, syncs_raise
 
@@ -153,7 +153,7 @@ def _replay_both_and_compare(
     steps: dict[str, Any] = {}
     caches = {}
     for name, fast in (("fast", True), ("full", False)):
-        gx = GraphExecutor(FlashInferExecutor(policy=ExecutorPolicy(), fast_plan=fast), bucket)
+        gx = graph_executor(FlashInferExecutor(policy=ExecutorPolicy(), fast_plan=fast), bucket)
         gx.apply(specs[0], tables[0])
         caches[name] = [c.clone() for c in base]
 

@@ -117,15 +117,15 @@ def test_graph_replay_of_sink_and_chunked_decode() -> None:
     from flashplan.executor.flashinfer import (
         FlashInferExecutor,
         GraphBucket,
-        GraphExecutor,
         capture,
+        graph_executor,
     )
 
     groups = (SINK_W127, CHUNK_64)
     gen = torch.Generator(device=DEV).manual_seed(3)
     kv = torch.randn(4000, 2, 16, 4, 128, generator=gen, device=DEV).to(torch.bfloat16)
     sinks = torch.randn(16, generator=gen, device=DEV) * 3
-    gx = GraphExecutor(FlashInferExecutor(), GraphBucket.decode(8, 64))
+    gx = graph_executor(FlashInferExecutor(), GraphBucket.decode(8, 64))
     q_static = torch.zeros(8, 16, 128, device=DEV, dtype=torch.bfloat16)
     first = fp.plan(fp.BatchLayout.decode([10, 20], page_size=16, groups=groups), HEADS)
     table0 = fp.PageTable.sequential(first.pages_needed, device=DEV)
@@ -187,8 +187,8 @@ def test_graph_replay_of_position_masked_decode() -> None:
     from flashplan.executor.flashinfer import (
         FlashInferExecutor,
         GraphBucket,
-        GraphExecutor,
         capture,
+        graph_executor,
     )
 
     odd = fp.AttentionGroup.chunked(24, sinks=True)
@@ -196,7 +196,7 @@ def test_graph_replay_of_position_masked_decode() -> None:
     gen = torch.Generator(device=DEV).manual_seed(5)
     kv = torch.randn(4000, 2, 16, 4, 128, generator=gen, device=DEV).to(torch.bfloat16)
     sinks = torch.randn(16, generator=gen, device=DEV) * 3
-    gx = GraphExecutor(FlashInferExecutor(), GraphBucket.decode(8, 64))
+    gx = graph_executor(FlashInferExecutor(), GraphBucket.decode(8, 64))
     q_static = torch.zeros(8, 16, 128, device=DEV, dtype=torch.bfloat16)
     first = fp.plan(fp.BatchLayout.decode([10, 20], page_size=16, groups=groups), HEADS)
     assert first.group_plan(odd).paged.position_mask is not None  # type: ignore[union-attr]
@@ -228,15 +228,15 @@ def test_graph_replay_of_chunked_extends_planned_with_masks() -> None:
     from flashplan.executor.flashinfer import (
         FlashInferExecutor,
         GraphBucket,
-        GraphExecutor,
         capture,
+        graph_executor,
     )
 
     chunked = fp.AttentionGroup.chunked(16, sinks=True)
     gen = torch.Generator(device=DEV).manual_seed(9)
     kv = torch.randn(600, 2, 16, 4, 128, generator=gen, device=DEV).to(torch.bfloat16)
     sinks = torch.randn(16, generator=gen, device=DEV) * 3
-    gx = GraphExecutor(FlashInferExecutor(), GraphBucket.extend(4, 16, 4))
+    gx = graph_executor(FlashInferExecutor(), GraphBucket.extend(4, 16, 4))
     q_s = torch.zeros(16, 16, 128, device=DEV, dtype=torch.bfloat16)
     k_s, v_s = (torch.zeros(16, 4, 128, device=DEV, dtype=torch.bfloat16) for _ in range(2))
 
@@ -276,10 +276,10 @@ def test_graph_replay_of_chunked_extends_planned_with_masks() -> None:
 
 
 def test_virtual_requests_are_refused_in_graph_buckets() -> None:
-    from flashplan.executor.flashinfer import FlashInferExecutor, GraphBucket, GraphExecutor
+    from flashplan.executor.flashinfer import FlashInferExecutor, GraphBucket, graph_executor
 
     chunked = fp.AttentionGroup.chunked(16)
-    gx = GraphExecutor(FlashInferExecutor(), GraphBucket.extend(4, 16, 4))
+    gx = graph_executor(FlashInferExecutor(), GraphBucket.extend(4, 16, 4))
     spec = fp.plan(
         fp.BatchLayout.extend([18, 40], [14, 36], page_size=16, groups=[chunked]),
         HEADS, extend_path="paged",

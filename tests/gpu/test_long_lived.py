@@ -28,7 +28,7 @@ import torch
 import flashplan as fp
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 from flashplan.executor.flashinfer.bucket import GraphBucket
-from flashplan.executor.flashinfer.graphs import GraphExecutor, capture
+from flashplan.executor.flashinfer.graphs import capture, graph_executor
 from flashplan.testing.batches import bushy_tree_parents
 from flashplan.testing.checking import apply_batch, batch_inputs, check_batch, check_sequence
 from flashplan.testing.sequences import Batch, batch_sequence
@@ -106,7 +106,7 @@ class _Replayer:
         self.q = self.rand(n, 32, 128)
         self.k = self.rand(n, 8, 128)
         self.caches = [self.rand(pool, 2, ps, 8, 128) for _ in GROUPS]
-        self.gx = GraphExecutor(parent, bucket)
+        self.gx = graph_executor(parent, bucket)
         self.gx.apply(first, table)
         self.step = capture(self.gx, self.forward)
 

@@ -77,9 +77,9 @@ def test_graph_executor_positions() -> None:
     """A CUDA-graph executor gives the applied (unpadded) plan's positions too."""
     from flashplan.executor.flashinfer import FlashInferExecutor
     from flashplan.executor.flashinfer.bucket import GraphBucket
-    from flashplan.executor.flashinfer.graphs import GraphExecutor
+    from flashplan.executor.flashinfer.graphs import graph_executor
 
-    gx = GraphExecutor(FlashInferExecutor(), GraphBucket.decode(batch_size=8, max_pages=40))
+    gx = graph_executor(FlashInferExecutor(), GraphBucket.decode(batch_size=8, max_pages=40))
     for seq in ([5, 9, 30], [1, 2, 3, 4, 5, 6, 7]):
         spec = fp.plan(fp.BatchLayout.decode(seq, page_size=16), HEADS)
         gx.apply(spec, fp.PageTable.sequential(spec.pages_needed, device="cuda"))

@@ -18,7 +18,7 @@ import torch
 import flashplan as fp
 from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 from flashplan.executor.flashinfer.bucket import GraphBucket
-from flashplan.executor.flashinfer.graphs import GraphExecutor, capture
+from flashplan.executor.flashinfer.graphs import capture, graph_executor
 
 from .helpers import rel_err, stable_seed, syncs_raise
 
@@ -63,7 +63,7 @@ class Engine:
         self.base = [c.clone() for c in self.caches]
         if busy:
             torch.cuda._sleep(int(2e8))
-        self.gx = GraphExecutor(FlashInferExecutor(policy=policy, page_map=page_map), bucket)
+        self.gx = graph_executor(FlashInferExecutor(policy=policy, page_map=page_map), bucket)
         self.gx.apply(first, table)
         self.step = capture(self.gx, self.forward)
 
@@ -234,8 +234,8 @@ def test_graph_executors_refuse_what_a_graph_cannot_replay() -> None:
     """check_pages mode (reads back from the device) is refused with a clear error; a
     refused first plan fixes no key; the steps per apply are fixed like the key."""
     with pytest.raises(fp.UnsupportedError, match="check_pages"):
-        GraphExecutor(FlashInferExecutor(check_pages=True), GraphBucket.decode(2, 4))
-    gx = GraphExecutor(FlashInferExecutor(), GraphBucket.decode(batch_size=2, max_pages=4))
+        graph_executor(FlashInferExecutor(check_pages=True), GraphBucket.decode(2, 4))
+    gx = graph_executor(FlashInferExecutor(), GraphBucket.decode(batch_size=2, max_pages=4))
     too_big = fp.plan(fp.BatchLayout.decode([5, 9, 3], page_size=16), HEADS)
     with pytest.raises(fp.BucketError):
         gx.apply(too_big, fp.PageTable.sequential(too_big.pages_needed, device=DEV))
@@ -345,7 +345,7 @@ def test_multi_step_draft_replay_equals_eager(page_size: int, busy: bool) -> Non
     bucket = GraphBucket.decode(batch_size=4 * topk, max_pages=320 // page_size + 2)
     rounds, pool = draft_rounds(page_size, topk, steps, groups, "draft")
     check_draft_replays(
-        GraphExecutor(FlashInferExecutor(), bucket), rounds, pool, bucket, groups, busy=busy
+        graph_executor(FlashInferExecutor(), bucket), rounds, pool, bucket, groups, busy=busy
     )
 
 
@@ -407,7 +407,7 @@ def test_deterministic_mode_is_batch_invariant_and_replay_equal() -> None:
     rows[0] = np.arange(188)
     rows[1, :2] = [200, 201]
     table = fp.PageTable(torch.from_numpy(rows).to(DEV), [0, 1], num_pages=12000)
-    gx = GraphExecutor(FlashInferExecutor(policy=policy), GraphBucket.decode(8, 200))
+    gx = graph_executor(FlashInferExecutor(policy=policy), GraphBucket.decode(8, 200))
     q_static = torch.randn(8, 16, 128, device=DEV).to(torch.bfloat16)
     gx.apply(spec, table)
     step = capture(gx, lambda: gx.run(FULL, q_static, None, None, kv))

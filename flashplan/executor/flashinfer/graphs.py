@@ -17,7 +17,7 @@ runs outside the graph, pads the batch to the bucket (padding requests read one 
 page and write nowhere), fills the fixed buffers in place (no allocation, no sync) and
 plans FlashInfer wrappers made with ``use_cuda_graph=True``. Its ``run`` takes the
 bucket's shapes: ``q`` of ``bucket.total_q`` rows, whose padding rows' outputs are to
-be ignored. ``GraphExecutor(executor, bucket)`` is the same as
+be ignored. ``graph_executor(executor, bucket)`` is the same as
 ``executor.for_bucket(bucket)``.
 
 Only paged paths replay — decode, extends with a fixed token count per request (draft
@@ -45,12 +45,12 @@ from flashplan.executor.flashinfer.graph_buffers import GraphBuffers
 from flashplan.layout.page_table import PageTable
 from flashplan.planning.spec import PlanSpec
 
-__all__ = ["CapturedStep", "GraphExecutor", "capture"]
+__all__ = ["CapturedStep", "capture", "graph_executor"]
 
 T = TypeVar("T")
 
 
-def GraphExecutor(parent: FlashInferExecutor, bucket: GraphBucket) -> FlashInferExecutor:
+def graph_executor(parent: FlashInferExecutor, bucket: GraphBucket) -> FlashInferExecutor:
     """The CUDA-graph executor of ``bucket`` made from ``parent``: the same as
     ``parent.for_bucket(bucket)`` (see :meth:`FlashInferExecutor.for_bucket` and the
     module docstring). It shares ``parent``'s device, policy, workspace and page map.
