@@ -49,6 +49,22 @@ are to its target's (acceptance 0.79 on the CPU box at 0.01; 1.0 turns it off).
         [--parts engine,hf,spec] [--hf-compile] [--compile] [--spec-damp 0.01]
         [--md OUT.md] [--json OUT.json]
     python3 benchmarks/bench_engine.py --tp 2 --parts none --batches 64   # 2 GPUs, NCCL
+    python3 benchmarks/bench_engine.py --parts overlap [--md OUT.md]      # issue 54
+
+The engine parts run the engine's default loop, the plain one (``--overlap``: the
+overlapped loop).
+
+``--parts overlap`` (issue 54): the plain and the overlapped step loop side by side
+(``Engine(overlap=False)`` / ``Engine(overlap=True)``), with graphs (a bucket of the
+batch), at each batch size: tokens/s over the whole run (prefill + decode, one warm-up
+run of each first, then a timed run without events), and the GPU's idle time between
+decode steps, from a third run whose every step's GPU work is bracketed by CUDA events
+(``Engine.step_events``: one before the step's first copy, one before its forward or
+replay, one after the copy of its sampled tokens). Idle is the gap from one decode step's
+end event to the next decode step's start event, as a share of the step (start to
+start): the summed gaps over the summed periods, and the median of each pair's share;
+"to forward" also counts the next step's page-table copy and apply before its replay.
+The greedy tokens of both loops must be equal. Without CUDA the part is skipped.
 
 ``--tp N`` (issue 30): the model sharded over N GPUs (``examples.engine.tensor_parallel``,
 one process per GPU over NCCL), the engine with graphs at the largest batch, against the
@@ -63,6 +79,7 @@ import gc
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +92,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from examples.engine.engine import Engine, Request
 from examples.engine.hf_attention import ATTN_IMPLEMENTATION
 from examples.engine.hf_models import DecoderOnly, adapter_for
+from examples.engine.overlap import StepGaps, event_times, step_gaps
 from examples.engine.run import make_executor
 from examples.engine.speculative import (
     draft_from,
@@ -116,16 +134,18 @@ def make_engine(
     new: int,
     graphs: bool,
     compile: str | None = None,
+    overlap: bool = True,
 ) -> Engine:
     """The benchmark's engine for ``batch`` requests of ``prompt + new`` tokens, with the
-    benchmark's prompts queued (graphs: one bucket of ``batch``)."""
+    benchmark's prompts queued (graphs: one bucket of ``batch``; ``overlap``: the
+    overlapped step loop, else the plain one)."""
     adapter = model if isinstance(model, DecoderOnly) else adapter_for(model)
     width = -(-(prompt + new + 1) // PAGE)
     engine = Engine(
         adapter, make_executor(adapter.model.device), page_size=PAGE,
         num_pages=batch * width + 2, max_running=batch, token_budget=min(16384, batch * prompt),
         max_request_tokens=prompt + new + 1, cuda_graphs=(batch,) if graphs else (),
-        compile=compile,
+        compile=compile, overlap=overlap,
     )  # fmt: skip
     for p in prompts(batch, prompt):
         engine.add(Request(p, new))
@@ -140,11 +160,12 @@ def run_engine(
     graphs: bool,
     compile: str | None = None,
     freeze_gc: bool = False,
+    overlap: bool = True,
 ) -> dict[str, float]:
     """One engine run: wall s, decode wall s, decode steps, flashplan's decode host s
     (sums, and per step: medians and the largest). ``freeze_gc``: ``gc.freeze()`` after
-    start-up."""
-    engine = make_engine(model, batch, prompt, new, graphs, compile)
+    start-up; ``overlap``: the overlapped step loop, else the plain one."""
+    engine = make_engine(model, batch, prompt, new, graphs, compile, overlap)
     if freeze_gc:  # what serving engines do after start-up (vLLM, SGLang): the objects
         gc.collect()  # made so far (model, graphs, the queued requests) are never
         gc.freeze()  # scanned again by the cyclic collector
@@ -214,10 +235,13 @@ def bench_engine_and_hf(args: argparse.Namespace, parts: set[str]) -> list[dict[
                 variants.append(("compiled", True, "inductor"))
             for key, graphs, backend in variants:
                 try:
-                    run_engine(fp_model, batch, args.prompt, args.new, graphs, backend)  # warm-up
+                    run_engine(  # warm-up
+                        fp_model, batch, args.prompt, args.new, graphs, backend,
+                        overlap=args.overlap,
+                    )  # fmt: skip
                     r = run_engine(
                         fp_model, batch, args.prompt, args.new, graphs, backend,
-                        freeze_gc=args.freeze_gc,
+                        freeze_gc=args.freeze_gc, overlap=args.overlap,
                     )  # fmt: skip
                 except Exception as exc:  # reported; the other variants still run
                     if backend is None:
@@ -250,6 +274,84 @@ def bench_engine_and_hf(args: argparse.Namespace, parts: set[str]) -> list[dict[
         rows.append(row)
         torch.cuda.empty_cache()
     return rows
+
+
+@dataclass
+class LoopRun:
+    """One run of :func:`run_loop`: wall seconds, each request's generated tokens and,
+    when the steps were bracketed by CUDA events, the idle time between decode steps."""
+
+    wall_s: float
+    tokens: list[list[int]]
+    gaps: StepGaps | None
+
+
+def run_loop(
+    model: torch.nn.Module, batch: int, prompt: int, new: int, overlap: bool, events: bool
+) -> LoopRun:
+    """One run of the engine with graphs (a bucket of ``batch``), the overlapped or the
+    plain loop; ``events``: every step's GPU work bracketed by CUDA events
+    (``Engine.step_events``), read into :class:`StepGaps` after the run."""
+    engine = make_engine(model, batch, prompt, new, True, overlap=overlap)
+    requests = list(engine.waiting)
+    if events:
+        engine.step_events = []
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while engine.has_work():
+        assert engine.step() is not None
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    gaps = None
+    if engine.step_events is not None:
+        marks = engine.step_events
+        gaps = step_gaps(event_times(marks), np.array([m.decode for m in marks]))
+    return LoopRun(wall, [r.output for r in requests], gaps)
+
+
+def bench_overlap(args: argparse.Namespace) -> list[str]:
+    """``--parts overlap``: the plain and the overlapped loop side by side, with graphs,
+    at each batch size (see the module docstring); a table, or a line saying why not."""
+    if not torch.cuda.is_available():
+        return ["", "overlapped vs plain step loop: skipped (no CUDA device)"]
+    model = build(ATTN_IMPLEMENTATION)
+    lines = [
+        "",
+        f"overlapped vs plain step loop, {torch.cuda.get_device_name()}, the model above, "
+        f"prompts {args.prompt}, {args.new} new tokens, graphs (a bucket of the batch); idle: "
+        "GPU time from a decode step's end event to the next one's start event, over the "
+        "step (summed, and the median of each step's share)",
+        "",
+        "| batch | plain tok/s | overlapped tok/s | overlapped / plain "
+        "| step ms plain / overlapped | idle share plain | idle share overlapped "
+        "| idle µs (median) plain / overlapped | idle to forward share plain / overlapped "
+        "| tokens equal |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for batch in args.batches:
+        timed: dict[bool, LoopRun] = {}
+        gaps: dict[bool, StepGaps] = {}
+        for overlap in (False, True):
+            name = "overlapped" if overlap else "plain"
+            run_loop(model, batch, args.prompt, args.new, overlap, events=False)  # warm-up
+            timed[overlap] = run_loop(model, batch, args.prompt, args.new, overlap, False)
+            marked = run_loop(model, batch, args.prompt, args.new, overlap, events=True)
+            assert marked.gaps is not None
+            gaps[overlap] = marked.gaps
+            print(f"batch {batch} {name}: {timed[overlap].wall_s:.3f} s, {marked.gaps}", flush=True)
+        tok = {k: batch * args.new / v.wall_s for k, v in timed.items()}
+        p, o = gaps[False], gaps[True]
+        lines.append(
+            f"| {batch} | {tok[False]:.0f} | {tok[True]:.0f} | {tok[True] / tok[False]:.3f}x "
+            f"| {p.step_ms:.3f} / {o.step_ms:.3f} "
+            f"| {p.idle_share:.1%} ({p.idle_share_median:.1%}) "
+            f"| {o.idle_share:.1%} ({o.idle_share_median:.1%}) "
+            f"| {p.idle_us:.0f} / {o.idle_us:.0f} "
+            f"| {p.to_forward_share:.1%} / {o.to_forward_share:.1%} "
+            f"| {timed[False].tokens == timed[True].tokens} |"
+        )
+        torch.cuda.empty_cache()
+    return lines
 
 
 def damp_past(model: torch.nn.Module, first: int, factor: float) -> None:
@@ -401,7 +503,7 @@ def main() -> None:
         "--spec-damp", type=float, default=0.01,
         help="--parts spec: scale of the target's layers past the draft's (1.0: none)",
     )  # fmt: skip
-    ap.add_argument("--parts", default="engine,hf,spec")
+    ap.add_argument("--parts", default="engine,hf,spec", help="of engine, hf, spec, overlap")
     ap.add_argument("--hf-compile", action="store_true")
     ap.add_argument(
         "--freeze-gc", action="store_true", help="gc.freeze() after each engine's start-up, "
@@ -413,6 +515,10 @@ def main() -> None:
         "compiled by torch.compile (inductor; attention through the custom op)",
     )  # fmt: skip
     ap.add_argument("--tp", type=int, default=0, help="tensor-parallel GPUs (the --tp part)")
+    ap.add_argument(
+        "--overlap", action="store_true",
+        help="the engine parts with the overlapped step loop (default: the plain one)",
+    )  # fmt: skip
     ap.add_argument("--md", type=Path)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -425,6 +531,8 @@ def main() -> None:
         lines += table(rows, args)
     if args.tp:
         lines += bench_tp(args)
+    if "overlap" in parts:
+        lines += bench_overlap(args)
     if "spec" in parts:
         s = bench_speculative(args)
         out["speculative"] = s

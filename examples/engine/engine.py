@@ -2,10 +2,15 @@
 
 Per step (:meth:`Engine.step`): admit -> layout -> plan -> apply -> model forward (attention
 through flashplan) -> sample (greedy, or with a temperature) -> fork the samples of
-requests with ``n > 1`` -> free the pages of finished requests. A request's samples share
-its prompt's pages and are planned with shared-prefix (cascade) levels. Encoder-only models
-(EmbeddingGemma) have no step loop: :func:`embed` runs several prompts in one packed
-bidirectional pass. See docs/guide-engine.md ("Parallel sampling").
+requests with ``n > 1`` -> read the sampled tokens -> free the pages of finished requests.
+``Engine(overlap=True)`` overlaps the loop (:mod:`.overlap`): the next step is planned and
+queued while the GPU runs the current one, its decodes feed the sampled tokens on the
+device, and the host reads them one step late; the default, the plain loop, reads each
+step's tokens before planning the next (the overlapped loop becomes the default once its
+GPU test and figures are in: issue 54). A request's samples share its prompt's pages and
+are planned with shared-prefix (cascade) levels. Encoder-only models (EmbeddingGemma) have
+no step loop: :func:`embed` runs several prompts in one packed bidirectional pass. See
+docs/guide-engine.md ("Parallel sampling", "The overlapped loop").
 """
 
 from __future__ import annotations
@@ -27,19 +32,22 @@ from .device_table import DevicePageTable
 from .graphs import DecodeGraphs
 from .hf_attention import HFConventions, Kind, StepContext, planned_groups
 from .hf_models import DecoderOnly, EncoderDecoder, EncoderOnly
+from .overlap import (
+    Launched,
+    StepEvents,
+    TokenReader,
+    commit,
+    input_ids,
+    mark_launched,
+)
+from .overlap import on_device as _on_device
+
+#: the events of a step when nobody measures (records nothing)
+_NO_EVENTS = StepEvents(decode=False, timing=False)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _on_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` as a 1-D ``dtype`` tensor on ``device``: from pinned memory,
-    non-blocking, on a GPU (no wait for the work queued before it)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 @dataclass(eq=False)
@@ -63,7 +71,8 @@ class Request:
         rid: id given by :meth:`Engine.add` (children: given when they are forked).
         tokens: prompt + generated tokens (decoder).
         output: generated tokens.
-        num_cached: decoder tokens whose K/V is in the cache (the layout's ``prefix_len``).
+        num_cached: decoder tokens whose K/V is in the cache, as of the steps read (the
+            layout's ``prefix_len`` is :attr:`planned`, which adds the queued steps').
         pages: KV page ids of the request's page-table row, in order (encoder pages first);
             a forked family's first ``len(prompt) // page_size`` pages are the same ids.
         row: the request's page-table row, while running.
@@ -74,6 +83,14 @@ class Request:
         generator: the sample's own random generator on the model's device
             (``temperature > 0``), seeded ``seed`` (see above).
         reserved_rows: page-table rows held for the children not forked yet.
+        queued: tokens fed by steps queued but not read yet (overlapped loop): their K/V is
+            written once those steps have run; ``num_cached + queued`` (:attr:`planned`)
+            is the next layout's prefix. 0 between steps of the plain loop.
+        unread: tokens sampled by steps not read yet (overlapped loop: 0 or 1, 2 for a
+            moment while the next step is queued).
+        token_slot: the index of the newest unread token in its step's sampled tokens.
+        done: its last token is read (``max_new_tokens`` reached, or the stop token):
+            the token of an extra step queued before that was known is discarded.
     """
 
     prompt: list[int]
@@ -94,11 +111,24 @@ class Request:
     children: list[Request] = field(default_factory=list, repr=False)
     generator: torch.Generator | None = field(default=None, repr=False)
     reserved_rows: list[int] = field(default_factory=list, repr=False)
+    queued: int = 0
+    unread: int = 0
+    token_slot: int = -1
+    done: bool = False
+
+    @property
+    def planned(self) -> int:
+        """Tokens whose K/V is written once every queued step has run."""
+        return self.num_cached + self.queued
 
     @property
     def pending(self) -> int:
-        """Tokens still to feed (no K/V yet): the prompt's rest, or 1 while decoding."""
-        return len(self.tokens) - self.num_cached
+        """Tokens still to feed (no K/V yet, none queued): the prompt's rest, or 1 while
+        decoding; 0 once its last token is sampled (read or not: a request that has
+        sampled ``max_new_tokens`` tokens is not scheduled again)."""
+        if self.done or len(self.output) + self.unread >= self.max_new_tokens:
+            return 0
+        return len(self.tokens) + self.unread - self.planned
 
     @property
     def samples(self) -> list[Request]:
@@ -184,7 +214,15 @@ class StepOutput:
     (the engine's device copy, :attr:`Engine.device_table`, as the step sent it: read it
     before the next step, which refreshes it in place; its rows are ``batch``'s) and
     ``shared_prefix`` the sharing it was planned with (``None``: no family of samples
-    decoding together); ``spec.cascade`` says whether the plan runs levels for it."""
+    decoding together); ``spec.cascade`` says whether the plan runs levels for it.
+    ``finished`` are the requests whose last token this step sampled, ``discarded`` those
+    that ran this step after it (overlapped loop: a stop token read one step late).
+
+    With the overlapped loop a step is returned after the next one was queued: its
+    requests' tokens, outputs and ``num_cached`` are this step's, but ``running``, the
+    pages and the live ``table`` already hold the next step's (each row of this batch
+    keeps its ids, and what the next step added: a row given back is never handed out by
+    the step queued next)."""
 
     batch: list[tuple[Request, int]]
     layout: fp.BatchLayout
@@ -198,6 +236,7 @@ class StepOutput:
     shared_prefix: fp.SharedPrefix | None = None
     forked: list[Request] = field(default_factory=list)
     replayed: bool = False  # the step was replayed from a CUDA-graph bucket
+    discarded: list[Request] = field(default_factory=list)
 
 
 class Engine:
@@ -208,7 +247,8 @@ class Engine:
         executor: ``fp.ReferenceExecutor()`` (any device) or ``FlashInferExecutor`` (CUDA).
         page_size: tokens per KV page.
         num_pages: pages in each layer's KV cache.
-        max_running: requests in flight at once (rows of the page table).
+        max_running: requests in flight at once (rows of the page table: twice as many
+            with the overlapped loop, see ``overlap``).
         token_budget: new tokens per step; decodes take 1 each, prompt chunks share the rest.
         max_request_tokens: the most tokens (encoder + decoder) one request may hold.
         extend_path: ``"auto"``, ``"paged"`` or ``"ragged"`` (``fp.plan``'s ``extend_path``).
@@ -232,6 +272,15 @@ class Engine:
             decode steps alike: inductor fuses the norms, RoPE and activations around
             attention, which runs through the custom op ``flashplan::run``
             (``fp.attention``), kept whole by the compiler. ``None``: eager.
+        overlap: the overlapped loop (:mod:`.overlap`): :meth:`step` queues the next step,
+            planned on the host while the GPU runs the current one and fed the current
+            one's sampled tokens on the device, before it reads the current one's tokens
+            (one step late) and returns its output. ``False``: the plain loop, which reads
+            each step's tokens back before planning the next (the default, until the
+            overlapped loop has run on a GPU). (Speculative decoding,
+            :mod:`.speculative`, runs its own plain loop.) The overlapped loop's page table
+            has ``2 * max_running`` rows, handed out first in, first out, so that the step
+            queued next never reuses a row the step being returned ran.
     """
 
     def __init__(
@@ -253,6 +302,7 @@ class Engine:
         cuda_graphs: Sequence[int] = (),
         cascade: str = "auto",
         compile: Any = None,
+        overlap: bool = False,
     ) -> None:
         if cascade not in ("off", "on", "auto"):
             raise ValueError(f"cascade must be 'off', 'on' or 'auto', not {cascade!r}")
@@ -268,6 +318,7 @@ class Engine:
         self.max_request_tokens = max_request_tokens
         self.keep_all_logits, self.eos = keep_all_logits, eos_token_id
         self.cascade = cascade
+        self.overlap = bool(overlap)
         model = adapter.model
         self.device: torch.device = next(model.parameters()).device
         # One group per kind of attention layer, planned before the forward from the modules.
@@ -291,12 +342,19 @@ class Engine:
             self._forward, self._forward_ctx = adapter.compiled(compile), self.ctx.for_compile()
         self.allocator = PageAllocator(num_pages)
         # Host page table: one row per running request, -1 where no page is allocated.
-        self.table = np.full((max_running, _cdiv(max_request_tokens, page_size) + 1), -1, np.int32)
+        # The overlapped loop has twice the rows, handed out first in, first out: a row
+        # given back is not handed out by the step queued next, so that the step returned
+        # meanwhile still shows its rows' ids in the live table (StepOutput.table).
+        self.max_running = max_running
+        rows = max_running * (2 if self.overlap else 1)
+        self.table = np.full((rows, _cdiv(max_request_tokens, page_size) + 1), -1, np.int32)
         # ... and its one device copy for the engine's life, refreshed at each step's start
         self.device_table = DevicePageTable(self.table.shape, self.device)
         if isinstance(executor, fp.FlashInferExecutor):  # every apply takes that tensor
             executor.bind_page_table(self.device_table.pages)
-        self.free_rows = list(range(max_running - 1, -1, -1))
+        #: free page-table rows, handed out first in, first out
+        self.free_rows: deque[int] = deque(range(self.table.shape[0]))
+        self._rows_held = 0  # rows of running requests and those reserved for children
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._next_id = 0
@@ -317,6 +375,15 @@ class Engine:
         #: (medians next to the sums' means: a Python garbage collection that lands in
         #: a step's timers is not flashplan's work)
         self.decode_host_samples: deque[tuple[float, float, float]] = deque(maxlen=4096)
+        #: sampled tokens back to the host (pinned, non-blocking, one event per step)
+        self.reader = TokenReader(max_running, self.device)
+        #: the step queued and not read yet (overlapped loop), and the last queued step's
+        #: sampled tokens on the device (its successor's decodes feed them)
+        self._in_flight: Launched | None = None
+        self._last_tokens: torch.Tensor | None = None
+        #: a list (CUDA only): every step's GPU work is bracketed by timing events
+        #: (:class:`.overlap.StepEvents`), appended here (benchmarks/bench_engine.py)
+        self.step_events: list[StepEvents] | None = None
         if cuda_graphs:
             if not isinstance(adapter, DecoderOnly):
                 raise ValueError("CUDA graphs are for decoder-only models")
@@ -336,8 +403,8 @@ class Engine:
             raise ValueError("a request needs a prompt and at least one token to generate")
         if (request.encoder_prompt is not None) != self.adapter.is_encoder_decoder:
             raise ValueError("encoder_prompt is needed by, and only by, encoder-decoder models")
-        if not 1 <= request.n <= self.table.shape[0]:
-            raise ValueError(f"n must be 1 to max_running ({self.table.shape[0]}) samples")
+        if not 1 <= request.n <= self.max_running:
+            raise ValueError(f"n must be 1 to max_running ({self.max_running}) samples")
         if request.n > 1 and self.adapter.is_encoder_decoder:
             raise ValueError("parallel sampling (n > 1) is for decoder-only models")
         if not request.temperature >= 0.0:
@@ -356,7 +423,8 @@ class Engine:
         return request
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests waiting or running, or a queued step whose tokens are not read yet."""
+        return bool(self.waiting or self.running or self._in_flight is not None)
 
     def _generator(self, seed: int) -> torch.Generator:
         """A random generator on the model's device, seeded ``seed``."""
@@ -377,13 +445,17 @@ class Engine:
             if r.pending > 1 and budget > 0:
                 batch.append((r, min(r.pending, budget)))
                 budget -= batch[-1][1]
-        while self.waiting and budget > 0 and len(self.free_rows) >= self.waiting[0].n:
+        while (
+            self.waiting and budget > 0 and self._rows_held + self.waiting[0].n <= self.max_running
+        ):
             r = self.waiting[0]
             if r.pages_to_come(self.page_size) > self._uncommitted_pages():
                 break
             self.waiting.popleft()
-            r.row = self.free_rows.pop()
-            r.reserved_rows = [self.free_rows.pop() for _ in range(r.n - 1)]
+            r.row = self.free_rows.popleft()
+            r.reserved_rows = [self.free_rows.popleft() for _ in range(r.n - 1)]
+            self._rows_held += r.n
+            self.table[[r.row, *r.reserved_rows]] = -1  # what a finished request left there
             self.running.append(r)
             self._family_members += r.n > 1
             batch.append((r, min(r.pending, budget)))
@@ -402,7 +474,7 @@ class Engine:
         def family(entry: tuple[Request, int]) -> Request | None:
             r, n = entry
             root = r.parent or r
-            decoding = n == 1 and r.num_cached >= len(root.prompt)
+            decoding = n == 1 and r.planned >= len(root.prompt)
             forked = root.n > 1 and not root.unforked
             whole = root.shared_pages(self.page_size) > 0
             return root if decoding and forked and whole else None
@@ -455,9 +527,8 @@ class Engine:
             self.table[child.row, : len(child.pages)] = child.pages
             children.append(child)
         if prompt_len % ps:
-            copies = torch.tensor(
-                [[[c.pages[-1]] for c in children]], dtype=torch.int32, device=self.device
-            )  # [1 request, n - 1 branches, 1 page]
+            copies = _on_device([c.pages[-1] for c in children], torch.int32, self.device)
+            copies = copies.view(1, -1, 1)  # [1 request, n - 1 branches, 1 page]
             # an fp8 cache is copied as bytes (index_copy_ has no fp8 kernel on the CPU)
             caches = [
                 c.view(torch.uint8) if c.element_size() == 1 else c for c in self.ctx.kv_caches
@@ -472,20 +543,23 @@ class Engine:
         self._family_members += len(children)
         return children
 
-    def _sample(self, logits: torch.Tensor, rows: list[int], samplers: list[Request]) -> list[int]:
+    def _sample(
+        self, logits: torch.Tensor, rows: list[int], samplers: list[Request]
+    ) -> torch.Tensor:
         """The next token of each of ``samplers`` from logits row ``rows[i]`` (of
         ``logits``, ``[rows, vocab]``): the argmax at temperature 0, else a draw from
-        ``softmax(logits / temperature)`` (float32) with the sampler's generator. The
-        returned ``.tolist()`` is the step's one device -> host read."""
+        ``softmax(logits / temperature)`` (float32) with the sampler's generator (one
+        ``multinomial`` per such sampler: each has its own generator). Returns int64
+        ``[len(samplers)]`` on the device; nothing is read back here."""
         if not samplers:
-            return []
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
         if rows == list(range(len(rows))):  # every row in order (a step of decodes alone)
             picked = logits[: len(rows)]
         else:
             picked = logits[_on_device(rows, torch.int64, self.device)]  # [samplers, vocab]
         greedy = picked.argmax(-1)
         if all(r.temperature == 0 for r in samplers):
-            return greedy.tolist()
+            return greedy
         temps = [r.temperature or 1.0 for r in samplers]  # (1.0: a greedy row, unused)
         temp = _on_device(temps, torch.float32, self.device)
         probs = torch.softmax(picked.float() / temp[:, None], dim=-1)
@@ -495,11 +569,11 @@ class Engine:
             else greedy[i : i + 1]
             for i, r in enumerate(samplers)
         ]
-        return torch.cat(tokens).tolist()
+        return torch.cat(tokens)
 
     def run(self, requests: Iterable[Request] = ()) -> Iterator[StepOutput]:
         """Queue ``requests``, then step until no work is left, yielding each step's
-        output (the engine's state is the step's when it is yielded).
+        output (:meth:`step`: with the overlapped loop, once the next step is queued).
 
         Raises:
             RuntimeError: work is left but no step can run (no waiting request can be
@@ -518,14 +592,37 @@ class Engine:
 
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> StepOutput | None:
-        """Run one batch; ``None`` when there is nothing to run."""
+        """Run one batch and return its output, its sampled tokens read; ``None`` when
+        there is nothing to run.
+
+        The plain loop queues a step and reads its tokens. The overlapped loop returns
+        the oldest step not returned yet: it queues the next step first (planned on the
+        host while the GPU runs that one, a first call queueing two), then reads the
+        oldest step's tokens, one step late (:mod:`.overlap`)."""
+        if not self.overlap:
+            launched = self._launch()
+            return None if launched is None else self._read(launched)
+        if self._in_flight is None:
+            self._in_flight = self._launch()
+            if self._in_flight is None:
+                return None
+        running = self._in_flight
+        self._in_flight = self._launch()  # step N + 1, queued behind step N
+        return self._read(running)
+
+    def _launch(self) -> Launched | None:
+        """Schedule, lay out, plan and queue one step; ``None`` when nothing can be
+        scheduled. The host work comes first, then the step's GPU work in stream order
+        (page table, encoder, input ids, apply, forward, sampling, the sampled tokens'
+        copy to the host). Reads nothing back: the sampled tokens stay on the device."""
         batch = self._schedule()
         if not batch:
             return None
         reqs = [r for r, _ in batch]
-        # 1. Layout: host integers only. A step of decodes alone plans on the decode kernels.
-        prefix = [r.num_cached for r in reqs]
-        seq = [r.num_cached + n for r, n in batch]
+        # 1. Layout: host integers only, over the K/V the queued steps will have written.
+        #    A step of decodes alone plans on the decode kernels.
+        prefix = [r.planned for r in reqs]
+        seq = [p + n for p, (_, n) in zip(prefix, batch, strict=True)]
         enc: dict = {}
         if self.adapter.is_encoder_decoder:
             enc = dict(
@@ -545,13 +642,7 @@ class Engine:
         for r, need in zip(reqs, layout.pages_needed.tolist(), strict=True):
             r.pages += self.allocator.alloc(need - len(r.pages))
             self.table[r.row, : len(r.pages)] = r.pages
-        pages = self.device_table.send(self.table)  # the same tensor every step
-        table = fp.PageTable(pages, rows=[r.row for r in reqs])
-        # 3. Encoder pass for joining requests (its own plan; no cache).
-        encoder_states = self._encode([r for r in reqs if not r.encoder_cached], pages)
-        # 4. Plan once (with cascade levels where samples of one request decode
-        #    together), apply once, then every layer runs its group on this plan (or
-        #    replay a captured decode step, which applies the plan to its bucket).
+        # 3. Plan once (with cascade levels where samples of one request decode together).
         t0 = time.perf_counter()
         shared = self._shared_prefix(batch)
         spec = fp.plan(
@@ -560,78 +651,149 @@ class Engine:
         )  # fmt: skip
         plan_s = time.perf_counter() - t0
         self.cascade_steps += spec.cascade is not None
-        ids = [t for r, n in batch for t in r.tokens[r.num_cached : r.num_cached + n]]
+        # the new tokens: host ints, or (decodes of the last step's unread samples) on
+        # the device, gathered from that step's tokens
+        ids = input_ids(batch, prefix, self._last_tokens, self.device)
         last = spec.qo_indptr[1:] - 1  # each request's last new token
         keep = np.arange(spec.total_q) if self.keep_all_logits else last
         bucket = None
         if self.graphs is not None and layout.mode is fp.Mode.DECODE and spec.cascade is None:
             bucket = self.graphs.bucket_for(len(reqs))  # (a bucket refuses cascade plans)
+        # 4. The GPU work, queued: page table, encoder pass for joining requests (its own
+        #    plan; no cache), apply once and the forward (every layer runs its group on
+        #    this plan), or a captured decode step's replay (which applies the plan to
+        #    its bucket).
+        timing = self.step_events is not None and self.device.type == "cuda"
+        events = StepEvents(layout.mode is fp.Mode.DECODE) if timing else _NO_EVENTS
+        events.record("start")
+        pages = self.device_table.send(self.table)  # the same tensor every step
+        table = fp.PageTable(pages, rows=[r.row for r in reqs])
+        encoder_states = self._encode([r for r in reqs if not r.encoder_cached], pages)
+        logits, apply_s = self._forward_step(
+            bucket, spec, table, ids, keep, encoder_states, events
+        )  # fmt: skip
+        if layout.mode is fp.Mode.DECODE:
+            self._count_decode_host(layout_s, plan_s, apply_s)
+        # 5. Sampling, for requests whose last new token is their last known token. The
+        #    tokens stay on the device; their copy to the host is queued.
+        logits_row = last if self.keep_all_logits else np.arange(len(reqs))
+        samplers, rows, forked = self._samplers(batch, prefix, logits_row, pages)
+        tokens = self._sample(logits, rows, samplers)
+        pending = self.reader.start(tokens)
+        events.record("end")
+        if self.step_events is not None and timing:
+            self.step_events.append(events)
+        full = mark_launched(batch, samplers)
+        self._last_tokens = tokens
+        # a request that has sampled max_new_tokens tokens is done (no token value needed):
+        # it leaves now, as in the plain loop; the steps queued next use its pages and row
+        # only after this one in stream order
+        for r in full:
+            self._release(r)
+        owners = [reqs[int(i)] for i in np.searchsorted(spec.qo_indptr, keep, side="right") - 1]
+        positions = spec.positions[keep].tolist()
+        out = StepOutput(
+            batch, layout, spec, logits, owners, positions, {}, [], table, shared, forked,
+            bucket is not None,
+        )  # fmt: skip
+        return Launched(out, samplers, tokens, pending)
+
+    def _forward_step(
+        self,
+        bucket: int | None,
+        spec: fp.PlanSpec,
+        table: fp.PageTable,
+        ids: list[int] | torch.Tensor,
+        keep: np.ndarray,
+        encoder_states: torch.Tensor | None,
+        events: StepEvents,
+    ) -> tuple[torch.Tensor, float]:
+        """Queue the step's forward: apply once, then every layer runs its group on this
+        plan, or replay graph bucket ``bucket`` (which applies the plan to its buffers).
+        ``ids``: the new tokens (host ints, or int64 on the device); ``keep``: the token
+        rows whose logits to keep. Returns the logits (``[len(keep), vocab]``, or the
+        bucket's first rows) and the host seconds of the apply."""
         if bucket is not None:
             assert self.graphs is not None
             replay = self.graphs.prepare(bucket, spec, table, ids)
-            apply_s = self.graphs.last_apply_s
+            events.record("forward")
             # a copy: the graph's output buffer is the next replay's too
-            logits = replay()[: len(reqs)].clone()
+            logits = replay()[: table.batch_size].clone()
             self.replayed_steps += 1
-        else:
-            t0 = time.perf_counter()
-            self.executor.apply(spec, table)
-            apply_s = time.perf_counter() - t0
-            logits = self._forward.decode(
-                torch.tensor(ids, device=self.device),
-                self.executor.positions().long(),  # RoPE, built on the device from the plan
-                torch.from_numpy(keep).to(self.device, torch.int64),
-                self._forward_ctx,
-                encoder_states,
-            )
-        if layout.mode is fp.Mode.DECODE:
-            self.decode_host_s += layout_s + plan_s + apply_s
-            parts = self.decode_host_parts
-            parts["layout"] += layout_s
-            parts["plan"] += plan_s
-            parts["apply"] += apply_s
-            self.decode_host_samples.append((layout_s, plan_s, apply_s))
-            self.decode_steps += 1
-        # 5. Sampling, for requests whose last new token is their last known token; a
-        #    request with n > 1 whose prompt is now all in forks its samples first, and
-        #    each draws its first token from the parent's logits row.
-        logits_row = last if self.keep_all_logits else np.arange(len(reqs))
+            return logits, self.graphs.last_apply_s
+        t0 = time.perf_counter()
+        self.executor.apply(spec, table)
+        apply_s = time.perf_counter() - t0
+        events.record("forward")
+        if not isinstance(ids, torch.Tensor):
+            ids = _on_device(ids, torch.int64, self.device)
+        logits = self._forward.decode(
+            ids,
+            self.executor.positions().long(),  # RoPE, built on the device from the plan
+            _on_device(keep, torch.int64, self.device),
+            self._forward_ctx,
+            encoder_states,
+        )
+        return logits, apply_s
+
+    def _count_decode_host(self, layout_s: float, plan_s: float, apply_s: float) -> None:
+        """Add a decode-only step's host seconds (layout, plan, apply) to the counters."""
+        self.decode_host_s += layout_s + plan_s + apply_s
+        parts = self.decode_host_parts
+        parts["layout"] += layout_s
+        parts["plan"] += plan_s
+        parts["apply"] += apply_s
+        self.decode_host_samples.append((layout_s, plan_s, apply_s))
+        self.decode_steps += 1
+
+    def _samplers(
+        self,
+        batch: list[tuple[Request, int]],
+        prefix: list[int],
+        logits_row: np.ndarray,
+        pages: torch.Tensor,
+    ) -> tuple[list[Request], list[int], list[Request]]:
+        """The requests that sample this step, the logits row of each (``logits_row[j]``:
+        batch entry ``j``'s last kept row) and the children forked: every request whose
+        last new token is its last known token; a request with n > 1 whose prompt is now
+        all in forks its samples first (``pages``: the step's device table), and each
+        draws its first token from the parent's logits row."""
         samplers: list[Request] = []
         rows: list[int] = []
         forked: list[Request] = []
         for j, (r, n) in enumerate(batch):
-            if r.num_cached + n < len(r.tokens):  # still feeding its prompt
+            if prefix[j] + n < len(r.tokens) + r.unread:  # still feeding its prompt
                 continue
             family = [r, *self._fork(r, pages)] if r.unforked else [r]
             forked += family[1:]
             samplers += family
             rows += [int(logits_row[j])] * len(family)
-        next_tokens = self._sample(logits, rows, samplers)
-        for r, n in batch:
-            r.num_cached += n
-            r.encoder_cached = True
-        sampled, finished = {}, []
-        for r, token in zip(samplers, next_tokens, strict=True):
-            r.tokens.append(token)
-            r.output.append(token)
-            sampled[r.rid] = token
-            if len(r.output) >= r.max_new_tokens or token == self.eos:
-                finished.append(r)
-        # 6. Finished requests give their pages (the last holder of a shared page frees
-        #    it) and row back.
-        for r in finished:
-            assert not r.reserved_rows, "a request finishes after forking its samples"
-            self.allocator.release(r.pages)
-            self.table[r.row] = -1
-            self.free_rows.append(r.row)
-            self.running.remove(r)
-            self._family_members -= r.n > 1 or r.parent is not None
-        owners = [reqs[int(i)] for i in np.searchsorted(spec.qo_indptr, keep, side="right") - 1]
-        positions = spec.positions[keep].tolist()
-        return StepOutput(
-            batch, layout, spec, logits, owners, positions, sampled, finished, table, shared,
-            forked, bucket is not None,
-        )  # fmt: skip
+        return samplers, rows, forked
+
+    def _read(self, step: Launched) -> StepOutput:
+        """6. Read ``step``'s sampled tokens (waiting for their copy, which waits for the
+        step's GPU work up to its sampling) and book them (:func:`.overlap.commit`); a
+        request that sampled the stop token leaves now (one step late in the overlapped
+        loop: after the next step, where it decodes once more, was queued). Returns the
+        step's output, complete."""
+        out = step.out
+        out.sampled, out.finished, out.discarded = commit(step, step.pending.values(), self.eos)
+        for r in out.finished:
+            if r in self.running:  # (one that reached max_new_tokens has left already)
+                self._release(r)
+        return out
+
+    def _release(self, r: Request) -> None:
+        """A finished request leaves: its pages (one holder less each; the last holder
+        of a shared page frees it), its row (its ids stay in the table until the row is
+        handed out again: the live table still shows the step that ran them) and its
+        place in :attr:`running`."""
+        assert not r.reserved_rows, "a request finishes after forking its samples"
+        self.allocator.release(r.pages)
+        self.free_rows.append(r.row)
+        self._rows_held -= 1
+        self.running.remove(r)
+        self._family_members -= r.n > 1 or r.parent is not None
 
     def _encode(self, joining: list[Request], pages: torch.Tensor) -> torch.Tensor | None:
         """Encoder output ``[1, n, d_model]`` of the joining requests (batch order), or
@@ -644,7 +806,9 @@ class Engine:
         spec = fp.plan(layout, self.adapter.encoder_heads, extend_path="ragged")
         # Nothing is read or written, but apply wants a table covering the encoder's pages.
         self.executor.apply(spec, fp.PageTable(pages, rows=[r.row for r in joining]))
-        ids = torch.tensor([t for r in joining for t in r.encoder_prompt or ()], device=self.device)
+        ids = _on_device(
+            [t for r in joining for t in r.encoder_prompt or ()], torch.int64, self.device
+        )
         return self.adapter.encode(ids, self.executor.positions().long(), self.ctx)
 
 

@@ -83,7 +83,10 @@ class DecodeGraphs:
         self.ids: dict[int, torch.Tensor] = {}
         self.positions: dict[int, torch.Tensor] = {}
         self.rows: dict[int, torch.Tensor] = {}
-        self._pinned: dict[int, torch.Tensor] = {}
+        # two pinned slots per bucket, each with the event of its last copy
+        self._pinned: dict[int, list[torch.Tensor]] = {}
+        self._copied: dict[int, list[torch.cuda.Event]] = {}
+        self._next: dict[int, int] = {}
         self.last_apply_s = 0.0
         pool = torch.cuda.graph_pool_handle()
         for bs in self.sizes:
@@ -108,7 +111,11 @@ class DecodeGraphs:
             )
             self.ids[bs], self.positions[bs], self.rows[bs] = ids, positions, rows
             # host side of the per-step inputs: token ids and positions, one copy
-            self._pinned[bs] = torch.zeros((2, bs), dtype=torch.int64).pin_memory()
+            self._pinned[bs] = [
+                torch.zeros((2, bs), dtype=torch.int64).pin_memory() for _ in range(2)
+            ]
+            self._copied[bs] = [torch.cuda.Event() for _ in range(2)]  # unrecorded: done
+            self._next[bs] = 0
         table.fill_(-1)  # no page allocated: the engine's steps send theirs
 
     def bucket_for(self, batch_size: int) -> int | None:
@@ -119,21 +126,38 @@ class DecodeGraphs:
         return None
 
     def prepare(
-        self, bs: int, spec: fp.PlanSpec, table: fp.PageTable, ids: Sequence[int]
+        self,
+        bs: int,
+        spec: fp.PlanSpec,
+        table: fp.PageTable,
+        ids: Sequence[int] | torch.Tensor,
     ) -> Callable[[], torch.Tensor]:
         """Ready bucket ``bs`` for a decode step of ``len(ids)`` requests: fill its static
         token ids and positions, plan ``spec`` into its fixed buffers (host seconds of
         that planning: :attr:`last_apply_s`); returns the replay, which gives logits
-        ``[bs, vocab]`` (rows past ``len(ids)`` are padding). The caller has read the
-        previous step's results back (the pinned inputs are reused)."""
+        ``[bs, vocab]`` (rows past ``len(ids)`` are padding). ``ids``: host ints (sent
+        with the positions in one pinned copy), or an int64 device tensor (the overlapped
+        loop: the previous step's sampled tokens, copied on the device). Two pinned slots
+        alternate: one waits for the GPU only if its copy of two steps before has not run
+        (never in the engine's loops, which read a step before they queue the one after
+        the next)."""
         n = len(ids)
-        host = self._pinned[bs]
+        k = self._next[bs]
+        self._next[bs] ^= 1
+        self._copied[bs][k].synchronize()  # the slot's copy of two steps ago has run
+        host = self._pinned[bs][k]
         host.zero_()
         inputs = host.numpy()
-        inputs[0, :n] = ids
         inputs[1, :n] = spec.positions
-        self.ids[bs].copy_(host[0], non_blocking=True)
+        if isinstance(ids, torch.Tensor):
+            self.ids[bs][:n].copy_(ids)
+            if n < bs:
+                self.ids[bs][n:].zero_()  # padding rows: token 0
+        else:
+            inputs[0, :n] = ids
+            self.ids[bs].copy_(host[0], non_blocking=True)
         self.positions[bs].copy_(host[1], non_blocking=True)
+        self._copied[bs][k].record()
         step = self.steps[bs]
         t0 = time.perf_counter()
         step.executor.apply(spec, table)

@@ -11,6 +11,7 @@ Examples (from the repository root)::
   python examples/engine/run.py --model llama --n 3 --temperature 0.8 --cascade on
                                                               # 3 samples per prompt, shared
   python examples/engine/run.py --model gemma2 --device cuda  # FlashInferExecutor, bf16
+  python examples/engine/run.py --model llama --overlap       # the overlapped step loop
   python examples/engine/run.py --model path/to/checkpoint    # from_pretrained, real weights
 """
 
@@ -160,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         help="run the model's forward under torch.compile (inductor; decoder-only models), "
         "attention through flashplan's custom op",
     )  # fmt: skip
+    p.add_argument(
+        "--overlap", action="store_true",
+        help="the overlapped step loop: plan and queue the next step before reading this "
+        "step's sampled tokens, one step late (default: the plain loop, which reads each "
+        "step's tokens back before planning the next)",
+    )  # fmt: skip
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
@@ -193,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_dtype=kv_dtype,
         cascade=args.cascade,
         compile="inductor" if args.compile else None,
+        overlap=args.overlap,
     )
     reqs = make_requests(
         config.vocab_size, encdec, args.requests, args.max_new_tokens, args.seed,

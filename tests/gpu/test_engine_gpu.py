@@ -210,3 +210,65 @@ def test_parallel_samples_on_flashinfer(cascade: str) -> None:
     assert not parity.mismatches, parity.line()
     for r in reqs:  # greedy: every sample of a prompt decodes the same tokens
         assert all(s.output[:FIRST_TOKENS] == r.output[:FIRST_TOKENS] for s in r.samples)
+
+
+@pytest.mark.parametrize("cuda_graphs", [(), (2, 4)])
+def test_overlapped_loop_equals_plain_on_flashinfer(cuda_graphs: tuple[int, ...]) -> None:
+    """The overlapped step loop (``Engine(overlap=True)``, the default once this passes:
+    step N+1 planned and queued before step N's tokens are read, its decodes fed from the
+    device) against
+    the plain loop on FlashInfer in bf16: llama, page 16, six requests three at a time
+    (joining and finishing, chunked prompts), eagerly and with decode steps replayed from
+    graph buckets of 2 and 4. Without a stop token both loops run the same steps: the
+    same batches, bit-equal logits, equal tokens. With a stop token (its finish read one
+    step late, an extra decode step discarded) the batches differ after it: the tokens
+    must still be equal, but where the plain loop's top two logits are within bf16's
+    reach (``TIE``) a differing batch may round the other way."""
+    from examples.engine.engine import Request, StepOutput
+    from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
+
+    model = load_model("llama", dtype=torch.bfloat16, device="cuda")
+
+    def run(
+        overlap: bool, eos: int | None = None
+    ) -> tuple[list[Request], list[StepOutput], Engine]:
+        executor = FlashInferExecutor("cuda", policy=ExecutorPolicy(prefill_backend="fa2"))
+        engine = Engine(
+            adapter_for(model), executor, page_size=16, num_pages=24, max_running=3,
+            token_budget=16, keep_all_logits=True, cuda_graphs=cuda_graphs,
+            eos_token_id=eos, overlap=overlap,
+        )  # fmt: skip
+        reqs = make_requests(model.config.vocab_size, False, 6, 8, 0)
+        steps = list(engine.run(reqs))
+        assert not engine.running and len(engine.allocator.free) == 24 - bool(cuda_graphs)
+        assert (engine.replayed_steps > 0) == bool(cuda_graphs)
+        return reqs, steps, engine
+
+    plain_reqs, plain_steps, _ = run(False)
+    reqs, steps, _ = run(True)
+    assert [r.output for r in reqs] == [r.output for r in plain_reqs]
+    assert [[(r.rid, n) for r, n in s.batch] for s in steps] == [
+        [(r.rid, n) for r, n in s.batch] for s in plain_steps
+    ]
+    for a, b in zip(steps, plain_steps, strict=True):
+        assert torch.equal(a.logits, b.logits)
+
+    outputs = [r.output for r in plain_reqs]
+    eos = next(t for o in outputs for t in o[1:-1] if any(t not in other for other in outputs))
+    plain_reqs, plain_steps, _ = run(False, eos)
+    reqs, steps, _ = run(True, eos)
+    assert any(s.discarded for s in steps)
+    rows = {  # (request id, position) -> the plain loop's logits row there
+        (r.rid, pos): s.logits[j].float()
+        for s in plain_steps
+        for j, (r, pos) in enumerate(zip(s.owners, s.positions, strict=True))
+    }
+    for got, want in zip(reqs, plain_reqs, strict=True):
+        if got.output == want.output:
+            continue
+        k = next(
+            (i for i, (a, b) in enumerate(zip(got.output, want.output, strict=False)) if a != b),
+            min(len(got.output), len(want.output)),
+        )
+        top2 = rows[(want.rid, len(want.prompt) - 1 + k)].topk(2).values
+        assert float(top2[0] - top2[1]) < TIE, (got.rid, k, got.output, want.output)
