@@ -156,11 +156,13 @@ def test_sampled_tokens_are_read_one_step_late(loop: str, monkeypatch: pytest.Mo
     log: list[tuple[str, int]] = []
     fed: list[tuple[list[tuple[Request, int, int, int, int]], list[int]]] = []
     number: dict[int, int] = {}  # id(StepOutput) -> the step's number, in launch order
+    alive: list[object] = []  # every StepOutput kept, so that no id() is reused
     real_launch, real_finish = Engine._launch, overlap.TokenReader._finish
 
     def launch(self: Engine) -> overlap.Launched | None:
         step = real_launch(self)
         if step is not None:
+            alive.append(step.out)
             number[id(step.out)] = len(number) + 1
             log.append(("L", len(number)))
         return step
