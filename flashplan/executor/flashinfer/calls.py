@@ -60,7 +60,6 @@ from flashplan.executor.flashinfer.policy import (
     split_kwargs,
 )
 from flashplan.layout.heads import HeadConfig
-from flashplan.planning.parts import PagedPart
 from flashplan.planning.spec import GroupPlan, KernelPath, PlanKey, PlanSpec
 
 __all__ = [
@@ -124,12 +123,6 @@ def skeleton_key(
     return spec.key, tensor_cores, masked, items, virtual, cascade.groups, levels
 
 
-def cascade_own_call(spec: PlanSpec, index: int) -> PagedPart:
-    """The own call that group plan ``index`` of ``spec`` runs on its cascade levels."""
-    assert spec.cascade is not None
-    return spec.cascade.own_call(index)
-
-
 def check_runnable(spec: PlanSpec, *, graph: bool = False) -> None:
     """Refuse a plan whose kernel calls this executor does not run as planned.
 
@@ -191,6 +184,7 @@ def call_skeleton(
         spec, policy, batch_size
     )
     heads = key.heads
+    cascade = spec.cascade
     out = []
     for index, (group, gp) in enumerate(zip(key.groups, spec.group_plans, strict=True)):
         common: list[tuple[str, Any]] = [
@@ -210,7 +204,7 @@ def call_skeleton(
         )
         if gp.paged is not None:
             # a group on cascade levels runs its own call (the plan's, flags included)
-            part = gp.paged if index not in cascaded else cascade_own_call(spec, index)
+            part = cascade.own_call(index) if cascade and index in cascaded else gp.paged
             pages = DeviceIndices(names.pages_region(index))
             page_indptr = HostArray(names.group_array(index, "page_indptr"))
             last_page_len = HostArray(names.group_array(index, "last_page_len"))
