@@ -26,6 +26,12 @@ NUMBERS = (0.37, 1.9)
 #: FlashInfer computes in bf16 (P rounded once before P.V); the reference in float32 on
 #: the same dequantized cache: the bf16 bounds of test_flashinfer_executor.py.
 OUT_TOL, LSE_TOL = 1e-2, 5e-2
+#: A 0-d tensor ``v_scale`` multiplies the kernel's bf16 output after the kernel (passing
+#: it in would be a sync): one more rounding, at most half a bf16 ulp (2⁻⁹) of each element.
+TENSOR_V_SCALE_ROUNDING = 2.0**-9
+#: FlashInfer keeps logits and the LSE in float32 (base 2): with logits near 10⁵ (the large
+#: logit batches) a few float32 ulps (2⁻²³ each) exceed the absolute bound; allow 8.
+LSE_REL_TOL = 8 * 2.0**-23
 
 
 def _heads(kv: str) -> fp.HeadConfig:
@@ -38,9 +44,12 @@ def _scales(kind: str) -> tuple[float | torch.Tensor, float | torch.Tensor]:
     return tuple(torch.tensor(s, device=DEV) for s in NUMBERS)  # type: ignore[return-value]
 
 
-def _check(results: list[tuple[fp.AttentionGroup, float, float, float]]) -> None:
+def _check(
+    results: list[tuple[fp.AttentionGroup, float, float, float]], scales: str = "number"
+) -> None:
+    out_tol = OUT_TOL + (TENSOR_V_SCALE_ROUNDING if scales == "tensor" else 0.0)
     for group, out_err, lse_err, cache_err in results:
-        assert out_err <= OUT_TOL, (group.describe(), out_err)
+        assert out_err <= out_tol, (group.describe(), out_err)
         assert lse_err <= LSE_TOL, (group.describe(), lse_err)
         assert cache_err == 0.0, (group.describe(), cache_err)  # same bytes written
 
@@ -54,7 +63,7 @@ def test_decode_matches_reference(kv: str, page_size: int, tensor_cores: bool, s
     seq = rng.integers(1, 400, 7)
     layout = fp.BatchLayout.decode(seq, page_size=page_size, groups=GROUPS)
     ex = FlashInferExecutor(policy=ExecutorPolicy(decode_tensor_cores=tensor_cores))
-    _check(run_both(layout, _heads(kv), ex, scales=_scales(scales)))
+    _check(run_both(layout, _heads(kv), ex, scales=_scales(scales)), scales)
 
 
 @pytest.mark.parametrize("kv", list(FP8))
@@ -66,7 +75,7 @@ def test_paged_extend_with_prefix_matches_reference(kv: str, page_size: int, sca
     prefix = (seq * rng.random(5)).astype(np.int64)
     prefix[0] = 0
     layout = fp.BatchLayout.extend(seq, prefix, page_size=page_size, groups=GROUPS)
-    _check(run_both(layout, _heads(kv), FlashInferExecutor(), scales=_scales(scales)))
+    _check(run_both(layout, _heads(kv), FlashInferExecutor(), scales=_scales(scales)), scales)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -81,7 +90,7 @@ def test_verify_tree_matches_reference(page_size: int, scales: str):
     layout = fp.BatchLayout.verify(
         rng.integers(1, 300, 4), tree, page_size=page_size, groups=groups
     )
-    _check(run_both(layout, _heads("e4m3"), FlashInferExecutor(), scales=_scales(scales)))
+    _check(run_both(layout, _heads("e4m3"), FlashInferExecutor(), scales=_scales(scales)), scales)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -90,7 +99,9 @@ def test_multi_item_matches_reference(page_size: int):
         [40, 18, 25], [3, 0, 5], page_size=page_size,
         item_delimiters=[[2, 9, 14, 30], [4, 5, 6], None],
     )  # fmt: skip
-    _check(run_both(layout, _heads("e4m3"), FlashInferExecutor(), scales=_scales("tensor")))
+    _check(
+        run_both(layout, _heads("e4m3"), FlashInferExecutor(), scales=_scales("tensor")), "tensor"
+    )
 
 
 def test_apply_and_run_never_sync():
@@ -199,7 +210,9 @@ def test_large_logit_batches_number_and_tensor_scales(index: int, policy: dict) 
             out, lse, c = got[kind]
             finite = torch.isfinite(lse_ref)
             assert torch.equal(torch.isfinite(lse), finite), (kind, group.describe())
-            assert rel_err(out, out_ref) <= OUT_TOL, (kind, group.describe(), rel_err(out, out_ref))
-            lse_err = float((lse - lse_ref)[finite].abs().max())
-            assert lse_err <= LSE_TOL, (kind, group.describe(), lse_err)
+            out_tol = OUT_TOL + (TENSOR_V_SCALE_ROUNDING if kind == "tensor" else 0.0)
+            assert rel_err(out, out_ref) <= out_tol, (kind, group.describe(), rel_err(out, out_ref))
+            lse_err = (lse - lse_ref)[finite].abs()
+            lse_tol = LSE_TOL + LSE_REL_TOL * lse_ref[finite].abs()
+            assert bool((lse_err <= lse_tol).all()), (kind, group.describe(), float(lse_err.max()))
             assert torch.equal(c.view(torch.uint8), c_ref.view(torch.uint8)), kind
