@@ -196,14 +196,12 @@ def test_the_executor_constructors_check_arguments_without_assert() -> None:
     import textwrap
     from collections.abc import Callable
 
-    from flashplan.executor.flashinfer import bucket, executor, graphs, settings
+    from flashplan.executor.flashinfer import bucket, executor, graphs
 
     functions: list[Callable[..., object]] = [
         executor.FlashInferExecutor.__init__,
         executor.FlashInferExecutor.for_bucket,
-        settings.ExecutorSettings.make,
-        settings.cuda_device,
-        settings._as_device,
+        executor._device,
         graphs.graph_executor,
         bucket.GraphBucket.__attrs_post_init__,
         bucket.GraphBucket.decode,

@@ -3,11 +3,11 @@
 * One :class:`~flashplan.ReferenceExecutor` over a long random sequence (every mode,
   page size, path, group kind; heads that vary) gives bit for bit what a fresh one gives
   for each batch.
-* The FlashInfer executor's host-side caches, run on CPU tensors over the same kind of
-  sequence: a call skeleton is a function of its key, and a ``plan()`` call's bound
-  arguments and a staged mask found in a layout's memo equal freshly made ones. These
-  are the caches whose key missed the call (the bug); the GPU test
-  ``tests/gpu/test_long_lived.py`` runs the whole executor.
+* One :class:`~flashplan.executor.flashinfer.FlashInferExecutor` over the CPU twin of
+  FlashInfer (:mod:`flashplan.twin`) over such a sequence equals a fresh reference
+  executor for each batch, and a call skeleton (the one thing kept per key besides
+  buffers and wrappers) is a function of its key. The GPU test
+  ``tests/gpu/test_long_lived.py`` runs the same on real FlashInfer.
 """
 
 from __future__ import annotations
@@ -17,15 +17,12 @@ from collections import defaultdict
 import torch
 
 import flashplan as fp
-from flashplan.executor.flashinfer.buffers import DeviceBuffer, SliceViews, StagedViews
-from flashplan.executor.flashinfer.calls import call_inputs, call_skeleton, skeleton_key
-from flashplan.executor.flashinfer.device_work import staged_mask
+from flashplan.executor.flashinfer import FlashInferExecutor
+from flashplan.executor.flashinfer.calls import call_skeleton, skeleton_key
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
-from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
-from flashplan.executor.flashinfer.wrapper_plans import bound_call
-from flashplan.executor.gathers import gather_jobs
 from flashplan.testing.checking import check_sequence
-from flashplan.testing.sequences import SEQUENCE_MODES, Batch, batch_sequence
+from flashplan.testing.sequences import SEQUENCE_MODES, batch_sequence
+from flashplan.twin import flashinfer_twin
 
 SEED = 20261204
 CPU = {"dtype": torch.float32, "scale": 0.25}
@@ -38,23 +35,6 @@ def test_reference_executor_long_lived_equals_fresh() -> None:
     )
     assert not report.wrong, report.summary()
     assert len(report.checks) == 150
-
-
-def _device_plan(batch: Batch, policy: ExecutorPolicy) -> DevicePlan:
-    spec = batch.specs[0]
-    calls = call_skeleton(spec, policy, sm90=True)
-    inputs = call_inputs(spec, calls)
-    jobs = gather_jobs(spec, batch.table.rows, window_pool=False, spans=inputs.spans)
-    dplan = device_plan(calls, jobs, inputs.host, inputs.masks, ints=inputs.ints,
-                        elements=inputs.elements)  # fmt: skip
-    return dplan
-
-
-def _same(a: object, b: object) -> bool:
-    """Arguments equal: tensors by storage, offset, shape and dtype; the rest by ==."""
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return (a.data_ptr(), a.shape, a.dtype) == (b.data_ptr(), b.shape, b.dtype)
-    return type(a) is type(b) and a == b
 
 
 def test_call_skeleton_is_a_function_of_its_key() -> None:
@@ -72,46 +52,17 @@ def test_call_skeleton_is_a_function_of_its_key() -> None:
     assert sum(1 for n in keys.values() if n > 1) > 20  # keys really are shared
 
 
-def test_bound_calls_and_masks_from_the_memo_equal_fresh_ones() -> None:
-    """The executor's per-layout memo over a long sequence: the bound ``plan()``
-    arguments and the staged masks it hands out equal ones made afresh. Staged into
-    one persistent host and one 'device' tensor, as the executor does; batches of
-    equal array sizes but other groups or heads share a layout (the bug's trigger)."""
-    host_buf = DeviceBuffer(torch.device("cpu"), torch.int32)
-    dev_buf = DeviceBuffer(torch.device("cpu"), torch.int32)
-    mask_out: dict[int, torch.Tensor] = {}
-    views = SliceViews()
-    layouts_seen: dict[object, set[object]] = defaultdict(set)
-    for batch in batch_sequence(SEED + 1, 400, **CPU, max_batch=3):
-        if batch.steps:
-            continue
-        for policy in POLICIES:
-            dplan = _device_plan(batch, policy)
-            total = dplan.manifest.total
-            host = views.of(host_buf.reserve(total), dplan.manifest)
-            staged = views.of(dev_buf.reserve(total), dplan.manifest)
-            layouts_seen[dplan.manifest].add(dplan.calls)
-            for gc in dplan.calls:
-                for part, call in (("paged", gc.paged), ("ragged", gc.ragged)):
-                    if call is None:
-                        continue
-                    got = bound_call(call, host, staged, "", gc.group_index, part)
-                    fresh_host = StagedViews(host.tensor, dplan.manifest)
-                    fresh_dev = StagedViews(staged.tensor, dplan.manifest)
-                    want = bound_call(call, fresh_host, fresh_dev, "", gc.group_index, part)
-                    assert got.kwargs.keys() == want.kwargs.keys(), batch.label
-                    for name, value in got.kwargs.items():
-                        assert _same(value, want.kwargs[name]), (batch.label, name)
-                    assert got.dynamic == want.dynamic, batch.label
-                    assert got.prefill_ints == want.prefill_ints, batch.label
-            for index, recipe in dplan.masks.items():
-                out = mask_out.setdefault(index, torch.zeros(1 << 20, dtype=torch.uint8))
-                got_mask = staged_mask(dplan, staged, index, recipe, out)
-                fresh_dev = StagedViews(staged.tensor, dplan.manifest)
-                want_mask = staged_mask(dplan, fresh_dev, index, recipe, out)
-                assert got_mask[1:-1] == want_mask[1:-1], batch.label  # every int field
-    shared_layouts = sum(1 for calls in layouts_seen.values() if len(calls) > 1)
-    assert shared_layouts > 5  # layouts that several different call sets share
+def test_flashinfer_executor_long_lived_on_the_twin() -> None:
+    """One FlashInfer executor over the CPU twin of FlashInfer (every wrapper kind, pool,
+    buffers that grow and shrink back, skeletons kept per key) across 300 varied
+    batches — every mode, page size, path and group kind, heads that vary — each equal
+    to a fresh reference executor's within float32 rounding."""
+    ex = FlashInferExecutor(flashinfer=flashinfer_twin)
+    report = check_sequence(ex, batch_sequence(SEED + 1, 300, **CPU), out_tol=1e-4, lse_tol=1e-4)
+    assert not report.wrong, report.summary()
+    assert len(report.checks) == 300
+    modes = {c.label.split()[0] for c in report.checks}
+    assert len(modes) >= 5, modes  # the sequence really varies
 
 
 class _DriftsAfter(fp.ReferenceExecutor):

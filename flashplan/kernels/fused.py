@@ -16,12 +16,10 @@ instead of seven views.
 
 from __future__ import annotations
 
-import operator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from flashplan.arrays import INT32_MAX
 from flashplan.kernels._triton import HAS_TRITON, device_guard, runs_on_triton, tl, triton
 from flashplan.kernels.custom_mask import (
     MASK_POSITION,
@@ -32,16 +30,7 @@ from flashplan.kernels.custom_mask import (
 )
 from flashplan.kernels.gather import gather_slots_torch
 
-if TYPE_CHECKING:
-    from flashplan.executor.flashinfer.adapter import DirectLaunch
-
-__all__ = [
-    "BoundGatherAndMask",
-    "StagedMask",
-    "bind_gather_and_mask",
-    "direct_launcher",
-    "launch_gather_and_mask",
-]
+__all__ = ["StagedMask", "launch_gather_and_mask"]
 
 _GATHER_BLOCK = 1024
 _MASK_BLOCK = 2048
@@ -200,7 +189,6 @@ def launch_gather_and_mask(
     num_pages: int,
     status: torch.Tensor | None,
     mask: StagedMask | None,
-    direct: DirectLaunch | None = None,
 ) -> None:
     """Run every gather job and build ``mask`` in one launch; no host sync, no checks.
 
@@ -214,8 +202,6 @@ def launch_gather_and_mask(
         out_page, out_offset: int32 / int64 1-D outputs of the gather.
         page_map, num_pages, status: as :func:`~flashplan.kernels.gather_slots`.
         mask: the mask to build (:class:`StagedMask`), or ``None`` (gathers only).
-        direct: launch through this cache of compiled variants
-            (:func:`direct_launcher`) instead of Triton's binder.
 
     On CPU tensors the kernel runs under Triton's interpreter when enabled, else the
     torch twins run one after the other.
@@ -233,7 +219,7 @@ def launch_gather_and_mask(
         _torch_twins(pages, jobs, out_page, out_offset, page_map, num_pages, status, mask)
         return
     programs = num_jobs + (mask.batch_size * mask_blocks if mask is not None else 0)
-    args, key, ints = _kernel_arguments(
+    args, _, _ = _kernel_arguments(
         pages, jobs, out_page, out_offset, page_map, num_pages, status, mask, mask_blocks
     )
     other = device.type == "cuda" and device.index != torch.cuda.current_device()
@@ -241,141 +227,10 @@ def launch_gather_and_mask(
     if guard is not None:
         guard.__enter__()
     try:
-        if direct is None:
-            _gather_and_mask_kernel[(programs,)](*args)
-        else:
-            direct(programs, key, args, ints)
+        _gather_and_mask_kernel[(programs,)](*args)
     finally:
         if guard is not None:
             guard.__exit__(None, None, None)
-
-
-class BoundGatherAndMask:
-    """:func:`launch_gather_and_mask` with every argument that one staging layout fixes
-    resolved once (made by :func:`bind_gather_and_mask`): a call passes only the
-    batch's page count and largest mask size.
-
-    Building the 28-argument list, its variant key and the int32 checks costs more host
-    time than the compiled launcher itself, and an executor's step loop launches with
-    the same tensors and offsets every batch of a layout. A call launches exactly what
-    :func:`launch_gather_and_mask` launches for the same arguments (a mask with no
-    bytes runs its variant with no mask programs instead of the gathers-only variant:
-    the same writes).
-
-    Attributes:
-        tensors: the bound tensors (``pages``, ``jobs``, ``out_page``, ``out_offset``,
-            ``page_map``, ``status``, the mask's staging and output tensors), which an
-            owner compares by identity before reusing the binding.
-    """
-
-    __slots__ = ("_direct", "_head", "_index", "_key", "_mask_rows", "_middle", "_pointers",
-                 "_tail", "num_jobs", "tensors")  # fmt: skip
-
-    def __init__(
-        self,
-        tensors: tuple[torch.Tensor | None, ...],
-        direct: DirectLaunch,
-        key: tuple[object, ...],
-        args: tuple[object, ...],
-        num_jobs: int,
-        mask_rows: int,
-        index: int,
-    ) -> None:
-        self.tensors = tensors
-        self.num_jobs = num_jobs
-        self._direct = direct
-        self._key = key
-        self._head, self._middle, self._tail = args[:9], args[10:20], args[21:]
-        # the same with each tensor as its address: the compiled launcher then skips a
-        # data_ptr() call and a driver query per tensor (the binding holds the tensors)
-        self._pointers = tuple(
-            tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in part)
-            for part in (self._head, self._middle, self._tail)
-        )
-        self._mask_rows = mask_rows
-        self._index = index
-
-    def binds(
-        self,
-        pages: torch.Tensor,
-        jobs: torch.Tensor,
-        out_page: torch.Tensor,
-        out_offset: torch.Tensor,
-        *,
-        page_map: torch.Tensor | None,
-        status: torch.Tensor | None,
-        mask: StagedMask | None,
-    ) -> bool:
-        """Whether this binding holds these very tensors (:func:`bind_gather_and_mask`'s
-        arguments; the mask's ``max_bytes`` is not bound), the caller's page table and
-        page map still at the addresses bound (a tensor given new storage in place is
-        bound again)."""
-        now = _bound_tensors(pages, jobs, out_page, out_offset, page_map, status, mask)
-        if not all(map(operator.is_, self.tensors, now)):  # (one length: _bound_tensors)
-            return False
-        head = self._pointers[0]
-        return pages.data_ptr() == head[0] and (page_map is None or page_map.data_ptr() == head[7])
-
-    def __call__(self, num_pages: int, max_bytes: int) -> None:
-        """Launch for a batch of ``num_pages`` pool pages (0: unchecked) whose largest
-        mask has ``max_bytes`` bytes (no sync, no checks)."""
-        blocks = -(-max_bytes // _MASK_BLOCK) if self._mask_rows and max_bytes > 0 else 0
-        programs = self.num_jobs + self._mask_rows * blocks
-        if programs == 0:
-            return
-        args = (*self._head, num_pages, *self._middle, blocks, *self._tail)
-        head, middle, tail = self._pointers
-        pointers = (*head, num_pages, *middle, blocks, *tail)
-        index = self._index
-        if torch.cuda.current_device() == index:
-            self._direct(programs, self._key, args, (num_pages, blocks), pointers, index)
-            return
-        with device_guard(torch.device("cuda", index)):
-            self._direct(programs, self._key, args, (num_pages, blocks), pointers, index)
-
-
-def bind_gather_and_mask(
-    pages: torch.Tensor,
-    jobs: torch.Tensor,
-    out_page: torch.Tensor,
-    out_offset: torch.Tensor,
-    *,
-    page_map: torch.Tensor | None,
-    status: torch.Tensor | None,
-    mask: StagedMask | None,
-    direct: DirectLaunch | None,
-) -> BoundGatherAndMask | None:
-    """The launch of :func:`launch_gather_and_mask` with these tensors bound
-    (:class:`BoundGatherAndMask`; ``mask.max_bytes`` is not bound: each call gives its
-    batch's), or ``None`` where it must go through :func:`launch_gather_and_mask`: no
-    ``direct`` (:class:`~flashplan.executor.flashinfer.adapter.DirectLaunch`), not a CUDA
-    device, or a bound int beyond int32."""
-    device = pages.device
-    if direct is None or device.type != "cuda" or not runs_on_triton(device, ""):
-        return None
-    args, key, ints = _kernel_arguments(
-        pages, jobs, out_page, out_offset, page_map, 0, status, mask, 0
-    )
-    if max(ints) > INT32_MAX or min(ints) < -INT32_MAX:
-        return None
-    tensors = _bound_tensors(pages, jobs, out_page, out_offset, page_map, status, mask)
-    rows = mask.batch_size if mask is not None else 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return BoundGatherAndMask(tensors, direct, key, args, jobs.shape[1], rows, index)
-
-
-def _bound_tensors(
-    pages: torch.Tensor,
-    jobs: torch.Tensor,
-    out_page: torch.Tensor,
-    out_offset: torch.Tensor,
-    page_map: torch.Tensor | None,
-    status: torch.Tensor | None,
-    mask: StagedMask | None,
-) -> tuple[torch.Tensor | None, ...]:
-    """The tensors a binding holds (:attr:`BoundGatherAndMask.tensors`)."""
-    staged, mask_out = (mask.staged, mask.out) if mask is not None else (jobs, out_page)
-    return (pages, jobs, out_page, out_offset, page_map, status, staged, mask_out)
 
 
 def _kernel_arguments(
@@ -443,16 +298,3 @@ def _torch_twins(
         )  # fmt: skip
     if mask is not None:
         mask.build(twin=True)
-
-
-def direct_launcher() -> DirectLaunch | None:
-    """A cache of this module's compiled kernel variants, for
-    :func:`launch_gather_and_mask`'s ``direct`` (one per owner: an executor); ``None``
-    without Triton."""
-    if not HAS_TRITON:
-        return None
-    # imported here: the direct launch is Triton's private API, kept with FlashInfer's in
-    # the executor's adapter, whose package imports this module
-    from flashplan.executor.flashinfer.adapter import DirectLaunch
-
-    return DirectLaunch(_gather_and_mask_kernel)

@@ -171,7 +171,10 @@ def write_kv(
     if (fp8 and kv_cache.device.type == "cpu") or not runs_on_triton(
         kv_cache.device, "write_kv_torch"
     ):
-        write_kv_torch(kv_cache, k, v, page, offset, status=status, k_scale=ks, v_scale=vs)
+        scales = (ks, vs) if fp8 else (None, None)
+        write_kv_torch(
+            kv_cache, k, v, page, offset, status=status, k_scale=scales[0], v_scale=scales[1]
+        )
         return
     scale_ptr = isinstance(ks, torch.Tensor)
     width = k.shape[1] * k.shape[2]

@@ -15,13 +15,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashplan.executor.flashinfer.adapter import DirectLaunch
 from flashplan.kernels import build_custom_mask, gather_slots, new_status, triton_mode
 from flashplan.kernels.fused import (
     StagedMask,
     _torch_twins,
-    bind_gather_and_mask,
-    direct_launcher,
     launch_gather_and_mask,
 )
 
@@ -89,8 +86,6 @@ def _run(
     fused: bool,
     dev: torch.device,
     twins: bool = False,
-    direct: DirectLaunch | None = None,
-    bound: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     pages = torch.from_numpy(case["pages"]).to(dev)  # type: ignore[arg-type]
     pm = case["page_map"]
@@ -118,29 +113,10 @@ def _run(
             num_pages = case["num_pages"]
             assert isinstance(num_pages, int)
             _torch_twins(pages, jobs, out_page, out_offset, page_map, num_pages, status, mask)
-        elif bound:  # bound without the batch's mask size, which the call gives
-            launch = bind_gather_and_mask(
-                pages, jobs, out_page, out_offset, page_map=page_map, status=status,
-                mask=mask._replace(max_bytes=0), direct=direct,
-            )  # fmt: skip
-            assert launch is not None
-            same = dict(page_map=page_map, status=status, mask=mask)  # any max_bytes
-            assert launch.binds(pages, jobs, out_page, out_offset, **same)  # type: ignore[arg-type]
-            assert not launch.binds(pages, jobs, out_offset, out_page, **same)  # type: ignore[arg-type]
-            moved = pages.clone()  # the same tensor object given new storage in place
-            moved.set_(pages.clone())
-            rebound = bind_gather_and_mask(
-                moved, jobs, out_page, out_offset, page_map=page_map, status=status,
-                mask=mask, direct=direct,
-            )  # fmt: skip
-            assert rebound is not None and rebound.binds(moved, jobs, out_page, out_offset, **same)  # type: ignore[arg-type]
-            moved.set_(pages.clone())
-            assert not rebound.binds(moved, jobs, out_page, out_offset, **same)  # type: ignore[arg-type]
-            launch(case["num_pages"], max_bytes)  # type: ignore[arg-type]
         else:
             launch_gather_and_mask(
                 pages, jobs, out_page, out_offset, page_map=page_map,
-                num_pages=case["num_pages"], status=status, mask=mask, direct=direct,  # type: ignore[arg-type]
+                num_pages=case["num_pages"], status=status, mask=mask,  # type: ignore[arg-type]
             )  # fmt: skip
     else:
         gather_slots(
@@ -200,90 +176,3 @@ def test_torch_twins_path_matches() -> None:
     got = _run(case, True, torch.device("cpu"), twins=True)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("n", [0, 4, -1])
-def test_direct_launches_equal_the_jit_launches(n: int) -> None:
-    """After a variant's first launch, DirectLaunch calls the compiled launcher itself:
-    batches of other sizes, offsets and grids give the same bytes."""
-    dev = torch.device("cuda")
-    direct = direct_launcher()
-    for seed in range(6):
-        case = _case(seed, 2 + seed % 4, 1 + seed % 3, n, True)
-        want = _run(case, False, dev)
-        got = _run(case, True, dev, direct=direct)
-        for g, w in zip(got, want, strict=True):
-            assert torch.equal(g, w), seed
-    assert direct is not None
-    import triton
-
-    assert direct.enabled, f"triton {triton.__version__}: no direct launches"
-    variants = len(direct.variants)  # 2 when a case's mask has no byte
-    assert variants in (1, 2)
-    assert direct.direct == 6 - variants  # every launch after a variant's first
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_direct_launches_call_the_launch_hooks() -> None:
-    """A profiler's launch hook sees every direct launch (with its metadata), as it sees
-    ``kernel[grid]`` launches; without a hook (Triton 3.6 keeps an empty hook chain in
-    its place) no launch metadata is built."""
-    import triton
-
-    dev = torch.device("cuda")
-    direct = direct_launcher()
-    assert direct is not None
-    _run(_case(0, 3, 2, 4, True), True, dev, direct=direct)  # compiles the variant
-    (variant,) = direct.variants.values()
-    built: list[int] = []
-    real = variant.launch_metadata
-
-    def counted(*args: object) -> object:
-        built.append(1)
-        return real(*args)
-
-    variant.launch_metadata = counted  # this compiled kernel's own attribute
-    try:
-        _run(_case(1, 3, 2, 4, True), True, dev, direct=direct)  # the default hooks
-        assert built == [] and direct.direct == 1
-        runtime = triton.knobs.runtime
-        seen: list[str] = []
-        old = runtime.launch_enter_hook
-        runtime.launch_enter_hook = lambda meta: seen.append(meta.get()["name"])
-        try:
-            for seed in range(2, 5):
-                _run(_case(seed, 3, 2, 4, True), True, dev, direct=direct)
-        finally:
-            runtime.launch_enter_hook = old
-    finally:
-        del variant.launch_metadata
-    torch.cuda.synchronize()
-    assert direct.direct == 4 and len(direct.variants) == 1
-    assert seen == ["_gather_and_mask_kernel"] * 3 and len(built) == 3
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("n", [0, 4, 9, -1])
-def test_bound_launches_equal_the_unbound_launches(n: int) -> None:
-    """A launch bound once (BoundGatherAndMask: tensors, offsets and ints fixed, the
-    batch's mask size given per call) writes what launch_gather_and_mask writes,
-    batches without mask bytes included."""
-    dev = torch.device("cuda")
-    direct = direct_launcher()
-    for seed in range(6):
-        case = _case(seed, 2 + seed % 4, seed % 3, n, seed % 2 == 0)  # bs 0: no mask byte
-        want = _run(case, True, dev, direct=direct)
-        got = _run(case, True, dev, direct=direct, bound=True)
-        for g, w in zip(got, want, strict=True):
-            assert torch.equal(g, w), seed
-    cpu = _case(0, 2, 1, n, False)
-    pages = torch.from_numpy(cpu["pages"])  # type: ignore[arg-type]
-    jobs = torch.from_numpy(cpu["staged"])[:12].view(6, 2)  # type: ignore[arg-type]
-    assert (  # CPU tensors go through launch_gather_and_mask
-        bind_gather_and_mask(pages, jobs, pages.view(-1), pages.view(-1), page_map=None,
-                             status=None, mask=None, direct=direct) is None
-    )  # fmt: skip

@@ -1,10 +1,9 @@
-"""FlashInfer executor: pure call translation, staging layout, policy, and the stateful
-executor.
+"""FlashInfer executor, on FlashInfer's public API: the pure translation of a plan into
+call records (``call_types``, ``calls``, ``names``, ``staging``, ``bucket``, ``policy``),
+the stateful executor (``executor``, ``buffers``) and CUDA-graph buckets (``graphs``).
 
-``calls``, ``staging``, ``bucket`` and ``policy`` are pure and, like ``adapter`` (the only
-code touching FlashInfer's and Triton's private API, and its version table), import on any
-machine; constructing :class:`FlashInferExecutor` (or a CUDA-graph :class:`graph_executor`)
-needs CUDA and flashinfer-python.
+Everything imports on any machine. :class:`FlashInferExecutor` runs on CUDA with
+flashinfer-python, or anywhere over the CPU twin (``flashinfer=flashplan.twin.flashinfer_twin``).
 """
 
 from flashplan.executor.flashinfer.bucket import GraphBucket
@@ -13,16 +12,8 @@ from flashplan.executor.flashinfer.executor import DEFAULT_WORKSPACE_BYTES, Flas
 from flashplan.executor.flashinfer.graphs import CapturedStep, capture, graph_executor
 from flashplan.executor.flashinfer.policy import ExecutorPolicy
 
-# What a user calls. The translation records (calls, call_types), the staging layout
-# (staging) and the bucket checks (bucket.check_fits) are importable from their modules;
-# they are the executor's own vocabulary, not part of the package's surface.
+# what a user calls; the translation records stay importable from their modules
 __all__ = [
-    "DEFAULT_WORKSPACE_BYTES",
-    "CapturedStep",
-    "ExecutorPolicy",
-    "FlashInferExecutor",
-    "GraphBucket",
-    "capture",
-    "graph_executor",
-    "translate",
-]
+    "DEFAULT_WORKSPACE_BYTES", "CapturedStep", "ExecutorPolicy", "FlashInferExecutor",
+    "GraphBucket", "capture", "graph_executor", "translate",
+]  # fmt: skip

@@ -1,42 +1,22 @@
-"""The pure PlanSpec -> FlashInfer calls translation (the call records live in
-:mod:`~flashplan.executor.flashinfer.call_types`, the batch arrays in
-:mod:`~flashplan.executor.flashinfer.batch_arrays`; both re-exported here).
-
-Translation has two halves, both pure and host-only (tested against the installed
-flashinfer's signatures on a CPU-only machine):
-
-* :func:`call_skeleton` depends only on static things — the plan's key, the policy,
-  the decode kernel kind and which groups carry a custom mask — so an executor
-  computes it once per key. It says which wrapper each call goes to and every
-  ``plan()`` argument, with array arguments left as named placeholders:
-  :class:`HostArray` (a host array of the batch, handed to ``plan()`` as a pinned CPU
-  tensor), :class:`StagedArray` (a host array a kernel reads, handed to ``plan()`` as a
-  typed view of the device staging buffer: the multi-item tensors),
-  :class:`BatchInt` (an integer of the batch), :class:`DeviceIndices` (page ids
-  gathered on the device), :class:`BuiltMask` (a custom mask built on the device) and
-  :class:`ItemPositions` (a multi-item ``token_pos_in_items`` filled on the device).
-* :func:`call_inputs` computes the batch's arrays behind those names.
-
-:func:`translate` does both.
+"""The pure PlanSpec -> FlashInfer calls translation (the records:
+:mod:`~flashplan.executor.flashinfer.call_types`, re-exported here). :func:`call_skeleton`
+(a function of :func:`skeleton_key`) gives every wrapper and ``plan()`` argument, arrays
+as placeholders; :func:`call_inputs` the batch's arrays behind them; :func:`translate`
+both.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
 
 import flashplan.executor.flashinfer.names as names
+from flashplan.arrays import INT32_MAX, constant_operand, indptr, running_sum, seal_inplace, zeros
 from flashplan.errors import UnsupportedError
-from flashplan.executor.flashinfer.batch_arrays import (
-    bytes_as_int32,
-    call_inputs,
-    decode_scheduler_kv_lens,
-    flashinfer_mask_offsets,
-    int32_words,
-)
 from flashplan.executor.flashinfer.call_types import (
-    PLACEHOLDERS,
-    SINK_WRAPPERS,
     BatchInt,
     BuiltMask,
     CallInputs,
@@ -45,7 +25,6 @@ from flashplan.executor.flashinfer.call_types import (
     HostArray,
     ItemPositions,
     MaskRecipe,
-    Placeholder,
     PlanCall,
     SinkKernel,
     StagedArray,
@@ -60,39 +39,20 @@ from flashplan.executor.flashinfer.policy import (
     split_kwargs,
 )
 from flashplan.layout.heads import HeadConfig
+from flashplan.planning.cascade import CascadePlan
+from flashplan.planning.masks import CustomMask, PositionMask, TreeMask
 from flashplan.planning.spec import GroupPlan, KernelPath, PlanKey, PlanSpec
 
-__all__ = [
-    "PLACEHOLDERS",
-    "SINK_WRAPPERS",
-    "BatchInt",
-    "BuiltMask",
-    "CallInputs",
-    "DeviceIndices",
-    "GroupCalls",
-    "HostArray",
-    "ItemPositions",
-    "MaskRecipe",
-    "Placeholder",
-    "PlanCall",
-    "SinkKernel",
-    "SkeletonKey",
-    "StagedArray",
-    "Translation",
-    "WrapperKey",
-    "WrapperKind",
-    "bytes_as_int32",
-    "call_inputs",
-    "call_skeleton",
-    "check_runnable",
-    "decode_scheduler_kv_lens",
-    "flashinfer_mask_offsets",
-    "int32_words",
-    "sink_kernel",
-    "skeleton_key",
-    "translate",
-]
+if TYPE_CHECKING:
+    from flashplan.arrays import IntArray
 
+__all__ = [
+    "BatchInt", "BuiltMask", "CallInputs", "DeviceIndices", "GroupCalls", "HostArray",
+    "ItemPositions", "MaskRecipe", "PlanCall", "SkeletonKey", "StagedArray", "Translation",
+    "WrapperKey", "WrapperKind", "bytes_as_int32", "call_inputs", "call_skeleton",
+    "check_runnable", "flashinfer_mask_offsets", "int32_words", "sink_kernel",
+    "skeleton_key", "translate",
+]  # fmt: skip
 
 #: What a call skeleton depends on besides the policy (:func:`skeleton_key`).
 SkeletonKey = tuple[
@@ -104,11 +64,8 @@ def skeleton_key(
     spec: PlanSpec, policy: ExecutorPolicy, batch_size: int | None = None
 ) -> SkeletonKey:
     """What a skeleton depends on besides the policy: the plan's key, the decode kernel
-    kind (a function of the batch size, or of ``batch_size`` when given: a CUDA-graph
-    bucket's), which groups carry a custom mask, which carry multi-item tensors (in a
-    multi-item batch — ``key.multi_item`` — every self group's paged call), which run
-    over virtual requests (chunked local attention across a chunk boundary), and which
-    run on cascade levels and how many levels there are."""
+    kind (of the batch size, or a bucket's ``batch_size``), which groups carry a custom
+    mask, multi-item tensors or virtual requests, and the cascade groups and levels."""
     bs = spec.batch_size if batch_size is None else batch_size
     tensor_cores = decode_uses_tensor_cores(spec.heads, policy, bs)
     plans = spec.group_plans
@@ -119,24 +76,12 @@ def skeleton_key(
     if cascade is None:
         return spec.key, tensor_cores, masked, items, virtual, (), 0
     levels = len(cascade.levels.levels)
-    # (the own calls' causal flags follow from the groups in the key: each group's own)
     return spec.key, tensor_cores, masked, items, virtual, cascade.groups, levels
 
 
 def check_runnable(spec: PlanSpec, *, graph: bool = False) -> None:
-    """Refuse a plan whose kernel calls this executor does not run as planned.
-
-    A chunked extend whose new tokens cross a chunk boundary runs over virtual requests
-    (:attr:`~flashplan.planning.GroupPlan.virtual`): more kernel rows than requests,
-    which a CUDA-graph bucket (``graph``: the caller is one) has no fixed buffers for.
-    Decode and verify steps never split that way (their queries see one chunk each); an
-    extend that a bucket replays is planned with ``plan(..., chunked_extend="mask")``
-    (one position-masked call per request), or runs eagerly. The executor refuses rather
-    than run a different mask.
-
-    A plan with cascade levels (``plan(..., shared_prefix=..., cascade=...)``) runs
-    eagerly; a CUDA-graph bucket refuses it (its fixed buffers have no room for the
-    levels' calls yet).
+    """Refuse a plan a CUDA-graph bucket (``graph``) cannot run: cascade levels, or a group
+    over virtual requests (more kernel rows than requests).
 
     Raises:
         UnsupportedError: naming the group, or ``cascade``.
@@ -145,11 +90,9 @@ def check_runnable(spec: PlanSpec, *, graph: bool = False) -> None:
         return
     if spec.cascade is not None:
         raise UnsupportedError(
-            "cascade",
-            "a CUDA-graph bucket does not run cascade levels yet: run this step eagerly, "
-            "or plan it with cascade='off'",
-            groups=spec.cascade.groups,
-        )
+            "cascade", "a CUDA-graph bucket does not run cascade levels yet: run this step "
+            "eagerly, or plan it with cascade='off'", groups=spec.cascade.groups,
+        )  # fmt: skip
     for gp in spec.group_plans:
         if gp.virtual is not None:
             raise UnsupportedError(
@@ -163,19 +106,12 @@ def check_runnable(spec: PlanSpec, *, graph: bool = False) -> None:
 
 
 def call_skeleton(
-    spec: PlanSpec, policy: ExecutorPolicy, *, sm90: bool, batch_size: int | None = None
-) -> tuple[GroupCalls, ...]:
-    """Every ``plan()`` call of ``spec``, arrays as placeholders.
-
-    The result depends only on :func:`skeleton_key` (and the policy and GPU), so an
-    executor may reuse it for every plan with the same skeleton key. ``batch_size``
-    overrides the batch size that picks the decode kernel (a CUDA-graph bucket's). The window and
-    causal flag of each call are the plan's own (:attr:`PagedPart.window_left`, …).
-
-    A multi-item call passes FlashInfer's four multi-item arguments (``prefix_len_ptr``
-    and ``max_item_len_ptr`` as :class:`StagedArray`, ``token_pos_in_items_ptr`` as
-    :class:`ItemPositions`, ``token_pos_in_items_len`` as :class:`BatchInt`) and runs
-    on FA2, like a masked call.
+    spec: PlanSpec, policy: ExecutorPolicy, *, sm90: bool, batch_size: int | None = None,
+    sink_decode: bool = True,
+) -> tuple[GroupCalls, ...]:  # fmt: skip
+    """Every ``plan()`` call of ``spec``, arrays as placeholders (a function of
+    :func:`skeleton_key`, the policy and the GPU). ``batch_size``: a CUDA-graph bucket's,
+    which picks the decode kernel; ``sink_decode``: FlashInfer has its sink decode wrapper.
 
     Raises:
         UnsupportedError: the policy forces a kernel the heads cannot run.
@@ -185,20 +121,18 @@ def call_skeleton(
     )
     heads = key.heads
     cascade = spec.cascade
+    split = split_kwargs(policy)
     out = []
     for index, (group, gp) in enumerate(zip(key.groups, spec.group_plans, strict=True)):
         common: list[tuple[str, Any]] = [
-            ("num_qo_heads", heads.num_qo_heads),
-            ("num_kv_heads", heads.num_kv_heads),
+            *split, ("num_qo_heads", heads.num_qo_heads), ("num_kv_heads", heads.num_kv_heads),
             ("logits_soft_cap", float(group.logits_soft_cap)),
-            ("sm_scale", group.scale_for(heads.head_dim)),
-            ("q_data_type", heads.q_dtype),
-            ("kv_data_type", heads.kv_dtype),
-            ("o_data_type", heads.out_dtype),
+            ("sm_scale", group.scale_for(heads.head_dim)), ("q_data_type", heads.q_dtype),
+            ("kv_data_type", heads.kv_dtype), ("o_data_type", heads.out_dtype),
             ("non_blocking", True),
-        ]
+        ]  # fmt: skip
         paged = ragged = None
-        # a group over virtual requests has its own query index pointers (the same rows)
+        # a group over virtual requests has its own query indptr (the same rows)
         qo_indptr = HostArray(
             names.group_array(index, "qo_indptr") if virtual[index] else names.QO_INDPTR
         )
@@ -208,20 +142,17 @@ def call_skeleton(
             pages = DeviceIndices(names.pages_region(index))
             page_indptr = HostArray(names.group_array(index, "page_indptr"))
             last_page_len = HostArray(names.group_array(index, "last_page_len"))
+            decode = gp.path is KernelPath.DECODE
             sink = sink_kernel(gp, heads, multi_item=items[index])
-            if gp.path is KernelPath.DECODE:
-                wrapper = WrapperKey(
-                    WrapperKind.DECODE, group, "fa2", tensor_cores or sink is not None, sink
-                )
+            sink = None if decode and not sink_decode else sink
+            if decode:
+                tc = tensor_cores or sink is not None
+                wrapper = WrapperKey(WrapperKind.DECODE, group, "fa2", tc, sink)
                 args: list[tuple[str, Any]] = [
-                    ("indptr", page_indptr),
-                    ("indices", pages),
-                    ("last_page_len", last_page_len),
-                    ("head_dim", heads.head_dim),
-                    ("page_size", key.page_size),
+                    ("indptr", page_indptr), ("indices", pages), ("last_page_len", last_page_len),
+                    ("head_dim", heads.head_dim), ("page_size", key.page_size),
                     ("window_left", part.window_left),
-                ]
-                args += split_kwargs(policy)
+                ]  # fmt: skip
             else:
                 backend = prefill_backend(
                     heads, policy, custom_mask=masked[index], multi_item=items[index], sm90=sm90,
@@ -229,15 +160,11 @@ def call_skeleton(
                 )  # fmt: skip
                 wrapper = WrapperKey(WrapperKind.PAGED_PREFILL, group, backend, False, sink)
                 args = [
-                    ("qo_indptr", qo_indptr),
-                    ("paged_kv_indptr", page_indptr),
-                    ("paged_kv_indices", pages),
-                    ("paged_kv_last_page_len", last_page_len),
-                    ("head_dim_qk", heads.head_dim),
-                    ("page_size", key.page_size),
-                    ("causal", part.causal),
-                    ("window_left", part.window_left),
-                ]
+                    ("qo_indptr", qo_indptr), ("paged_kv_indptr", page_indptr),
+                    ("paged_kv_indices", pages), ("paged_kv_last_page_len", last_page_len),
+                    ("head_dim_qk", heads.head_dim), ("page_size", key.page_size),
+                    ("causal", part.causal), ("window_left", part.window_left),
+                ]  # fmt: skip
                 if masked[index]:
                     args.append(("packed_custom_mask", BuiltMask(index)))
                 if items[index]:
@@ -248,31 +175,23 @@ def call_skeleton(
                         ("token_pos_in_items_len", BatchInt(item("tpos_len"))),
                         ("max_item_len_ptr", StagedArray(item("max_len"), "uint16")),
                     ]
-                args += split_kwargs(policy)
             paged = PlanCall(wrapper, tuple(args + common))
         if gp.ragged is not None:
             backend = prefill_backend(heads, policy, custom_mask=False, sm90=sm90)
             wrapper = WrapperKey(WrapperKind.RAGGED_PREFILL, group, backend, False)
             args = [
-                ("qo_indptr", qo_indptr),
-                ("kv_indptr", qo_indptr),
-                ("head_dim_qk", heads.head_dim),
-                ("causal", gp.ragged.causal),
-                ("window_left", gp.ragged.window_left),
-            ]
-            args += split_kwargs(policy)
+                ("qo_indptr", qo_indptr), ("kv_indptr", qo_indptr), ("head_dim_qk", heads.head_dim),
+                ("causal", gp.ragged.causal), ("window_left", gp.ragged.window_left),
+            ]  # fmt: skip
             ragged = PlanCall(wrapper, tuple(args + common))
         level_calls: tuple[PlanCall, ...] = ()
-        if index in cascaded:
-            # FA2 unless the policy forces FA3: a level's call then re-plans through the
-            # compiled scheduler every batch, as the own decode call does (a full FA3
-            # plan() would cost more host time than the level saves on a decode step)
+        if index in cascaded:  # FA2 unless the policy forces FA3
             backend = "fa3" if policy.prefill_backend == "fa3" else "fa2"
             prefill_backend(heads, policy, custom_mask=False, sm90=sm90)  # its refusals
             level_calls = tuple(
                 PlanCall(
                     WrapperKey(WrapperKind.PAGED_PREFILL, group, backend, False, level=k),
-                    tuple(_level_args(k, heads, key.page_size) + split_kwargs(policy) + common),
+                    tuple(_level_args(k, heads, key.page_size) + common),
                 )
                 for k in range(levels)
             )
@@ -281,54 +200,199 @@ def call_skeleton(
 
 
 def _level_args(level: int, heads: HeadConfig, page_size: int) -> list[tuple[str, Any]]:
-    """The ``plan()`` arguments of cascade level ``level``'s call: every sharing group
-    one kernel request (its members' query rows, its shared pages), no causal mask and
-    no window (every shared key precedes every query; windowed groups never run on
-    levels)."""
+    """The ``plan()`` arguments of cascade level ``level``'s call: one kernel request per
+    sharing group, no causal mask, no window (every shared key precedes every query)."""
     return [
         ("qo_indptr", HostArray(names.level_array(level, "qo_indptr"))),
         ("paged_kv_indptr", HostArray(names.level_array(level, "page_indptr"))),
         ("paged_kv_indices", DeviceIndices(names.level_pages_region(level))),
         ("paged_kv_last_page_len", HostArray(names.level_array(level, "last_page_len"))),
-        ("head_dim_qk", heads.head_dim),
-        ("page_size", page_size),
-        ("causal", False),
+        ("head_dim_qk", heads.head_dim), ("page_size", page_size), ("causal", False),
         ("window_left", -1),
-    ]
+    ]  # fmt: skip
 
 
 def sink_kernel(gp: GroupPlan, heads: HeadConfig, *, multi_item: bool) -> SinkKernel | None:
-    """The sink kernel variant of a group's paged call, or ``None``: the sink is then
-    folded into the call's (or the merged) state after the kernel, or the group has none.
-
-    A paged call that the plan gives the group's sinks (a decode or paged-only prefill;
-    the ragged call takes them where there is one, and the merge folds them in) runs on
-    FlashInfer's sink kernel, which applies the sink inside the softmax, unless the group
-    has a logits soft cap (the sink variant has none), the call carries multi-item
-    tensors (the variant's parameters have none) or a custom mask: flashinfer 0.7.4's
-    ``AttentionSink`` variant defines its own logits mask (the window alone), which
-    replaces the one that reads the packed custom mask, so a masked call on it would
-    silently see every key (a verify tree, a position mask; measured in run AU). An
-    fp8 cache folds its sinks too: the sink variant's fp8-KV build is a separate JIT
-    module that flashplan's GPU tests have not run.
-    """
+    """The sink kernel variant of a sink group's paged call, or ``None`` (the sink is then
+    folded in after the kernel): not with a soft cap, multi-item tensors, an fp8 cache or
+    a custom mask (flashinfer 0.7.4's variant replaces it with the window alone)."""
     part = gp.paged
     if part is None or not part.sinks or gp.group.logits_soft_cap or multi_item:
         return None
-    if heads.kv_is_fp8:  # the sink variant's fp8 build is not one flashplan's tests ran
-        return None
-    if gp.uses_custom_mask:
+    if heads.kv_is_fp8 or gp.uses_custom_mask:
         return None
     return SinkKernel(heads.q_dtype, heads.kv_dtype, heads.head_dim, part.window_left)
 
 
-def translate(spec: PlanSpec, policy: ExecutorPolicy, *, sm90: bool) -> Translation:
-    """Describe every FlashInfer ``plan()`` call of ``spec`` and the arrays it needs.
-
-    Args:
-        spec: the plan.
-        policy: kernel choices (:class:`ExecutorPolicy`).
-        sm90: whether the target GPU is Hopper (enables FA3 under ``"auto"``).
-    """
-    calls = call_skeleton(spec, policy, sm90=sm90)
+def translate(
+    spec: PlanSpec, policy: ExecutorPolicy, *, sm90: bool, sink_decode: bool = True
+) -> Translation:
+    """Describe every FlashInfer ``plan()`` call of ``spec`` and the arrays it needs, under
+    ``policy`` (:class:`ExecutorPolicy`); ``sm90``: the GPU is Hopper (FA3 under
+    ``"auto"``); ``sink_decode``: FlashInfer has its sink decode wrapper."""
+    calls = call_skeleton(spec, policy, sm90=sm90, sink_decode=sink_decode)
     return Translation(calls, call_inputs(spec, calls))
+
+
+#: The MultiItemTensors field behind each staged multi-item plan() argument.
+_ITEM_ARRAYS = {"prefix_len_ptr": "prefix_len_ptr", "max_item_len_ptr": "max_item_len"}
+
+
+def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
+    """The batch's arrays behind ``calls``' placeholders. With a custom mask an empty span
+    gets one unread page and ``last_page_len = 0``: flashinfer 0.7.4 sizes a request's
+    mask by ``(pages - 1) * page_size + last_page_len``, so zero pages would shift the rest.
+
+    Raises:
+        UnsupportedError: a custom mask too large for flashinfer's int32 offsets.
+    """
+    uses_qo = any(gc.ragged is not None or gc.path is not KernelPath.DECODE for gc in calls)
+    host: dict[str, IntArray] = {names.QO_INDPTR: spec.qo_indptr} if uses_qo else {}
+    spans: dict[int, tuple[IntArray, IntArray]] = {}
+    masks: dict[int, MaskRecipe] = {}
+    ints: dict[str, int] = {}
+    elements: dict[str, int] = {}
+    cascade = spec.cascade
+    for gc in calls:
+        index = gc.group_index
+        gp = spec.group_plans[index]
+        if gp.virtual is not None:  # the kernels run over the virtual requests' rows
+            vq = gp.virtual.queries
+            host[names.group_array(index, "qo_indptr")] = vq.indptr
+        # a group on cascade levels: its paged call reads each request's own keys
+        part = cascade.own_call(index) if gc.levels and cascade is not None else gp.paged
+        if part is None:
+            continue
+        # the gather reads each request's span, the kernel the call's (virtual requests')
+        start, num = part.start_page, part.num_pages
+        call = part.call_spans
+        page_indptr = call.pages.indptr
+        if gc.masked and part.kv_lens.size and not np.logical_and.reduce(part.kv_lens):
+            empty = part.kv_lens == 0
+            start = seal_inplace(np.where(empty, 0, start))
+            num = seal_inplace(np.where(empty, 1, num))
+            page_indptr = indptr(num, "pages")
+        spans[index] = (start, num)
+        host[names.group_array(index, "page_indptr")] = page_indptr
+        host[names.group_array(index, "last_page_len")] = call.last_page_len
+        if gc.masked:
+            mask = part.mask if part.mask is not None else part.position_mask
+            assert mask is not None
+            masks[index] = _mask_recipe(index, mask, host)
+        for name, value in gc.paged.kwargs if gc.paged is not None else ():
+            if not isinstance(value, (StagedArray, BatchInt, ItemPositions)):
+                continue
+            items = part.items
+            assert items is not None, "a multi-item call needs the plan's multi-item tensors"
+            if isinstance(value, BatchInt):
+                ints[value.name] = items.token_pos_in_items_len
+            elif isinstance(value, ItemPositions):
+                host[names.item_part(value.name, "start")] = items.item_start
+                host[names.item_part(value.name, "length")] = items.item_length
+                size = items.batch_size * items.token_pos_in_items_len
+                ints[names.item_part(value.name, "size")] = size
+                ints[names.item_part(value.name, "longest")] = items.max_length
+            else:
+                arr: npt.NDArray[np.unsignedinteger] = getattr(items, _ITEM_ARRAYS[name])
+                host[value.name] = int32_words(arr)
+                elements[value.name] = int(arr.shape[0])
+    level_spans: tuple[tuple[IntArray, IntArray], ...] = ()
+    if cascade is not None and any(gc.levels for gc in calls):
+        level_spans = _level_inputs(cascade.levels, spec.total_q, host)
+    return CallInputs(host, spans, masks, ints, elements, level_spans)
+
+
+def _level_inputs(
+    plan: CascadePlan, total_q: int, host: dict[str, IntArray]
+) -> tuple[tuple[IntArray, IntArray], ...]:
+    """Every cascade level's arrays into ``host`` (``l<k>.*``); returns each
+    level's ``(start_page, num_pages)`` per request for the gather: a group's shared pages
+    at its first member's row, nothing at the other rows."""
+    out = []
+    for k, level in enumerate(plan.levels):
+        spans = level.spans
+        host[names.level_array(k, "qo_indptr")] = level.qo_indptr
+        host[names.level_array(k, "page_indptr")] = spans.pages.indptr
+        host[names.level_array(k, "last_page_len")] = spans.last_page_len
+        if level.leaves_rows_out(total_q):  # gathered by its rows
+            host[names.level_array(k, "q_rows")] = level.q_rows
+        out.append((level.row_start_page, level.row_pages))
+    return tuple(out)
+
+
+def int32_words(values: npt.NDArray[np.unsignedinteger]) -> IntArray:
+    """The bytes of a uint16 / uint32 array as read-only int32 words (a uint16 array of
+    odd length gets one zero element more); a ``.view(dtype)`` of the staged words gives
+    the values back (little-endian on both sides)."""
+    raw = np.ascontiguousarray(values)
+    if raw.nbytes % 4:
+        raw = np.concatenate([raw, np.zeros((4 - raw.nbytes % 4) // raw.itemsize, raw.dtype)])
+    out = raw.view(np.int32)
+    if out.flags.writeable:  # our own padded copy, or a caller's writable array
+        out = out.copy() if np.shares_memory(out, values) else out
+        out.flags.writeable = False
+    return out
+
+
+def flashinfer_mask_offsets(
+    qo_lens: npt.NDArray[np.integer], kv_lens: npt.NDArray[np.integer]
+) -> npt.NDArray[np.int64]:
+    """int64 ``[bs + 1]``: the byte offset at which flashinfer 0.7.4's kernel reads each
+    request's packed mask, ``sum_{r<i} qo_r * kv_r``: its ``plan()`` sums ``qo_len *
+    kv_len`` *bits* and its kernel adds them to a *byte* pointer (flashinfer PR #2201)."""
+    return running_sum(np.multiply(qo_lens, kv_lens, dtype=np.int64))
+
+
+def bytes_as_int32(values: npt.NDArray[np.uint8]) -> IntArray:
+    """uint8 bytes as int32 words (zero-padded to a multiple of 4), for the int32 staging
+    buffer; the device views them back as uint8."""
+    if values.shape[0] % 4 == 0 and values.flags.c_contiguous:  # a view, no copy
+        words = values.view(np.int32)
+        words.flags.writeable = False  # this view only
+        return words
+    padded = np.zeros((values.shape[0] + 3) // 4 * 4, dtype=np.uint8)
+    padded[: values.shape[0]] = values
+    return seal_inplace(padded.view(np.int32))
+
+
+def _mask_recipe(
+    index: int, mask: CustomMask | PositionMask, host: dict[str, IntArray]
+) -> MaskRecipe:
+    """Group ``index``'s mask as int32 arrays in ``host`` (``g<index>.mask.*``; ``indptr``:
+    :func:`flashinfer_mask_offsets`) and its sizes.
+
+    Raises:
+        UnsupportedError: a mask too large for the mask kernel's int32 offsets.
+    """
+    name = functools.partial(names.mask_name, index)
+    sizes = np.multiply(mask.qo_lens, mask.kv_lens, dtype=np.int64)  # bits per request
+    offsets = running_sum(sizes)
+    total = int(offsets[-1])
+    if total > INT32_MAX - 8:  # the mask kernel's int32 element indices
+        raise UnsupportedError(
+            "extend_path", "a custom mask of this many elements exceeds int32 offsets: plan "
+            "this batch with extend_path='paged'", mask_elements=total,
+        )  # fmt: skip
+    max_bytes = (int(np.maximum.reduce(sizes)) + 7) // 8 if total else 0
+    host[name("qo_lens")] = mask.qo_lens
+    host[name("kv_lens")] = mask.kv_lens
+    host[name("indptr")] = seal_inplace(offsets)  # int32: the total fits (checked above)
+    if isinstance(mask, PositionMask):  # positions fit int32; the rule is capped at it
+        host[name("row_position")] = seal_inplace(mask.row_position)
+        host[name("col_position")] = seal_inplace(mask.col_position)
+        rule = [mask.causal, mask.window_left, mask.window_right, mask.chunk]
+        host[name("rule")] = seal_inplace(np.minimum(np.array(rule, np.int64), INT32_MAX))
+        return MaskRecipe(max_bytes, max(total, 1), position=True)
+    first, bs = mask.first_visible, mask.first_visible.shape[0]
+    if first is zeros((bs,), "int64"):  # the planner's shared zeros (a whole-row tree)
+        host[name("first_visible")] = zeros((bs,), "int32")
+    else:  # clamped to int32, then cast
+        first = np.maximum(first, constant_operand(-INT32_MAX, np.int64))
+        np.minimum(first, constant_operand(INT32_MAX, np.int64), out=first)
+        host[name("first_visible")] = seal_inplace(first)
+    if not isinstance(mask, TreeMask):
+        return MaskRecipe(max_bytes, max(total, 1))
+    host[name("row_offsets")] = mask.row_offsets.reshape(-1)  # read-only int32, C order
+    host[name("tail_start")] = seal_inplace(mask.tail_start)  # in [0, kv_len]
+    host[name("tail_words")] = bytes_as_int32(mask.tail_words.reshape(-1))  # packed rows
+    return MaskRecipe(max_bytes, max(total, 1), num_tokens=int(mask.row_offsets.shape[1]))

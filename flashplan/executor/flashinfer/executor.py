@@ -1,191 +1,283 @@
 """`FlashInferExecutor`: applies a `PlanSpec` to FlashInfer wrappers and runs kernels.
 
-The thin stateful part of flashplan: a facade over parts, each a module of its own.
-
-* :mod:`~.settings`: the construction arguments, checked (one frozen record);
-* a **buffers strategy** (:mod:`~.strategy`): :class:`~.eager.EagerBuffers`, or the
-  fixed buffers of a CUDA-graph bucket (:class:`~.graph_buffers.GraphBuffers`,
-  :meth:`FlashInferExecutor.for_bucket`), which owns every buffer and cache;
-* the pure translation (:mod:`~.calls`, :mod:`~.staging`);
-* the device work (:mod:`~.device_work`), the wrapper planning (:mod:`~.wrapper_plans`),
-  the checked mode (:mod:`~.checked`) and the run (:mod:`~.running`).
-
-``apply(spec, table)`` reads as its steps:
-
-1. **translate** the plan (the call skeleton is kept per static key) and lay out the
-   device work (pure);
-2. **stage**: every int32 host array of the batch goes into one pinned slot of a ring
-   that is never overwritten while a queued copy may read it, then **one copy** into a
-   persistent device buffer;
-3. **one launch**: every group's page ids and every write slot (through the
-   sliding-window page map where a windowed group needs it), and the first masked
-   group's custom mask built on the device;
-4. (``check_pages`` mode only) the gathered ids are read back and checked;
-5. **plan the wrappers** with pinned host indptrs (FlashInfer never reads back from
-   the device), through the compiled scheduler where a wrapper's last ``plan()`` had
-   the same constants.
-
-``run(group, q, k_new, v_new, kv_cache)`` writes the new K/V into the cache (one
-Triton launch that skips unusable slots) and runs the group's kernels; everything a
-kernel compiles in (window, soft cap, scale, causal, mask, dtypes) comes from the plan
-and is never overridden at run time. Nothing in apply or run waits for the GPU, except
-in the opt-in ``check_pages`` mode.
+``apply(spec, table)``: 1. translate the plan into call records (:mod:`~.calls`) laid out
+for the device (:mod:`~.staging`); 2. stage every int32 host array, **one copy**; 3. **one
+launch** gathers every page id and write slot and builds the first custom mask; 4.
+(``check_pages`` mode) read the ids back; 5. ``plan()`` each wrapper. Nothing waits for
+the GPU outside the ``check_pages`` mode.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, overload
+import math
+import warnings
+from typing import TYPE_CHECKING, Any, Literal, overload
 
+import attrs
+import numpy as np
 import torch
 
 import flashplan.executor.flashinfer.names as names
-from flashplan.errors import PageTableError, PlanMismatchError, UnsupportedError
-from flashplan.executor.checks import check_apply_args, check_run_args
-from flashplan.executor.flashinfer.applied import AppliedBatch, level_rows
-from flashplan.executor.flashinfer.bound_table import bound_table
-from flashplan.executor.flashinfer.calls import GroupCalls, check_runnable
-from flashplan.executor.flashinfer.checked import check_cache_pages, check_gathered
-from flashplan.executor.flashinfer.device_work import fill_positions, gather_and_mask, stage
-from flashplan.executor.flashinfer.eager import EagerBuffers
-from flashplan.executor.flashinfer.graph_buffers import GraphBuffers
-from flashplan.executor.flashinfer.running import run_group
-from flashplan.executor.flashinfer.settings import DEFAULT_WORKSPACE_BYTES, ExecutorSettings
+from flashplan.errors import (
+    DeviceUnavailableError,
+    OptionTypeError,
+    PageTableError,
+    PlanMismatchError,
+    RunTypeError,
+    UnsupportedError,
+    as_option,
+)
+from flashplan.executor.checks import (
+    RunArgs,
+    check_apply_args,
+    check_page_map,
+    check_run_args,
+    first_shared_slot,
+)
+from flashplan.executor.flashinfer.bucket import GraphBucket
+from flashplan.executor.flashinfer.buffers import Buffers, GraphBuffers, Staged
+from flashplan.executor.flashinfer.calls import check_runnable
+from flashplan.executor.flashinfer.policy import ExecutorPolicy, ExecutorSettings
 from flashplan.executor.flashinfer.staging import DevicePlan
-from flashplan.executor.flashinfer.streams import CurrentStream
-from flashplan.executor.flashinfer.wrapper_plans import Planned, plan_calls, plan_step_calls
+from flashplan.executor.gathers import Region, write_region
 from flashplan.kernels.gather import NO_BAD_JOB
+from flashplan.kernels.kv_write import write_kv
+from flashplan.kernels.merge_state import fold_sinks_triton, merge_state_triton
+from flashplan.layout.convert import as_bool, as_int
 from flashplan.layout.group import AttentionGroup
 from flashplan.planning.spec import KernelPath, PlanSpec
+from flashplan.torch_kernels import mark_undefined_sinks
 
 if TYPE_CHECKING:
-    from flashplan.executor.flashinfer.bucket import GraphBucket
-    from flashplan.executor.flashinfer.policy import ExecutorPolicy
-    from flashplan.executor.flashinfer.strategy import BuffersStrategy
     from flashplan.layout.page_table import PageTable
 
-__all__ = ["DEFAULT_WORKSPACE_BYTES", "FlashInferExecutor"]
+__all__ = [
+    "DEFAULT_WORKSPACE_BYTES", "SUPPORTED_VERSIONS", "AppliedBatch", "ExecutorSettings",
+    "FlashInferExecutor", "FlashInferVersionWarning",
+]  # fmt: skip
+
+#: Default size of the float workspace all wrappers share (bytes): FlashInfer's
+#: recommended 128 MiB doubled, for split-KV partial results of large batches.
+DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
+#: The flashinfer-python versions the GPU suite passes on, ``[oldest, newest]``
+#: (``pyproject.toml``'s range); another version warns.
+SUPPORTED_VERSIONS = ("0.7.0.post1", "0.7.4")
+
+
+class FlashInferVersionWarning(UserWarning):
+    """The installed flashinfer is outside :data:`SUPPORTED_VERSIONS`."""
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    """``"0.7.0.post1+cu130"`` as ``(0, 7, 0, 1)``: release numbers, then post release."""
+    release, _, post = version.split("+")[0].partition(".post")
+    parts = [int(p) if p.isdigit() else 0 for p in release.split(".")]
+    return (*parts, int(post) if post.isdigit() else 0)
+
+
+def check_version(version: str) -> None:
+    """Warn when ``version`` is outside :data:`SUPPORTED_VERSIONS`."""
+    lo, hi = (_version_key(v) for v in SUPPORTED_VERSIONS)
+    if not lo <= _version_key(version) <= hi and not version.endswith("+twin"):
+        warnings.warn(
+            f"flashinfer-python {version} is outside the versions flashplan's GPU suite "
+            f"passes on ({SUPPORTED_VERSIONS[0]} to {SUPPORTED_VERSIONS[1]})",
+            FlashInferVersionWarning, stacklevel=3,
+        )  # fmt: skip
+
+
+def _import_flashinfer() -> Any:
+    with warnings.catch_warnings():  # its import-time deprecation notices
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import flashinfer
+    return flashinfer
+
+
+def _device(device: object, twin: bool) -> torch.device:
+    """``device`` checked: CUDA (the current one by default), or any device for the twin."""
+    if device is None:
+        device = "cpu" if twin and not torch.cuda.is_available() else "cuda"
+    if isinstance(device, bool):
+        raise UnsupportedError("device", "not a torch device", value=device)
+    try:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise UnsupportedError("device", f"not a torch device ({exc})", value=device) from None
+    if dev.type != "cuda":
+        if twin:
+            return dev
+        raise UnsupportedError("device", "FlashInferExecutor needs a CUDA device", device=str(dev))
+    if not torch.cuda.is_available():
+        raise DeviceUnavailableError(
+            "device", "FlashInferExecutor needs CUDA, which is not available here"
+        )
+    if dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if not 0 <= dev.index < torch.cuda.device_count():
+        raise DeviceUnavailableError(
+            "device", f"no such CUDA device: this machine has {torch.cuda.device_count()}",
+            device=str(dev),
+        )  # fmt: skip
+    return dev
+
+
+@attrs.frozen(eq=False)
+class AppliedBatch:
+    """What an apply leaves for ``run``: the planned wrappers by ``(group index, "paged" |
+    "ragged" | "level<k>")``, the int32 gathered page ids and in-page offsets (-1: no
+    slot), per cascade level its call's int32 query rows (``None``: all, in order), and
+    the draft step it is (0 for a whole batch)."""
+
+    spec: PlanSpec
+    dplan: DevicePlan
+    table: PageTable
+    planned: dict[tuple[int, str], Any]
+    page: torch.Tensor
+    offset: torch.Tensor
+    level_rows: tuple[torch.Tensor | None, ...] = ()
+    step: int = 0
+
+    def write_region(self, group: AttentionGroup, window_pool: bool) -> Region:
+        """The gather region of ``group``'s write slots."""
+        return self.dplan.jobs.region(write_region(group, window_pool))
+
+
+def level_rows(spec: PlanSpec, staged: Staged) -> tuple[torch.Tensor | None, ...]:
+    """Per cascade level, the staged device view of its query rows (``None``: the level's
+    call covers every row in batch order)."""
+    if spec.cascade is None:
+        return ()
+    return tuple(
+        staged.device(names.level_array(k, "q_rows")) if lv.leaves_rows_out(spec.total_q) else None
+        for k, lv in enumerate(spec.cascade.levels.levels)
+    )
+
+
+def _merge_levels(
+    batch: AppliedBatch, args: RunArgs, q: torch.Tensor, k_scale: float | None,
+    kv_cache: torch.Tensor | None, own: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A cascade group's state: its own keys' ``own`` merged by LSE with each level's call
+    over the shared pages (outermost first; a level runs on its own query rows)."""
+    out, lse = own
+    fp8 = batch.spec.heads.kv_is_fp8
+    for k, rows in enumerate(batch.level_rows):
+        wrapper = batch.planned[(args.index, f"level{k}")]
+        q_level = q if rows is None else q.index_select(0, rows)
+        o_level, s_level = wrapper.run(q_level, kv_cache, k_scale=k_scale, return_lse=True)
+        if fp8:
+            _apply_v_scale(o_level, args.v_scale)
+        if rows is None:
+            out, lse = merge_state_triton(out, lse, o_level, s_level)
+            continue
+        o_m, s_m = merge_state_triton(
+            out.index_select(0, rows), lse.index_select(0, rows), o_level, s_level
+        )
+        out.index_put_((rows,), o_m)
+        lse.index_put_((rows,), s_m)
+    return out, lse
+
+
+def _fold_k_scale(q: torch.Tensor, args: RunArgs) -> tuple[torch.Tensor, float | None]:
+    """``(q for the kernel, k_scale for FlashInfer or None)``: a number scales the softmax
+    (exact); a 0-d tensor the queries on the device, in float32 and rounded once (torch's
+    ``q * k_scale`` would round the scale to bf16 first)."""
+    if isinstance(args.k_scale, torch.Tensor):
+        return (q.float() * args.k_scale).to(q.dtype), None
+    return q, None if args.k_scale == 1.0 else args.k_scale
+
+
+def _apply_v_scale(out: torch.Tensor, v_scale: float | torch.Tensor) -> None:
+    """Multiply a paged call's output by an fp8 cache's ``v_scale`` in place, in float32."""
+    if isinstance(v_scale, torch.Tensor):
+        out.copy_(out.float() * v_scale)
+    elif v_scale != 1.0:
+        out.mul_(v_scale)  # a Python number: torch computes in float32 (opmath)
 
 
 class FlashInferExecutor:
-    """Runs plans (:class:`~flashplan.PlanSpec`) on FlashInfer kernels (CUDA).
+    """Runs plans (:class:`~flashplan.PlanSpec`) on FlashInfer kernels, with the contract
+    of :class:`~flashplan.ReferenceExecutor`: ``apply(spec, table)`` once per batch, then
+    ``run(group, q, k_new, v_new, kv_cache)`` per layer, on one stream.
+    :meth:`for_bucket` makes a CUDA-graph bucket's executor from this one.
 
-    Same contract as :class:`~flashplan.ReferenceExecutor` (the
-    :class:`~flashplan.Executor` protocol): ``apply(spec, table)`` once per batch, then
-    ``run(group, q, k_new, v_new, kv_cache)`` per layer, all on one CUDA stream.
-    :meth:`for_bucket` makes the CUDA-graph executor of a bucket from this one.
-
-    **Bad page ids.** By default nothing waits for the GPU, so page ids are checked on
-    the device: an id below 0, at or beyond ``table.num_pages`` (when the table says
-    it), or evicted from the window pool is never used — reads go to page 0 instead,
-    writes are skipped, and writes to a page beyond the cache are skipped too — and
-    each such id is counted in :meth:`page_errors`, which an engine may read whenever
-    it syncs anyway. With ``check_pages=True`` every apply and run instead checks the
-    ids and the write slots at once and raises :class:`~flashplan.PageTableError`
-    naming the request: that mode reads back from the device (a sync per call).
+    **Bad page ids** (below 0, at or beyond ``table.num_pages``, or evicted from the
+    window pool) are never used (reads go to page 0, writes are skipped) and are counted
+    in :meth:`page_errors`. With ``check_pages=True`` every apply and run checks them and
+    raises :class:`~flashplan.PageTableError` naming the request (a sync per call).
 
     Args:
-        device: the CUDA device of the KV cache (default: the current device).
-        policy: kernel choices (:class:`ExecutorPolicy`; defaults measured on H200).
-        workspace_bytes: size of the float workspace all wrappers share
-            (:data:`DEFAULT_WORKSPACE_BYTES`). A plan that needs more makes ``apply``
-            raise :class:`~flashplan.UnsupportedError` naming this argument.
-        page_map: optional int32 device tensor mapping full-pool page ids to the
-            page ids of a separate sliding-window KV pool (a negative entry marks an
-            evicted page); windowed groups' page ids and write slots go through it.
+        device: the KV cache's device (default: the current CUDA device, or the CPU with
+            the twin and no CUDA).
+        policy: kernel choices (:class:`ExecutorPolicy`).
+        workspace_bytes: the float workspace all wrappers share (bytes).
+        page_map: int32 device tensor mapping full-pool page ids to a sliding-window
+            pool's (negative: evicted); windowed groups go through it.
         check_pages: the checked mode above.
-        fast_plan: re-plan a wrapper whose last ``plan()`` had the same constant
-            arguments without ``plan()``'s argument checks, host metadata and copies
-            (flashplan has staged the arrays already): a decode wrapper or an eager
-            FA2 paged prefill wrapper by running FlashInfer's compiled scheduler directly
-            (:mod:`~flashplan.executor.flashinfer.adapter`); only with a flashinfer
-            version each was checked against. ``False``: always ``plan()``.
+        flashinfer: the FlashInfer module (default: ``import flashinfer``), or
+            :data:`flashplan.twin.flashinfer_twin` to run on the CPU.
 
     Raises:
-        UnsupportedError: no CUDA, or ``device`` is not a CUDA device.
-        OptionError: an argument of the wrong range; :class:`~flashplan.OptionTypeError`
-            (also a ``TypeError``) of the wrong type.
+        UnsupportedError: ``device`` is not a CUDA device (real FlashInfer).
+        DeviceUnavailableError: (also a ``RuntimeError``) no CUDA here.
+        OptionError: an argument out of range (:class:`~flashplan.OptionTypeError`: of the
+            wrong type).
     """
 
     def __init__(
-        self,
-        device: torch.device | str | None = None,
-        *,
-        policy: ExecutorPolicy | None = None,
-        workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
-        page_map: torch.Tensor | None = None,
-        check_pages: bool = False,
-        fast_plan: bool = True,
-    ) -> None:
-        settings = ExecutorSettings.make(
-            device, policy, workspace_bytes, page_map, check_pages, fast_plan
-        )
-        self._assemble(settings, EagerBuffers(settings), None)
-
-    def _assemble(
-        self, settings: ExecutorSettings, buffers: BuffersStrategy, batch: AppliedBatch | None
-    ) -> None:
+        self, device: torch.device | str | int | None = None, *,
+        policy: ExecutorPolicy | None = None, workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+        page_map: torch.Tensor | None = None, check_pages: bool = False, flashinfer: Any = None,
+    ) -> None:  # fmt: skip
+        twin = str(getattr(flashinfer, "__version__", "")).endswith("+twin")
+        dev = _device(device, twin)
+        fi = _import_flashinfer() if flashinfer is None else flashinfer
+        check_version(str(getattr(fi, "__version__", "unknown")))
+        if policy is not None and not isinstance(policy, ExecutorPolicy):
+            raise OptionTypeError("policy", "must be an ExecutorPolicy", value=policy)
+        size = as_option(as_int, "workspace_bytes", workspace_bytes, minimum=1 << 20)
+        settings = ExecutorSettings(
+            device=dev, flashinfer=fi, policy=policy or ExecutorPolicy(), workspace_bytes=size,
+            # zeroed: FlashInfer asks for a zero-initialised float workspace
+            workspace=torch.zeros(size, dtype=torch.uint8, device=dev),
+            page_map=check_page_map(page_map, dev),
+            check_pages=as_option(as_bool, "check_pages", check_pages),
+            sm90=dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0),
+            sink_decode=hasattr(fi, "BatchDecodeWithAttentionSinkWrapper"), twin=twin,
+        )  # fmt: skip
         self._settings = settings
-        self._buffers = buffers
-        self._batch = batch
-        self._positions: torch.Tensor | None = None  # built by positions() for _batch
-        self._stream = CurrentStream(settings.device)
+        self._buffers: Buffers = Buffers(settings)
+        self._batch: AppliedBatch | None = None
+        self._positions: torch.Tensor | None = None  # positions() of _batch
 
-    @classmethod
-    def _over(
-        cls, settings: ExecutorSettings, buffers: BuffersStrategy, batch: AppliedBatch | None
-    ) -> FlashInferExecutor:
-        """An executor over these parts (a graph bucket's, or one step of a draft)."""
-        executor = cls.__new__(cls)
-        executor._assemble(settings, buffers, batch)
+    def _over(self, buffers: Buffers, batch: AppliedBatch | None) -> FlashInferExecutor:
+        """An executor of these settings over ``buffers`` (a bucket's, or a draft step's)."""
+        executor = type(self).__new__(type(self))
+        executor._settings, executor._buffers, executor._batch = self._settings, buffers, batch
+        executor._positions = None
         return executor
 
     def for_bucket(self, bucket: GraphBucket) -> FlashInferExecutor:
-        """The CUDA-graph executor of ``bucket``: the same settings and workspace, the
-        bucket's fixed buffers and graph-mode wrappers
-        (:mod:`~flashplan.executor.flashinfer.graphs`).
+        """The CUDA-graph executor of ``bucket`` (:mod:`~.graphs`) on these settings.
 
         Raises:
-            PlanMismatchError: ``bucket`` is not a :class:`GraphBucket`.
-            UnsupportedError: this executor runs in ``check_pages`` mode, whose checks
-                read back from the device, which a captured graph cannot do.
+            RunTypeError: ``bucket`` is not a :class:`GraphBucket`.
+            UnsupportedError: this executor runs in ``check_pages`` mode.
         """
-        from flashplan.executor.flashinfer.bucket import GraphBucket
-
         if not isinstance(bucket, GraphBucket):
-            raise PlanMismatchError("bucket", "expected a GraphBucket", type=type(bucket).__name__)
+            raise RunTypeError("bucket", "expected a GraphBucket", type=type(bucket).__name__)
         if self.check_pages:
             raise UnsupportedError(
-                "check_pages",
-                "check_pages=True reads back from the device on every apply and run, which "
-                "a captured CUDA graph cannot do: make the graph executor from an executor "
-                "in the default mode (bad page ids are neutralised and counted in "
-                "page_errors())",
-            )
-        graph = GraphBuffers(self._settings, bucket, bound=self._buffers.bound)
-        return self._over(self._settings, graph, None)
-
-    def bind_page_table(self, pages: torch.Tensor, *, num_pages: int | None = None) -> None:
-        """Bind the page table this executor takes for its life: int32
-        ``[rows, max_pages]`` on its device, rewritten in place between steps. Every
-        later apply must take it (``PageTable(pages, rows, num_pages)``) and graph
-        executors made from this one after the call inherit it; a graph executor bound
-        before :func:`~flashplan.executor.flashinfer.graphs.capture` replays the page
-        gather inside its graph (:mod:`~flashplan.executor.flashinfer.bound_table`).
-
-        Raises:
-            PageTableError: not a contiguous int32 2-D tensor on this device, or a
-                ``num_pages`` that is not an int ``>= 1``.
-            PlanMismatchError: a graph executor already captured (its graph was
-                captured without the bound table).
-        """
-        if self._buffers.captured is not None:
-            raise PlanMismatchError("pages", "bind the page table before capture()")
-        self._buffers.bound = bound_table(pages, self.device, num_pages)
+                "check_pages", "check_pages=True reads back from the device on every apply "
+                "and run, which a captured CUDA graph cannot do: make the graph executor "
+                "from an executor in the default mode",
+            )  # fmt: skip
+        return self._over(GraphBuffers(self._settings, bucket), None)
 
     # -- settings and state ---------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        """The CUDA device of the KV cache."""
+        """The device of the KV cache."""
         return self._settings.device
 
     @property
@@ -204,136 +296,84 @@ class FlashInferExecutor:
         return self._settings.check_pages
 
     @property
-    def fast_plan(self) -> bool:
-        """Whether wrappers are re-planned through the compiled scheduler."""
-        return self._settings.fast_plan
-
-    @property
     def workspace_bytes(self) -> int:
         """The shared float workspace's size (bytes)."""
         return self._settings.workspace_bytes
 
     @property
     def bucket(self) -> GraphBucket | None:
-        """The CUDA-graph bucket whose fixed buffers this executor fills (``None``:
-        an eager executor)."""
+        """The CUDA-graph bucket whose fixed buffers this executor fills (``None``: eager)."""
         return self._buffers.bucket
-
-    @property
-    def plan_counts(self) -> dict[str, int]:
-        """FlashInfer planning calls made so far, by route (:class:`~.strategy.PlanCounts`):
-        ``"plan"`` (full ``plan()`` calls), ``"fast_decode_plan"`` (decode re-plans),
-        ``"fast_prefill_plan"``, and re-plans that kept, or shared, a schedule."""
-        counts = self._buffers.owned.counts
-        return {
-            "plan": counts.full,
-            "fast_decode_plan": counts.decode_replans,
-            "fast_prefill_plan": counts.prefill_replans,
-            "schedules_kept": counts.schedules_kept,
-            "schedules_shared": counts.schedules_shared,
-            "plans_kept": counts.plans_kept,
-        }
-
-    @property
-    def planned_wrappers(self) -> Planned:
-        """The applied plan's planned FlashInfer wrappers, by ``(group index, "paged" |
-        "ragged")`` (empty before an apply)."""
-        return {} if self._batch is None else self._batch.planned
 
     @property
     def spec(self) -> PlanSpec | None:
         """The plan applied last, or ``None``."""
         return None if self._batch is None else self._batch.spec
 
-    @property
-    def calls(self) -> tuple[GroupCalls, ...]:
-        """The FlashInfer call descriptions of the applied plan."""
-        return () if self._batch is None else self._batch.dplan.calls
-
-    @property
-    def device_plan(self) -> DevicePlan | None:
-        """The device work of the applied plan (jobs, staging manifest, calls)."""
-        return None if self._batch is None else self._batch.dplan
-
     def positions(self) -> torch.Tensor:
-        """int32 ``[total_q]`` device tensor: the applied plan's RoPE positions
-        (:attr:`~flashplan.PlanSpec.positions`), built on the device.
-
-        The first call after an ``apply`` sends the plan's position runs
-        (:class:`~flashplan.planning.PositionRuns`: three int32 per run, far fewer than the
-        tokens of an extend) in one host-to-device copy and fills the positions with one
-        kernel launch; later calls return the same tensor. Sync-free: nothing is read
-        back, and nothing is computed per token on the host. The tensor is this
-        executor's buffer: valid until ``positions()`` is called after the next apply.
+        """int32 ``[total_q]`` device tensor: the applied plan's RoPE positions (no sync;
+        valid until ``positions()`` after the next apply).
 
         Raises:
             PlanMismatchError: nothing applied yet.
         """
-        if self._positions is not None:
-            return self._positions
-        batch = self._batch
-        if batch is None:
-            raise PlanMismatchError("spec", "positions() before apply(): apply a PlanSpec first")
-        self._positions = fill_positions(
-            self._buffers.owned, batch.spec, batch.positions, self._stream()
-        )
+        if self._positions is None:
+            if self._batch is None:
+                raise PlanMismatchError(
+                    "spec", "positions() before apply(): apply a PlanSpec first"
+                )
+            self._positions = self._buffers.fill_positions(self._batch.spec, self._batch.step)
         return self._positions
 
     def page_errors(self) -> torch.Tensor:
         """int32 ``[2]`` device tensor: bad page ids met so far, and the index of the
-        first gather job that met one (``2**31 - 1`` when none). Reading it is a sync;
-        :meth:`reset_page_errors` zeroes it."""
-        return self._buffers.owned.status
+        first gather job that met one (``2**31 - 1`` when none). Reading it syncs."""
+        return self._buffers.status
 
     def reset_page_errors(self) -> None:
         """Zero the :meth:`page_errors` counters (on the device, no sync)."""
-        status = self._buffers.owned.status
-        status[0] = 0
-        status[1] = NO_BAD_JOB
+        self._buffers.status[0] = 0
+        self._buffers.status[1] = NO_BAD_JOB
 
     # -- apply --------------------------------------------------------------------------
     def apply(self, spec: PlanSpec, table: PageTable) -> None:
-        """Plan every wrapper for ``spec``; sync-free (unless ``check_pages``).
-
-        A refused apply leaves the executor as it was: the earlier plan still runs. A
-        graph executor's apply is the replay planning: it pads ``spec`` to the bucket and
-        refills the graph's fixed buffers in place.
+        """Plan every wrapper for ``spec`` (module docstring; a graph executor pads it to
+        its bucket). A plan refused by a check leaves the earlier plan in place; one
+        refused once the device work began leaves no plan applied.
 
         Raises:
-            PlanMismatchError: ``spec`` or ``table`` is not the right record (a graph
-                executor: a plan key other than its first apply's).
-            PageTableError: the table is too small for the plan or not on this device
-                (in ``check_pages`` mode also: a bad page id, two requests writing one
-                slot).
-            UnsupportedError: a plan this policy cannot run (deterministic mode and a
-                ragged path), one that needs more workspace than the executor has, or
-                one the executor does not run yet (``calls.check_runnable``).
+            RunTypeError: ``spec`` or ``table`` is not the right record.
+            PlanMismatchError: (a graph executor) another plan key than its first apply's.
+            PageTableError: the table is too small for the plan or on another device (in
+                ``check_pages`` mode also: a bad page id, two tokens writing one slot).
+            UnsupportedError: a plan this policy cannot run, or one that needs more
+                workspace than the executor has.
             BucketError: (a graph executor) the plan does not fit the bucket.
         """
-        buffers, owned = self._buffers, self._buffers.owned
-        if isinstance(spec, PlanSpec):
-            buffers.admit(spec)
         spec, table = check_apply_args(spec, table)
+        buffers = self._buffers
+        buffers.admit((spec,))
         self._check_plan(spec, table)
-        calls = buffers.skeleton(spec)
+        calls = buffers.skeleton(spec)  # 1. translate
         dplan = buffers.device_plan(spec, calls, table)
-        _, host, staged = stage(owned, dplan)
-        (page, offset), masks = gather_and_mask(buffers, dplan, staged, table)
-        if self.check_pages:
-            check_gathered(dplan, spec, table, page, offset)
-        planned = plan_calls(buffers, spec, calls, dplan, host, staged, page, masks)
-        owned.timeline.mark(self._stream())  # frees the staging slot and the wrappers planned
-        self._batch = AppliedBatch(
-            spec, dplan, table, planned, page, offset, owned.positions, level_rows(spec, staged)
-        )
-        self._positions = None
+        self._batch, self._positions = None, None  # the buffers the last plan reads change
+        try:
+            staged = Staged(dplan, buffers.staging)  # 2. one copy
+            page, offset, masks = buffers.gather_and_mask(dplan, staged, table)  # 3. one launch
+            if self.check_pages:
+                _check_gathered(dplan, spec, table, page, offset)  # 4.
+            planned = buffers.plan_wrappers(calls, dplan, staged, page, masks)  # 5. plan()
+        finally:
+            buffers.pool.mark(self._stream())
+        rows = level_rows(spec, staged)
+        self._batch = AppliedBatch(spec, dplan, table, planned, page, offset, rows)
+
+    def _stream(self) -> torch.cuda.Stream | None:
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def _check_plan(self, spec: PlanSpec, table: PageTable) -> None:
-        """What every apply refuses beyond the records' own checks (a bound
-        executor: another table than its own)."""
-        if self._buffers.bound is not None:
-            self._buffers.bound.check(table)
-        check_runnable(spec, graph=self._buffers.graph)
+        """What every apply refuses beyond the records' own checks."""
+        check_runnable(spec, graph=self._buffers.bucket is not None)
         if table.pages.device != self.device:
             raise PageTableError(
                 "pages", "the page table must live on the executor's device",
@@ -343,140 +383,90 @@ class FlashInferExecutor:
             p in (KernelPath.RAGGED, KernelPath.RAGGED_PAGED) for p in spec.key.paths
         ):
             raise UnsupportedError(
-                "extend_path",
-                "deterministic mode runs extends on the paged path only (on a ragged path a "
-                "request's kernels would depend on the rest of the batch): plan with "
-                "extend_path='paged'",
-            )
+                "extend_path", "deterministic mode runs extends on the paged path only (on a "
+                "ragged path a request's kernels would depend on the rest of the batch): "
+                "plan with extend_path='paged'",
+            )  # fmt: skip
 
     def apply_steps(
         self, specs: tuple[PlanSpec, ...] | list[PlanSpec], table: PageTable
     ) -> tuple[FlashInferExecutor, ...]:
-        """Apply every step of a multi-step draft decode at once; one executor per step.
-
-        All steps share one staging copy and one gather launch; each step's wrappers are
-        planned with its own indptrs. The returned executors run their step
-        (``views[s].run(group, q, k_new, v_new, kv_cache)``); they share this
-        executor's buffers, so apply again only through this executor, which itself
-        runs step 0 afterwards. A graph executor plans every step into its own fixed
-        buffers (``step.replay(specs, table)``); its first ``apply_steps`` fixes the
-        number of steps, like the key.
+        """Apply every step of a multi-step draft decode at once (one staging copy, one
+        gather launch); returns one executor per step over this one's buffers (apply again
+        only through this one). A graph executor's first call fixes the number of steps.
 
         Raises:
-            PlanMismatchError: as :meth:`apply`, or no plan given (a graph executor:
-                another number of steps than its first).
-            PageTableError: as :meth:`apply`.
-            UnsupportedError: as :meth:`apply`, or a plan with a custom mask (draft
-                decodes have none).
-            BucketError: (a graph executor) a step's plan does not fit the bucket.
+            PlanMismatchError: as :meth:`apply`, or no plan given.
+            UnsupportedError: as :meth:`apply`, or a plan with cascade levels or a mask.
         """
-        buffers, owned = self._buffers, self._buffers.owned
         specs = tuple(specs)
         if not specs:
             raise PlanMismatchError("specs", "apply_steps() needs at least one step's plan")
-        buffers.admit_steps(specs)
+        buffers = self._buffers
         steps = []
         for spec in specs:
             spec, table = check_apply_args(spec, table)
             self._check_plan(spec, table)
-            if spec.cascade is not None:
-                raise UnsupportedError(
-                    "specs", "apply_steps() plans steps without cascade levels: apply a "
-                    "cascade plan with apply()",
-                )  # fmt: skip
             calls = buffers.skeleton(spec)
-            if any(gc.masked for gc in calls):
-                raise UnsupportedError("specs", "apply_steps() plans steps without custom masks")
+            if spec.cascade is not None or any(gc.masked for gc in calls):
+                raise UnsupportedError(
+                    "specs", "apply_steps() plans steps without cascade levels or custom "
+                    "masks: apply such a plan with apply()",
+                )  # fmt: skip
             steps.append((spec, calls))
+        buffers.admit(specs)
         prefixes = [names.step_prefix(k) for k in range(len(steps))]
         dplan = buffers.steps_device_plan(steps, table, prefixes)
-        _, host, staged = stage(owned, dplan)
-        (page, offset), _ = gather_and_mask(buffers, dplan, staged, table)
-        planned = plan_step_calls(buffers, steps, dplan, host, staged, page, prefixes)
+        self._batch, self._positions = None, None
         batches = []
-        for k, (prefix, (spec, calls)) in enumerate(zip(prefixes, steps, strict=True)):
-            step_plan = DevicePlan(
-                calls, dplan.jobs.step(prefix), dplan.manifest, dplan.parts, dplan.masks
-            )
-            batches.append(
-                AppliedBatch(
-                    spec, step_plan, table, planned[k], page, offset, owned.step_positions_buffer(k)
+        try:
+            staged = Staged(dplan, buffers.staging)
+            page, offset, _ = buffers.gather_and_mask(dplan, staged, table)
+            for k, (prefix, (spec, calls)) in enumerate(zip(prefixes, steps, strict=True)):
+                planned = buffers.plan_wrappers(calls, dplan, staged, page, {}, prefix)
+                step_plan = DevicePlan(
+                    calls, dplan.jobs.step(prefix), dplan.manifest, dplan.parts, {}
                 )
-            )
-        owned.timeline.mark(self._stream())  # frees the staging slot and the wrappers planned
-        self._batch, self._positions = batches[0], None
-        return tuple(self._over(self._settings, buffers, b) for b in batches)
+                batches.append(AppliedBatch(spec, step_plan, table, planned, page, offset, (), k))
+        finally:
+            buffers.pool.mark(self._stream())
+        self._batch = batches[0]
+        return tuple(self._over(buffers, b) for b in batches)
 
     # -- run ----------------------------------------------------------------------------
     @overload
     def run(
-        self,
-        group: AttentionGroup,
-        q: torch.Tensor,
-        k_new: torch.Tensor | None,
-        v_new: torch.Tensor | None,
-        kv_cache: torch.Tensor | None,
-        *,
-        return_lse: Literal[False] = False,
-        sinks: torch.Tensor | None = None,
-        k_scale: float | torch.Tensor | None = None,
-        v_scale: float | torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
+        self, group: AttentionGroup, q: torch.Tensor, k_new: torch.Tensor | None,
+        v_new: torch.Tensor | None, kv_cache: torch.Tensor | None, *,
+        return_lse: Literal[False] = False, sinks: torch.Tensor | None = None,
+        k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None,
+    ) -> torch.Tensor: ...  # fmt: skip
 
     @overload
     def run(
-        self,
-        group: AttentionGroup,
-        q: torch.Tensor,
-        k_new: torch.Tensor | None,
-        v_new: torch.Tensor | None,
-        kv_cache: torch.Tensor | None,
-        *,
-        return_lse: Literal[True],
-        sinks: torch.Tensor | None = None,
-        k_scale: float | torch.Tensor | None = None,
-        v_scale: float | torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+        self, group: AttentionGroup, q: torch.Tensor, k_new: torch.Tensor | None,
+        v_new: torch.Tensor | None, kv_cache: torch.Tensor | None, *,
+        return_lse: Literal[True], sinks: torch.Tensor | None = None,
+        k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 
     def run(
-        self,
-        group: AttentionGroup,
-        q: torch.Tensor,
-        k_new: torch.Tensor | None,
-        v_new: torch.Tensor | None,
-        kv_cache: torch.Tensor | None,
-        *,
-        return_lse: bool = False,
-        sinks: torch.Tensor | None = None,
-        k_scale: float | torch.Tensor | None = None,
+        self, group: AttentionGroup, q: torch.Tensor, k_new: torch.Tensor | None,
+        v_new: torch.Tensor | None, kv_cache: torch.Tensor | None, *, return_lse: bool = False,
+        sinks: torch.Tensor | None = None, k_scale: float | torch.Tensor | None = None,
         v_scale: float | torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Attention of one layer of ``group`` on FlashInfer kernels.
-
-        Arguments and results as :meth:`flashplan.ReferenceExecutor.run`: ``q``
-        ``[total_q, num_qo_heads, head_dim]`` (a graph executor: ``bucket.total_q``
-        rows, whose padding rows' outputs are to be ignored), ``k_new``/``v_new``
-        ``[total_q, num_kv_heads, head_dim]`` (encoder rows for a cross group, or
-        ``None``), ``kv_cache`` ``[num_pages, 2, page_size, num_kv_heads, head_dim]``
-        (contiguous; ``None`` for a ragged-path group); returns ``out`` and, with
-        ``return_lse``, float32 base-2 LSE ``[total_q, num_qo_heads]``. A sink
-        group takes its sink logits as ``sinks`` (float32 ``[num_qo_heads]``); they count
-        once and the LSE includes them (``-inf``: no sink; NaN or ``+inf``: NaN outputs
-        and LSE for that head, ``docs/semantics.md``). The one call the plan marks applies them: a
-        decode or paged-only prefill on FlashInfer's own sink kernel (its sink wrapper,
-        FA2; :func:`~flashplan.executor.flashinfer.calls.sink_kernel`), otherwise a
-        fold into the call's or the merged state on the device (a value-0 key of logit
-        ``sinks[h]``, :func:`~flashplan.kernels.merge_state.fold_sinks_triton`). They
-        are never passed to a kernel that ignores them. ``k_scale`` / ``v_scale``
-        are an fp8 cache's per-tensor scales (a number: folded into the softmax scale on
-        the host, exact; a 0-d float32 tensor: ``q * k_scale`` — rounded to the queries'
-        dtype, up to 2⁻⁸ of each logit in bf16 — and ``out *= v_scale`` on the
-        device, read at each CUDA-graph replay); ``None`` for another cache.
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Attention of one layer of ``group``, as :meth:`flashplan.ReferenceExecutor.run`:
+        ``q`` ``[total_q, num_qo_heads, head_dim]`` (a graph executor: ``bucket.total_q``
+        rows), ``k_new``/``v_new`` ``[total_q, num_kv_heads, head_dim]`` (or ``None``),
+        ``kv_cache`` ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (contiguous).
+        Returns ``out`` and, with ``return_lse``, float32 base-2 LSE ``[total_q,
+        num_qo_heads]``. ``sinks``: float32 ``[num_qo_heads]`` sink logits. ``k_scale`` /
+        ``v_scale``: an fp8 cache's scales (a number, or a 0-d float32 tensor).
 
         Raises:
-            PlanMismatchError: the group was not planned, or a tensor's type, shape,
-                dtype or device contradicts the plan (a graph executor: encoder K/V
-                given, which a bucket does not write).
+            PlanMismatchError: the group was not planned, or a tensor contradicts the plan.
+            RunTypeError: an argument of the wrong type.
             PageTableError: ``check_pages`` mode, an id outside the cache.
         """
         args = check_run_args(
@@ -489,10 +479,93 @@ class FlashInferExecutor:
         assert batch is not None and isinstance(group, AttentionGroup)
         if kv_cache is not None and not kv_cache.is_contiguous():
             raise PlanMismatchError("kv_cache", "FlashInfer needs a contiguous cache tensor")
-        window_pool = self.page_map is not None
+        spec, gc, fp8 = batch.spec, batch.dplan.calls[args.index], batch.spec.heads.kv_is_fp8
+        w = batch.write_region(group, self.page_map is not None) if args.writes else None
         if self.check_pages and kv_cache is not None:
-            check_cache_pages(batch, args, group, int(kv_cache.shape[0]), window_pool)
-        return run_group(
-            batch, args, group, q, k_new, v_new, kv_cache, return_lse=return_lse, sinks=sinks,
-            status=self._buffers.owned.status, window_pool=window_pool,
-        )  # fmt: skip
+            reads = [names.pages_region(args.index)] if args.plan.paged is not None else []
+            _check_cache_pages(batch, reads + ([w.name] if w else []), int(kv_cache.shape[0]))
+        if w is not None:
+            assert kv_cache is not None and k_new is not None and v_new is not None
+            write_kv(
+                kv_cache, k_new, v_new, batch.page[w.lo : w.hi], batch.offset[w.lo : w.hi],
+                status=self._buffers.status, k_scale=args.k_scale if fp8 else None,
+                v_scale=args.v_scale if fp8 else None,
+            )  # fmt: skip
+        if q.shape[0] == 0:
+            out = q.new_zeros(q.shape, dtype=spec.heads.out_dtype)
+            lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
+            return (out, lse) if return_lse else out
+        # a sink joins the state once: in FlashInfer's sink kernel, else folded in the merge
+        in_kernel = gc.paged is not None and gc.paged.wrapper.sink is not None
+        fold = None if in_kernel else sinks
+        want_lse = return_lse or gc.merges or fold is not None or bool(gc.levels)
+        states = []
+        if gc.ragged is not None:
+            wrapper = batch.planned[(args.index, "ragged")]
+            states.append(wrapper.run(q, k_new, v_new, return_lse=want_lse))
+        if gc.paged is not None:
+            wrapper = batch.planned[(args.index, "paged")]
+            q_paged, k_fold = _fold_k_scale(q, args) if fp8 else (q, None)
+            if in_kernel:  # the sink wrapper's run(q, cache, sinks, sm_scale)
+                assert sinks is not None
+                scale = group.scale_for(spec.heads.head_dim) * (k_fold or 1.0)
+                state = wrapper.run(q_paged, kv_cache, sinks, scale, return_lse=want_lse)
+                # NaN / +inf logits: NaN heads, as on every other path (docs/semantics.md)
+                o_sink, lse_sink = state if want_lse else (state, None)
+                mark_undefined_sinks(o_sink, lse_sink, sinks)
+            else:
+                state = wrapper.run(q_paged, kv_cache, k_scale=k_fold, return_lse=want_lse)
+            if fp8:
+                _apply_v_scale(state[0] if want_lse else state, args.v_scale)
+            states.append(state)
+            if gc.levels:  # the own keys' state, merged with every level's
+                out, lse = _merge_levels(batch, args, q_paged, k_fold, kv_cache, state)
+                return (out, lse) if return_lse else out
+        if gc.merges:
+            out, lse = merge_state_triton(*states[0], *states[1], sinks=fold)
+        elif fold is not None:
+            out, lse = fold_sinks_triton(states[0][0], states[0][1], fold)
+        else:
+            return states[0] if return_lse or not want_lse else states[0][0]
+        return (out, lse) if return_lse else out
+
+
+# -- the checked mode: every function below reads back from the device ------------------
+def _check_gathered(
+    dplan: DevicePlan, spec: PlanSpec, table: PageTable, page: torch.Tensor, offset: torch.Tensor
+) -> None:
+    """Raise for a bad page id, or two tokens writing one cache slot."""
+    jobs = dplan.jobs
+    off = offset[: jobs.total].cpu().numpy()
+    pg = page[: jobs.total].cpu().numpy()
+    bad = np.flatnonzero(off < 0)
+    if bad.size:
+        _raise_bad(dplan, spec, table, int(bad[0]), "is not a valid page id")
+    for r in jobs.regions:
+        if names.is_pages_region(r.name):
+            continue
+        slots = pg[r.lo : r.hi].astype(np.int64) * spec.page_size + off[r.lo : r.hi]
+        if (shared := first_shared_slot(slots)) is not None:
+            _raise_bad(dplan, spec, table, r.lo + shared[1], "is a cache slot another token writes")
+
+
+def _check_cache_pages(batch: AppliedBatch, regions: list[str], num_pages: int) -> None:
+    """Every id of ``regions`` is inside the cache of ``num_pages`` pages."""
+    for name in regions:
+        r = batch.dplan.jobs.region(name)
+        ids = batch.page[r.lo : r.hi]
+        if r.size and int(ids.max()) >= num_pages:
+            entry = r.lo + int(torch.argmax((ids >= num_pages).to(torch.int8)))
+            _raise_bad(batch.dplan, batch.spec, batch.table, entry,
+                       f"is beyond the KV cache's {num_pages} pages")  # fmt: skip
+
+
+def _raise_bad(dplan: DevicePlan, spec: PlanSpec, table: PageTable, entry: int, what: str) -> None:
+    jobs = dplan.jobs
+    job = int(np.searchsorted(jobs.dst, entry, side="right")) - 1
+    region = next(r for r in jobs.regions if r.lo <= entry < r.hi)
+    request = job % max(spec.batch_size, 1)
+    raise PageTableError(
+        "pages", f"an entry the plan gathers for {region.name!r} {what}",
+        request=request, row=int(table.rows[request]),
+    )  # fmt: skip

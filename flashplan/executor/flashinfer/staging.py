@@ -1,19 +1,9 @@
-"""What ``apply`` sends to the device, worked out on the host (pure, CPU-tested).
-
-:func:`device_plan` turns a plan and its translated calls into one
-:class:`DevicePlan`: the batch's gather jobs (:mod:`flashplan.executor.gathers`), every
-int32 host array the device needs laid end to end in one *staging* buffer with named
-slices (:class:`StagingManifest`: the job table, mask recipes and the ``plan()``
-indptrs), and the masks to build. The executor then only copies, launches and calls:
-stage -> one host-to-device copy -> one gather launch -> masks -> ``plan()`` calls.
-The multi-item tensors (uint32 / uint16) ride in the same int32 staging data, as their
-bytes (:func:`~flashplan.executor.flashinfer.calls.int32_words`), and reach ``plan()``
-as typed views of the device copy: still one copy.
-"""
+"""What ``apply`` sends to the device, worked out on the host: :func:`device_plan` lays a
+batch's gather job table and every int32 host array end to end in one *staging* buffer
+of named slices (:class:`StagingManifest`), copied to the device at once."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from functools import cached_property
 from itertools import accumulate
@@ -31,8 +21,7 @@ __all__ = ["JOBS", "DevicePlan", "Slice", "StagingManifest", "device_plan"]
 
 
 class Slice(NamedTuple):
-    """Entries ``[offset, offset + size)`` of the staging buffer, called ``name`` (a
-    named tuple: one is made per staged array and step)."""
+    """Entries ``[offset, offset + size)`` of the staging buffer, called ``name``."""
 
     name: str
     offset: int
@@ -46,12 +35,8 @@ class Slice(NamedTuple):
 
 @attrs.frozen(eq=False)
 class StagingManifest:
-    """The named int32 slices of one batch's staging buffer, end to end.
-
-    Attributes:
-        slices: every slice, in buffer order.
-        total: entries in all slices (at least 1: a buffer is never empty).
-    """
+    """The named int32 slices of one batch's staging buffer, end to end, in buffer order;
+    ``total``: entries in all slices (at least 1)."""
 
     slices: tuple[Slice, ...]
     total: int
@@ -65,43 +50,18 @@ class StagingManifest:
 
     @classmethod
     def of(cls, arrays: Mapping[str, npt.NDArray[np.int32]]) -> StagingManifest:
-        """The manifest laying ``arrays`` end to end in their mapping order.
-
-        Memoized on the names and sizes: a step loop meets the same few layouts again
-        and again (a manifest is immutable, so one object serves them all)."""
-        return _laid_out(tuple(arrays), tuple([values.shape[0] for values in arrays.values()]))
-
-    @classmethod
-    def named(cls, names: tuple[str, ...], sizes: tuple[int, ...]) -> StagingManifest:
-        """The manifest of slices ``names`` of ``sizes`` entries, end to end (memoized
-        as :meth:`of`)."""
-        return _laid_out(names, sizes)
-
-
-@functools.lru_cache(maxsize=256)
-def _laid_out(names: tuple[str, ...], sizes: tuple[int, ...]) -> StagingManifest:
-    offsets = list(accumulate(sizes, initial=0))
-    slices = tuple(map(Slice, names, offsets, sizes))
-    return StagingManifest(slices, max(offsets[-1], 1))
+        """The manifest laying ``arrays`` end to end in their mapping order."""
+        sizes = [values.shape[0] for values in arrays.values()]
+        offsets = list(accumulate(sizes, initial=0))
+        return cls(tuple(map(Slice, arrays, offsets, sizes)), max(offsets[-1], 1))
 
 
 @attrs.frozen(eq=False)
 class DevicePlan:
-    """Everything the device side of one ``apply`` needs.
-
-    Attributes:
-        calls: the translated ``plan()`` calls (placeholders resolved against the
-            manifest, the gather regions and the built masks).
-        jobs: the gather jobs (page ids of each paged call and the write slots).
-        manifest: the staging buffer's named slices.
-        parts: the int32 arrays of the manifest's slices, in buffer order (an
-            executor concatenates them straight into its pinned staging slot:
-            :meth:`write_into`).
-        masks: per masked group, the size of its device-built mask.
-        ints: the batch's integers behind ``BatchInt`` placeholders.
-        elements: per ``StagedArray`` slice, its elements in its own dtype (the
-            multi-item tensors, viewed on the device as uint32 / uint16).
-    """
+    """Everything the device side of one ``apply`` needs: the translated calls, the gather
+    jobs, the staging buffer's named slices and their int32 arrays (``parts``, in buffer
+    order), and the masks, ``ints`` and ``elements`` of
+    :class:`~flashplan.executor.flashinfer.calls.CallInputs`."""
 
     calls: tuple[GroupCalls, ...]
     jobs: GatherJobs
@@ -115,8 +75,7 @@ class DevicePlan:
         """Write the staging buffer's contents into ``out`` (int32, at least
         ``manifest.total`` entries; entries past the last slice are left as they are)."""
         if self.parts:
-            used = self.manifest.slices[-1].end
-            np.concatenate(self.parts, out=out[:used])
+            np.concatenate(self.parts, out=out[: self.manifest.slices[-1].end])
 
     @cached_property
     def data(self) -> npt.NDArray[np.int32]:
@@ -128,32 +87,14 @@ class DevicePlan:
 
 
 def device_plan(
-    calls: tuple[GroupCalls, ...],
-    jobs: GatherJobs,
-    host: Mapping[str, npt.NDArray[np.int32]],
-    masks: Mapping[int, MaskRecipe],
-    *,
-    ints: Mapping[str, int] | None = None,
+    calls: tuple[GroupCalls, ...], jobs: GatherJobs, host: Mapping[str, npt.NDArray[np.int32]],
+    masks: Mapping[int, MaskRecipe], *, ints: Mapping[str, int] | None = None,
     elements: Mapping[str, int] | None = None,
-) -> DevicePlan:
-    """Lay out one batch's device work (see module docstring).
-
-    Args:
-        calls: the plan's translated calls
-            (:func:`~flashplan.executor.flashinfer.calls.call_skeleton`).
-        jobs: the batch's gather jobs (:func:`~flashplan.executor.gathers.gather_jobs`,
-            or a CUDA-graph bucket's
-            :func:`~flashplan.executor.flashinfer.bucket.bucket_gather_jobs`).
-        host: the ``plan()`` host arrays by name
-            (:attr:`~flashplan.executor.flashinfer.calls.CallInputs.host`).
-        masks: per masked group, its mask's size.
-        ints, elements: :attr:`~flashplan.executor.flashinfer.calls.CallInputs.ints` and
-            ``.elements`` (multi-item batches).
-    """
-    arrays: dict[str, npt.NDArray[np.int32]] = {JOBS: jobs.table.reshape(-1)}
-    arrays.update(host)
-    manifest = StagingManifest.of(arrays)
+) -> DevicePlan:  # fmt: skip
+    """One batch's device work: ``calls``, its gather ``jobs`` and the ``plan()`` host
+    arrays ``host`` laid out in one staging buffer."""
+    arrays = {JOBS: jobs.table.reshape(-1), **host}
     return DevicePlan(
-        calls, jobs, manifest, tuple(arrays.values()), masks, dict(ints or {}),
-        dict(elements or {}),
+        calls, jobs, StagingManifest.of(arrays), tuple(arrays.values()), masks,
+        dict(ints or {}), dict(elements or {}),
     )  # fmt: skip

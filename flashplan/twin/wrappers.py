@@ -8,7 +8,7 @@ wrappers, ``fast_decode_plan`` and ``merge_state``, with 0.7.4's constructor and
 ``disable_split_kv``, …) are taken; features flashplan does not use (RoPE, unpacked
 masks, HND, several queries per decode request) and unknown keywords raise
 :class:`~flashplan.errors.UnsupportedError`. ``run()`` computes the attention
-FlashInfer documents (:mod:`~flashplan.executor.flashinfer.twin_attention` states the
+FlashInfer documents (:mod:`~flashplan.twin.attention` states the
 rules), request by request: a test double that computes, not a mock. As FlashInfer:
 
 * ``plan()`` copies the index pointers and last-page lengths (its host scheduler reads
@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from flashplan.errors import BucketError, FlashplanError, PlanMismatchError, UnsupportedError
-from flashplan.executor.flashinfer.twin_attention import (
+from flashplan.torch_kernels import merge_state_torch
+from flashplan.twin.attention import (
     Arrays,
     KeySource,
     KVCache,
@@ -48,7 +49,6 @@ from flashplan.executor.flashinfer.twin_attention import (
     ragged_keys,
     run_batch,
 )
-from flashplan.torch_kernels import merge_state_torch
 
 __all__ = [
     "BatchAttentionWithAttentionSinkWrapper",

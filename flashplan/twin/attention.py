@@ -1,7 +1,7 @@
 """The attention FlashInfer 0.7.4's kernels compute over a planned batch, in torch: the
 records a twin ``plan()`` stores (:class:`Params`, :class:`Arrays`), which keys each
 query of a request sees, the softmax over them, and the run over a batch's requests.
-The CPU twin's wrappers (:mod:`~flashplan.executor.flashinfer.twin`) are its API.
+The CPU twin's wrappers (:mod:`~flashplan.twin.wrappers`) are its API.
 
 The rules, as FlashInfer's kernels state them (request with ``qo_len`` queries and
 ``kv_len`` keys; query ``j`` sits at key position ``p = kv_len - qo_len + j``):
