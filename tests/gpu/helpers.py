@@ -54,8 +54,10 @@ def run_both(
     seed: int = 0,
     device: str = "cuda",
     scales: tuple[float | torch.Tensor, float | torch.Tensor] | None = None,
+    reference: fp.Executor | None = None,
 ) -> list[tuple[fp.AttentionGroup, float, float, float]]:
-    """Run every group on ``executor`` and on the reference; per group
+    """Run every group on ``executor`` and on ``reference`` (default: a fresh
+    :class:`~flashplan.ReferenceExecutor`) over the same table and inputs; per group
     (group, output rel err, finite-LSE max abs err, cache rel err).
 
     ``scales``: an fp8 cache's ``(k_scale, v_scale)``, passed to both executors (new
@@ -68,7 +70,7 @@ def run_both(
     spec = fp.plan(layout, heads, extend_path=extend_path)
     table = fp.PageTable.shuffled(spec.pages_needed, seed=seed, device=device)
     assert table.num_pages is not None
-    ref = fp.ReferenceExecutor()
+    ref = fp.ReferenceExecutor() if reference is None else reference
     ref.apply(spec, table)
     executor.apply(spec, table)
     results = []

@@ -144,3 +144,69 @@ def test_nan_is_never_hidden_on_the_merged_path():
         out, lse = ex.run(fp.AttentionGroup(), q, k, k, cache, return_lse=True)
         assert torch.isnan(out[0]).all() and torch.isnan(lse[0]).all(), path
         assert torch.isfinite(out[1:]).all(), path
+
+
+def _prefill_sequence(page_size: int, seed: int) -> list[fp.BatchLayout]:
+    """Paged prefill batches of every kind one after another, batch sizes shrinking and
+    growing: extends over cached prefixes (full, windowed with a soft cap,
+    bidirectional), the same batch twice, multi-item scoring, verify trees (a window
+    carried by the mask), then plain extends and multi-item again."""
+    rng = np.random.default_rng(seed)
+    groups = (
+        fp.AttentionGroup.full(),
+        fp.AttentionGroup.sliding(40, logits_soft_cap=30.0),
+        fp.AttentionGroup.bidirectional(),
+    )
+
+    def extend(bs: int, lo: int, hi: int) -> fp.BatchLayout:
+        seq = rng.integers(lo, hi, bs)
+        pre = (seq * rng.uniform(0, 0.9, bs)).astype(np.int64)
+        return fp.BatchLayout.extend(seq, pre, page_size=page_size, groups=groups)
+
+    parents = np.full((5, 8), -1, dtype=np.int64)
+    for j in range(1, 8):
+        parents[:, j] = rng.integers(0, j, 5)
+    tree = fp.DraftTree.from_parents(parents)
+    verify_groups = (fp.AttentionGroup.full(), fp.AttentionGroup.sliding(30))
+    again = extend(7, 100, 900)
+    return [
+        extend(3, 5, 40),
+        again,
+        again,
+        extend(2, 1, 2000),
+        fp.BatchLayout.extend(
+            [40, 18, 25, 9],
+            [3, 0, 5, 0],
+            page_size=page_size,
+            item_delimiters=[[2, 9, 14, 30], [4, 5, 6], None, [0, 8]],
+        ),
+        fp.BatchLayout.verify(
+            rng.integers(20, 300, 5), tree, page_size=page_size, groups=verify_groups
+        ),
+        fp.BatchLayout.verify(
+            rng.integers(1, 90, 5), tree, page_size=page_size, groups=verify_groups
+        ),
+        extend(5, 1, 300),
+        fp.BatchLayout.extend(
+            [33, 7], [0, 2], page_size=page_size, item_delimiters=[[1, 2, 20], None]
+        ),
+    ]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "e4m3"])
+def test_one_executor_over_paged_prefill_batches(page_size: int, kv_dtype: torch.dtype) -> None:
+    """One executor (FA2, paged path) over a sequence of paged prefill batches of every
+    kind (:func:`_prefill_sequence`): the wrappers it plans again with other masks,
+    items and lengths equal the reference on every batch, on a bf16 and an fp8 cache."""
+    heads = fp.HeadConfig(16, 4, 128, q_dtype=torch.bfloat16, kv_dtype=kv_dtype)
+    scales = (0.37, 1.9) if kv_dtype != torch.bfloat16 else None
+    ex = _executor()
+    seed = stable_seed("prefill sequence", page_size, str(kv_dtype))
+    for step, layout in enumerate(_prefill_sequence(page_size, seed)):
+        for group, out_err, lse_err, cache_err in run_both(
+            layout, heads, ex, extend_path="paged", seed=step, scales=scales
+        ):
+            assert out_err <= 1e-2, (step, group.describe(), out_err)
+            assert lse_err <= 5e-2, (step, group.describe(), lse_err)
+            assert cache_err == 0.0, (step, group.describe())

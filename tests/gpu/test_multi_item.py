@@ -8,8 +8,9 @@
 2. What users care about: the output of every token of every item equals scoring that
    item alone — the prompt plus that item as its own causal request, RoPE applied at the
    standalone positions — within bf16 tolerance.
-3. The plan() arguments FlashInfer keeps are exact uint32 / uint16 views of the staging
-   buffer; apply + run never sync; a plain batch after a multi-item one is plain again.
+3. One executor over batches of longer and then shorter items (the multi-item buffers
+   reused) equals the reference every time; a plain batch after a multi-item one is
+   plain again; apply + run never sync.
 """
 
 from __future__ import annotations
@@ -227,53 +228,37 @@ def test_each_item_equals_scoring_it_alone(page_size, cap):
 
 
 # --------------------------------------------------------------------------- plumbing
-def test_plan_arguments_are_views_of_the_executors_device_data():
-    """prefix_len_ptr and max_item_len are typed views of the one staged copy;
-    token_pos_in_items is filled on the device from the staged items, into the executor's
-    own buffer, and equals the plan's dense array — also after a longer and then a
-    shorter batch reuse that buffer (every entry outside an item is zeroed again)."""
+def test_one_executor_over_longer_and_shorter_item_batches():
+    """One executor over multi-item batches whose item tensors grow and then shrink
+    (FlashInfer keeps ``token_pos_in_items`` in a buffer the executor reuses: every
+    entry outside an item must be zeroed again), a batch without any item between:
+    every batch equals the reference."""
     heads = fp.HeadConfig(8, 2, 128)
     ex = _executor()
     batches = [
         ([5, 14, 12], [2, 0, 0], [None, [7, 9, 11, 13], [2, 4, 8, 11]]),
         ([40, 33], [0, 3], [[1, 20, 21], [0, 29]]),
         ([9, 12], [0, 0], [[3, 6, 8], [2, 4, 8, 11]]),  # the reference file's batch
+        ([30, 7], [4, 0], None),  # no items at all
+        ([60, 25, 18], [10, 0, 2], [[5, 6, 30, 31], None, [0, 3, 9]]),
     ]
-    for seq, pre, delims in batches:
+    for step, (seq, pre, delims) in enumerate(batches):
         layout = fp.BatchLayout.extend(seq, pre, page_size=16, item_delimiters=delims)
-        spec = fp.plan(layout, heads)
-        ex.apply(spec, fp.PageTable.sequential(spec.pages_needed, device="cuda"))  # type: ignore[attr-defined]
-        (gc,) = ex.calls  # type: ignore[attr-defined]
-        assert gc.paged.wrapper.backend == "fa2"
-        wrapper = ex.planned_wrappers[(gc.group_index, "paged")]  # type: ignore[attr-defined]
-        items = spec.group_plans[0].items
-        staged = ex._buffers.owned.staged.tensor  # type: ignore[attr-defined]
-        lo, hi = staged.data_ptr(), staged.data_ptr() + staged.numel() * 4
-        for attr, want, dtype, signed, in_staging in (
-            ("_prefix_len_ptr", items.prefix_len_ptr, torch.uint32, torch.int32, True),
-            ("_token_pos_in_items_ptr", items.token_pos_in_items, torch.uint16, torch.int16, False),
-            ("_max_item_len_ptr", items.max_item_len, torch.uint16, torch.int16, True),
-        ):
-            t = getattr(wrapper, attr)
-            assert t.dtype == dtype and t.device.type == "cuda" and t.is_contiguous()
-            assert t.numel() == want.shape[0]
-            assert (lo <= t.data_ptr() < hi) == in_staging  # a view of the one staged copy
-            # (values here are small: the signed view reads them unchanged)
-            assert t.view(signed).cpu().tolist() == want.astype(np.int64).tolist()
-        assert wrapper._token_pos_in_items_len == items.token_pos_in_items_len
+        for group, out_err, lse_err, cache_err in run_both(layout, heads, ex, seed=step):
+            assert out_err <= 1e-2 and lse_err <= 5e-2 and cache_err == 0.0, (step, group)
 
 
 def test_plain_batch_after_multi_item_is_plain_again():
-    """plan() of the same wrapper without items drops the stored multi-item tensors."""
+    """plan() of the same wrapper without items drops the stored multi-item tensors: a
+    plain batch after a multi-item one equals the reference."""
     heads = fp.HeadConfig(8, 2, 128)
     ex = _executor()
     multi = fp.BatchLayout.extend([14, 30], [0, 10], page_size=16, item_delimiters=[[7, 9], None])
-    run_both(multi, heads, ex)
-    plain = fp.BatchLayout.extend([14, 30], [0, 10], page_size=16)
-    for _, out_err, _, _ in run_both(plain, heads, ex, extend_path="paged"):
+    for _, out_err, _, _ in run_both(multi, heads, ex):
         assert out_err <= 1e-2
-    (gc,) = ex.calls  # type: ignore[attr-defined]
-    assert ex.planned_wrappers[(gc.group_index, "paged")]._prefix_len_ptr is None  # type: ignore[attr-defined]
+    plain = fp.BatchLayout.extend([14, 30], [0, 10], page_size=16)
+    for _, out_err, lse_err, _ in run_both(plain, heads, ex, extend_path="paged"):
+        assert out_err <= 1e-2 and lse_err <= 5e-2
 
 
 def test_apply_and_run_never_sync():

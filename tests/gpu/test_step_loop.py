@@ -158,6 +158,37 @@ def test_decode_replay_equals_eager(page_size: int, swa_pool: bool, busy: bool) 
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_decode_graph_replays_many_batches(page_size: int, tensor_cores: bool) -> None:
+    """30 varied decode batches (1 to 8 requests, lengths across window edges and page
+    boundaries, tables with spare pages and rows) through one captured graph, on both
+    decode kernels: each replay equals an eager step of a fresh executor."""
+    rng = np.random.default_rng(stable_seed("many decode replays", page_size, tensor_cores))
+    groups = (FULL, W5, CAP, W70)
+    bucket = GraphBucket.decode(batch_size=8, max_pages=600 // page_size + 2)
+
+    def layout(bs: int) -> fp.BatchLayout:
+        return fp.BatchLayout.decode(rng.integers(1, 600, bs), page_size=page_size, groups=groups)
+
+    specs = [fp.plan(layout(8), HEADS)]
+    specs += [fp.plan(layout(int(rng.integers(1, 9))), HEADS) for _ in range(30)]
+    tables = [
+        fp.PageTable.shuffled(
+            spec.pages_needed,
+            seed=100 + k,
+            spare_pages=5,
+            extra_rows=int(rng.integers(0, 4)),
+            device=DEV,
+        )
+        for k, spec in enumerate(specs)
+    ]
+    pool = max(int(t.num_pages or 0) for t in tables)
+    policy = ExecutorPolicy(decode_tensor_cores=tensor_cores)
+    engine = Engine(groups, bucket, specs[0], tables[0], pool, policy=policy, seed=page_size)
+    engine.check_replays(specs[1:], tables[1:])
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
 def test_fixed_token_extend_replay_equals_eager(page_size: int, busy: bool) -> None:
     """The draft-extend shape: every request extends by the same number of tokens."""
@@ -420,7 +451,7 @@ def test_deterministic_mode_is_batch_invariant_and_replay_equal() -> None:
 # --------------------------------------------------------------------------- staging
 def test_back_to_back_plans_behind_a_busy_gpu_are_all_correct() -> None:
     """8 different plans applied and run while a long kernel holds the GPU: no staging
-    slot and no FlashInfer wrapper is reused while a queued copy may read it."""
+    buffer and no FlashInfer wrapper is reused while a queued copy may read it."""
     ex = FlashInferExecutor(policy=ExecutorPolicy())
     ref = fp.ReferenceExecutor()
     rng = np.random.default_rng(3)
@@ -443,7 +474,6 @@ def test_back_to_back_plans_behind_a_busy_gpu_are_all_correct() -> None:
         ex.apply(spec, table)
         outs.append([ex.run(g, q, None, None, cache) for g in (FULL, W5)])
     torch.cuda.synchronize()
-    assert len(ex._buffers.owned.ring.slots) > 1  # the ring grew instead of waiting
     for (spec, table, cache, q), got in zip(cases, outs, strict=True):
         ref.apply(spec, table)
         for g, out in zip((FULL, W5), got, strict=True):

@@ -1,7 +1,10 @@
-"""The CPU twin (``flashplan.executor.flashinfer.twin``) held to real FlashInfer: the same
-wrapper calls, constructor, ``plan()`` and ``run()`` arguments, on the same bf16 inputs,
-run on FlashInfer (CUDA) and on the twin (CPU), so the twin cannot drift from what CI
-trusts it for.
+"""The CPU twin (:mod:`flashplan.twin`) held to real FlashInfer: the same wrapper calls,
+constructor, ``plan()`` and ``run()`` arguments, on the same bf16 inputs, run on
+FlashInfer (CUDA) and on the twin (CPU), so the twin cannot drift from what CI trusts it
+for; and the whole executor over each: ``FlashInferExecutor()`` and
+``FlashInferExecutor(device="cuda", flashinfer=flashinfer_twin)`` on the same plans,
+tables and inputs (decode on both kernels, extends on both paths, verify trees, windows,
+sinks, cross groups, a CUDA-graph bucket's replays against the twin's eager replays).
 
 Covered: decode with and without tensor cores (plain, windowed, soft-capped, GQA, pages
 partly filled, page sizes 1 and 16), paged prefill (causal with ``qo_len < kv_len``,
@@ -9,25 +12,42 @@ non-causal, windowed, soft-capped, a packed custom mask at 0.7.4's offsets, mult
 scoring, an empty request), ragged prefill (causal and not), both sink wrappers, an fp8
 cache with ``k_scale`` / ``v_scale``, ``fast_decode_plan`` and ``merge_state``. Outputs
 agree to a relative error of 1e-2 and LSEs (base 2) to 5e-2; empty rows are 0 / -inf on
-both. Skipped without CUDA (``tests/gpu/conftest.py``).
+both; both executors write the same cache bytes. Skipped without CUDA
+(``tests/gpu/conftest.py``).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from flashplan.executor.flashinfer.settings import import_flashinfer
-from flashplan.executor.flashinfer.twin import flashinfer_twin
+import flashplan as fp
+from flashplan.executor.flashinfer import (
+    CapturedStep,
+    ExecutorPolicy,
+    FlashInferExecutor,
+    GraphBucket,
+    capture,
+)
+from flashplan.twin import flashinfer_twin
 
-from .helpers import rel_err
+from .helpers import rel_err, run_both, stable_seed
 
 OUT_TOL, LSE_TOL = 1e-2, 5e-2
 BF16 = torch.bfloat16
+
+
+def import_flashinfer() -> Any:
+    """The installed ``flashinfer`` (its import-time deprecation notices silenced)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import flashinfer
+    return flashinfer
 
 
 class _Host:
@@ -266,3 +286,204 @@ def test_merge_state() -> None:
     fi = import_flashinfer().merge_state(*_on((v_a, s_a, v_b, s_b), "cuda"))
     tw = flashinfer_twin.merge_state(v_a, s_a, v_b, s_b)
     _agree([(fi[0].float().cpu(), fi[1].cpu()), (tw[0].float(), tw[1])], "merge_state")
+
+
+# -- the whole executor over FlashInfer and over the twin ---------------------------------
+DEV = "cuda"
+HEADS = fp.HeadConfig(num_qo_heads=16, num_kv_heads=4, head_dim=128)
+FULL = fp.AttentionGroup.full()
+CAP = fp.AttentionGroup.full(logits_soft_cap=30.0)
+W5 = fp.AttentionGroup.sliding(5)
+W127_CAP = fp.AttentionGroup.sliding(127, logits_soft_cap=30.0)
+CROSS = fp.AttentionGroup.cross()
+SINK = fp.AttentionGroup.full(sinks=True)
+SINK_W127 = fp.AttentionGroup.sliding(127, sinks=True)
+#: FlashInfer's sink kernel has no soft cap: this group's sink is folded into the state.
+SINK_CAP = fp.AttentionGroup.full(sinks=True, logits_soft_cap=30.0)
+
+
+def _executor_pair(
+    policy: ExecutorPolicy | None = None,
+) -> tuple[FlashInferExecutor, FlashInferExecutor]:
+    """``FlashInferExecutor()`` on real FlashInfer, and one over the twin on the same
+    CUDA device (the same staging, gathers, masks and KV writes; the twin's attention)."""
+    real = FlashInferExecutor(policy=policy)
+    twin = FlashInferExecutor(device=DEV, policy=policy, flashinfer=flashinfer_twin)
+    return real, twin
+
+
+def _lengths(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Sequence and cached-prefix lengths across window edges (5, 127) and page edges, a
+    prefill from 0, a single new token, and a few long requests."""
+    seq = np.array([1, 5, 6, 7, 16, 17, 127, 128, 129, *rng.integers(1, 700, 4)])
+    prefix = (seq * rng.random(seq.shape[0])).astype(np.int64)
+    prefix[2], prefix[5] = 0, seq[5] - 1
+    return seq, prefix
+
+
+def _executor_case(
+    case: str, rng: np.random.Generator, page_size: int
+) -> tuple[fp.BatchLayout, str, ExecutorPolicy | None]:
+    """``(layout, extend_path, policy)`` of one case of
+    :func:`test_twin_executor_equals_flashinfer_executor`."""
+    seq, prefix = _lengths(rng)
+    enc = rng.integers(0, 40, seq.shape[0])
+    groups: tuple[fp.AttentionGroup, ...]
+    if case.startswith("decode"):
+        policy = ExecutorPolicy(decode_tensor_cores=case == "decode-tensor-cores")
+        groups = (FULL, W5, W127_CAP, CROSS)
+        layout = fp.BatchLayout.decode(seq, page_size=page_size, groups=groups, encoder_lens=enc)
+        return layout, "auto", policy
+    if case.startswith("extend"):
+        groups = (FULL, W5, W127_CAP, fp.AttentionGroup.bidirectional(), CROSS)
+        layout = fp.BatchLayout.extend(
+            seq, prefix, page_size=page_size, groups=groups, encoder_lens=enc
+        )
+        return layout, case.removeprefix("extend-"), None
+    if case == "verify-tree":
+        n = 7
+        parents = [[-1] + [int(rng.integers(0, j)) for j in range(1, n)] for _ in range(6)]
+        tree = fp.DraftTree.from_parents(parents)
+        layout = fp.BatchLayout.verify(
+            rng.integers(0, 300, 6), tree, page_size=page_size, groups=(FULL, W5, CAP)
+        )
+        return layout, "auto", None
+    if case == "sliding-windows":  # windows, bidirectional windows and chunks (masks)
+        groups = (
+            W5,
+            W127_CAP,
+            fp.AttentionGroup.bidirectional(window_left=15, window_right=15),
+            fp.AttentionGroup.chunked(24),
+        )
+        return fp.BatchLayout.extend(seq, prefix, page_size=page_size, groups=groups), "paged", None
+    if case == "sinks-decode":
+        layout = fp.BatchLayout.decode(seq, page_size=page_size, groups=(SINK, SINK_W127, SINK_CAP))
+        return layout, "auto", None
+    if case.startswith("sinks-extend"):
+        groups = (SINK, SINK_W127, SINK_CAP, fp.AttentionGroup.chunked(32, sinks=True))
+        layout = fp.BatchLayout.extend(seq, prefix, page_size=page_size, groups=groups)
+        return layout, case.removeprefix("sinks-extend-"), None
+    raise AssertionError(case)
+
+
+EXECUTOR_CASES = [
+    "decode-cuda-cores",
+    "decode-tensor-cores",
+    "extend-paged",
+    "extend-ragged",
+    "verify-tree",
+    "sliding-windows",
+    "sinks-decode",
+    "sinks-extend-paged",
+    "sinks-extend-ragged",
+]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("case", EXECUTOR_CASES)
+def test_twin_executor_equals_flashinfer_executor(case: str, page_size: int) -> None:
+    """The same plan, table and inputs on ``FlashInferExecutor()`` and on
+    ``FlashInferExecutor(device="cuda", flashinfer=flashinfer_twin)``: every group's
+    output and LSE agree within the bf16 tolerances (queries that see no key: on both),
+    and both write the same cache bytes."""
+    rng = np.random.default_rng(stable_seed("twin executor", case, page_size))
+    layout, path, policy = _executor_case(case, rng, page_size)
+    real, twin = _executor_pair(policy)
+    results = run_both(layout, HEADS, twin, extend_path=path, seed=page_size, reference=real)
+    assert len(results) == len(layout.groups)
+    for group, out_err, lse_err, cache_err in results:
+        assert out_err <= OUT_TOL, (case, group.describe(), out_err)
+        assert lse_err <= LSE_TOL, (case, group.describe(), lse_err)
+        assert cache_err == 0.0, (case, group.describe())
+
+
+def _graph_batches(
+    kind: str, rng: np.random.Generator, page_size: int
+) -> tuple[GraphBucket, tuple[fp.AttentionGroup, ...], list[fp.BatchLayout]]:
+    """A bucket, its groups and batches of several sizes (the first fills the bucket;
+    padding requests in the others)."""
+    if kind == "decode":
+        groups: tuple[fp.AttentionGroup, ...] = (FULL, W5, W127_CAP, SINK_W127)
+        bucket = GraphBucket.decode(batch_size=8, max_pages=400 // page_size + 2)
+        layouts = [
+            fp.BatchLayout.decode(rng.integers(1, 400, bs), page_size=page_size, groups=groups)
+            for bs in (8, 3, 1, 6)
+        ]
+        return bucket, groups, layouts
+    n, groups = 7, (FULL, W5, CAP)
+    bucket = GraphBucket.verify(batch_size=4, max_pages=320 // page_size + 2, num_tokens=n)
+    layouts = []
+    for bs in (4, 2, 1, 3):
+        parents = [[-1] + [int(rng.integers(0, j)) for j in range(1, n)] for _ in range(bs)]
+        tree = fp.DraftTree.from_parents(parents)
+        layouts.append(
+            fp.BatchLayout.verify(
+                rng.integers(0, 300, bs), tree, page_size=page_size, groups=groups
+            )
+        )
+    return bucket, groups, layouts
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("kind", ["decode", "verify"])
+def test_twin_graph_bucket_equals_flashinfer_replays(kind: str, page_size: int) -> None:
+    """A CUDA-graph bucket made from each executor: FlashInfer's graph captured and
+    replayed, the twin's step replayed eagerly (a :class:`CapturedStep` without a
+    graph: plan into the fixed buffers, run the forward), on the same static inputs,
+    over batches of several sizes: the real rows' outputs and LSE agree within the bf16
+    tolerances, and both write the same cache bytes (padding requests write nowhere)."""
+    rng = np.random.default_rng(stable_seed("twin graph", kind, page_size))
+    bucket, groups, layouts = _graph_batches(kind, rng, page_size)
+    specs = [fp.plan(layout, HEADS) for layout in layouts]
+    tables = [
+        fp.PageTable.shuffled(s.pages_needed, seed=k, spare_pages=3, device=DEV)
+        for k, s in enumerate(specs)
+    ]
+    pool = max(int(t.num_pages or 0) for t in tables)
+    gen = torch.Generator(device=DEV).manual_seed(stable_seed("twin graph inputs", kind))
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=DEV).to(BF16)
+
+    hq, hkv, d = HEADS.num_qo_heads, HEADS.num_kv_heads, HEADS.head_dim
+    rows = bucket.total_q
+    q, k, v = rand(rows, hq, d), rand(rows, hkv, d), rand(rows, hkv, d)
+    sinks = torch.randn(hq, generator=gen, device=DEV) * 3
+    base = [rand(pool, 2, page_size, hkv, d) for _ in groups]
+    steps: list[CapturedStep[list[tuple[torch.Tensor, torch.Tensor]]]] = []
+    caches: list[list[torch.Tensor]] = []
+    real, twin = _executor_pair()
+    for ex in (real, twin):
+        gx = ex.for_bucket(bucket)
+        gx.apply(specs[0], tables[0])
+        own = [c.clone() for c in base]
+
+        def forward(
+            gx: FlashInferExecutor = gx, own: list[torch.Tensor] = own
+        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            return [
+                gx.run(g, q, k, v, c, return_lse=True, sinks=sinks if g.sinks else None)
+                for g, c in zip(groups, own, strict=True)
+            ]
+
+        # FlashInfer's step is captured; the twin's replays plan and run it eagerly
+        eager = CapturedStep(gx, None, forward(), forward) if ex is twin else None
+        steps.append(capture(gx, forward) if eager is None else eager)
+        caches.append(own)
+    for spec, table in zip(specs, tables, strict=True):
+        for t in (q, k, v):
+            t.copy_(rand(*t.shape))  # padding rows get new values too
+        for own in caches:
+            for c, b in zip(own, base, strict=True):
+                c.copy_(b)
+        outs = [[(o.clone(), s.clone()) for o, s in step.replay(spec, table)] for step in steps]
+        torch.cuda.synchronize()
+        n = spec.total_q
+        for group, (o_fi, s_fi), (o_tw, s_tw) in zip(groups, *outs, strict=True):
+            got = [
+                (o_fi[:n].float().cpu(), s_fi[:n].cpu()),
+                (o_tw[:n].float().cpu(), s_tw[:n].cpu()),
+            ]
+            _agree(got, f"{kind} bucket, batch of {spec.batch_size}, {group.describe()}")
+        for c_fi, c_tw in zip(*caches, strict=True):
+            assert torch.equal(c_fi, c_tw), (kind, spec.batch_size)
