@@ -7,11 +7,11 @@
 Standard library and flashplan only. What is documented: every name in the ``__all__``
 of the modules in ``SOURCES`` (``flashplan``, ``flashplan.planning``,
 ``flashplan.executor.flashinfer`` and its ``graphs`` and ``bucket`` modules,
-``flashplan.kernels``, ``flashplan.errors``, ``flashplan.oracle``, ``flashplan.testing``,
-``flashplan.cli`` and ``flashplan.__main__``), each once, under the first module that
-exports it, and the ``--help`` text of the command line. Classes get their constructor
-signature, docstring and public methods and properties; functions their signature and
-docstring; constants their value and ``#:`` comment.
+``flashplan.twin``, ``flashplan.kernels``, ``flashplan.errors``, ``flashplan.oracle``,
+``flashplan.testing``, ``flashplan.cli`` and ``flashplan.__main__``), each once, under
+the first module that exports it, and the ``--help`` text of the command line. Classes
+get their constructor signature, docstring and public methods and properties; functions
+their signature and docstring; constants their value and ``#:`` comment.
 
 Docstrings are Google style with Sphinx roles; they are turned into Markdown here:
 ``literal`` and :role:`target` become code spans (linked when the target is documented
@@ -57,6 +57,7 @@ SOURCES = (
     "flashplan.executor.flashinfer",
     "flashplan.executor.flashinfer.graphs",
     "flashplan.executor.flashinfer.bucket",
+    "flashplan.twin",
     "flashplan.kernels",
     "flashplan.errors",
     "flashplan.oracle",
@@ -75,6 +76,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "CUDA graphs",
         ("flashplan.executor.flashinfer.graphs", "flashplan.executor.flashinfer.bucket"),
     ),
+    ("FlashInfer twin", ("flashplan.twin",)),
     ("Kernels", ("flashplan.kernels",)),
     ("Errors", ("flashplan.errors",)),
     ("Oracle", ("flashplan.oracle",)),
@@ -221,6 +223,7 @@ def _section_of(module: str, obj: Any) -> str:
         "flashplan.executor.flashinfer": "FlashInfer executor",
         "flashplan.executor.flashinfer.graphs": "CUDA graphs",
         "flashplan.executor.flashinfer.bucket": "CUDA graphs",
+        "flashplan.twin": "FlashInfer twin",
         "flashplan.kernels": "Kernels",
         "flashplan.errors": "Errors",
         "flashplan.oracle": "Oracle",
@@ -915,7 +918,10 @@ def render_entry(entry: Entry, doc: Doc) -> list[str]:
         out += _docstring_block(_own_doc(obj), entry.path, doc, ctx)
     else:
         value = _value(obj)
-        if len(value) + len(entry.name) > LINE and isinstance(obj, (tuple, list, dict)):
+        if isinstance(obj, types.SimpleNamespace):  # a module stand-in: its names, wrapped
+            parts = [f"{k}={_value(v)}" for k, v in vars(obj).items()]
+            value = _wrap_call("SimpleNamespace", parts, "")
+        elif len(value) + len(entry.name) > LINE and isinstance(obj, (tuple, list, dict)):
             items = obj.items() if isinstance(obj, dict) else obj
             rows = [f"{_value(k)}: {_value(v)}" for k, v in items] if isinstance(obj, dict) else []
             rows = rows or [_value(v) for v in items]

@@ -6,9 +6,9 @@ same device tensor: on a GPU from one of two pinned slots, non-blocking and orde
 current stream after everything queued before it (so a step still running on the GPU reads
 the ids it was planned with), each slot rewritten only after its last copy is done.
 
-Keeping one tensor is what lets the executor keep what it binds to the table from step to
-step (its gather launch, bound once per set of tensors) instead of rebinding a new tensor
-every step; sending the table from pinned memory keeps the step free of waits for the GPU.
+Keeping one tensor keeps the step free of allocations, and sending the table from pinned
+memory keeps it free of waits for the GPU. Every ``apply`` takes the table it is given
+and gathers the batch's page ids from it on the device.
 """
 
 from __future__ import annotations

@@ -350,8 +350,6 @@ class Engine:
         self.table = np.full((rows, _cdiv(max_request_tokens, page_size) + 1), -1, np.int32)
         # ... and its one device copy for the engine's life, refreshed at each step's start
         self.device_table = DevicePageTable(self.table.shape, self.device)
-        if isinstance(executor, fp.FlashInferExecutor):  # every apply takes that tensor
-            executor.bind_page_table(self.device_table.pages)
         #: free page-table rows, handed out first in, first out
         self.free_rows: deque[int] = deque(range(self.table.shape[0]))
         self._rows_held = 0  # rows of running requests and those reserved for children

@@ -2,13 +2,12 @@
 
 At start-up, :class:`DecodeGraphs` captures the model's whole decode forward (every layer,
 the LM head) once per bucket size on a graph executor of the engine's FlashInfer executor
-(``executor.for_bucket(GraphBucket.decode(...))``). The engine has bound its one device
-page table to that executor (``bind_page_table``), so each graph also replays the
-batch's page gather: a step's replay planning stages the batch's arrays (one copy) and
-runs the decode scheduler, nothing more. A decode step of ``n`` requests then
+(``executor.for_bucket(GraphBucket.decode(...))``). A decode step of ``n`` requests then
 takes the smallest bucket ``>= n``: it fills the bucket's static token ids and RoPE
 positions (rows past ``n`` are padding: token 0 at position 0, whose outputs are ignored),
-and the bucket's graph executor plans the batch into its fixed buffers before the replay.
+and the bucket's graph executor applies the batch with the engine's page table, outside
+the graph, as an eager step would (one staging copy, the page gather into the bucket's
+fixed buffers, each graph-mode wrapper's ``plan()``) before the replay.
 Steps with prompt tokens, and decode steps larger than every bucket, run eagerly.
 
 Capture writes each padding row's K/V nowhere (flashplan's graph buckets give padding
@@ -46,9 +45,8 @@ class DecodeGraphs:
         groups: the model's attention groups (the plan key every replay must keep).
         heads: the plan's heads (the caches' dtype).
         batch_sizes: bucket sizes, e.g. ``(1, 8, 64)`` (at most the table's rows).
-        table: the engine's device page table (int32 ``[rows, max_pages]``), bound to
-            ``executor``; the captures' warm-up batches fill it with ``scratch_page`` and
-            leave it at -1.
+        table: the engine's device page table (int32 ``[rows, max_pages]``); the
+            captures' warm-up batches fill it with ``scratch_page`` and leave it at -1.
         page_size: tokens per page.
         scratch_page: a page of every cache that no request uses (the capture's writes).
     """

@@ -11,6 +11,7 @@ Examples (from the repository root)::
   python examples/engine/run.py --model llama --n 3 --temperature 0.8 --cascade on
                                                               # 3 samples per prompt, shared
   python examples/engine/run.py --model gemma2 --device cuda  # FlashInferExecutor, bf16
+  python examples/engine/run.py --model gemma2 --executor twin  # FlashInferExecutor, CPU twin
   python examples/engine/run.py --model llama --overlap       # the overlapped step loop
   python examples/engine/run.py --model path/to/checkpoint    # from_pretrained, real weights
 """
@@ -62,13 +63,29 @@ TOLERANCES = {
 }
 
 
-def make_executor(device: torch.device, prefill_backend: str = "fa2") -> fp.Executor:
-    """The reference executor on CPU; FlashInfer on CUDA (FA2 prefill: no slow FA3 builds)."""
-    if device.type != "cuda":
+#: ``--executor`` choices.
+EXECUTORS = ("auto", "reference", "flashinfer", "twin")
+
+
+def make_executor(
+    device: torch.device, prefill_backend: str = "fa2", kind: str = "auto"
+) -> fp.Executor:
+    """The executor of ``kind``: ``"auto"`` is the reference executor on CPU and FlashInfer
+    on CUDA (FA2 prefill: no slow FA3 builds); ``"twin"`` is the FlashInfer executor over
+    flashplan's torch twin of FlashInfer (:data:`flashplan.twin.flashinfer_twin`), on any
+    device, the CPU included."""
+    if kind not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, not {kind!r}")
+    if kind == "reference" or (kind == "auto" and device.type != "cuda"):
         return fp.ReferenceExecutor()
     from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
 
-    return FlashInferExecutor(device, policy=ExecutorPolicy(prefill_backend=prefill_backend))
+    policy = ExecutorPolicy(prefill_backend=prefill_backend)
+    if kind == "twin":
+        from flashplan.twin import flashinfer_twin
+
+        return FlashInferExecutor(device, policy=policy, flashinfer=flashinfer_twin)
+    return FlashInferExecutor(device, policy=policy)
 
 
 def make_requests(
@@ -133,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="llama", help=f"{', '.join(TINY_CONFIGS)} or a checkpoint")
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--executor", default="auto", choices=EXECUTORS,
+        help="auto: the reference executor on CPU, FlashInfer on CUDA; twin: the FlashInfer "
+        "executor over flashplan's torch twin of FlashInfer (runs on the CPU)",
+    )  # fmt: skip
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-tokens", type=int, default=384, help="KV cache size per layer")
     p.add_argument("--max-running", type=int, default=3)
@@ -181,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(adapter, EncoderOnly):  # no decoding: one packed pass of every prompt
         reqs = make_requests(config.vocab_size, False, args.requests, 1, args.seed)
         return run_embed(
-            adapter, make_executor(device), ref, [r.prompt for r in reqs],
+            adapter, make_executor(device, kind=args.executor), ref, [r.prompt for r in reqs],
             page_size=args.page_size, extend_path=args.extend_path, fp32=fp32,
         )  # fmt: skip
     encdec = bool(config.is_encoder_decoder)
@@ -191,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--compile needs a decoder-only model")
     engine = Engine(
         adapter,
-        make_executor(device),
+        make_executor(device, kind=args.executor),
         page_size=args.page_size,
         num_pages=args.kv_tokens // args.page_size,
         max_running=max(args.max_running, args.n),  # rows for every sample of a request
