@@ -1,50 +1,72 @@
 #!/usr/bin/env python3
-"""flashplan GPU benchmarks: every case side by side in one run (H200).
+"""flashplan's benchmarks, one entry point: flashplan vs raw FlashInfer vs sglang's way,
+and (``--compare-tree``) the working tree vs an older checkout, side by side.
 
-Run on the GPU machine from the repo root (after ``source .whl/setup.sh``; the git-ignored
-``.whl/`` folder carries FlashInfer there and is filled on a CPU machine by the lent machine's
-kit, ``../shared/tools/device/prepare.sh``, outside this repository: see docs/benchmarks.md)::
+The target table (issue 51), on one GPU machine, from the repository root. Beforehand, on
+the CPU machine, put the commit before the executor's rebuild into ``.old`` (plain files,
+not a ``git worktree``: a worktree's ``.git`` link makes it a nested repository, which the
+device tool sends without its files; ``.old`` is untracked and not ignored, so it travels
+with the working tree, ~2 MB)::
 
-    python3 benchmarks/run_gpu.py --out OUT_DIR                 # every part (~50 s on H200)
-    python3 benchmarks/run_gpu.py --parts graph,host --out OUT  # some parts
+    rm -rf .old && mkdir .old && git archive efdfb65 flashplan examples benchmarks | tar -x -C .old
 
-Parts (``--parts``, default all, run in this order):
-  copy     device-to-device copy bandwidth (bytes read + written / time): the ceiling.
-  decode   decode, 32/8 heads x 128, bf16, batch {1, 64, 256}, kv 4096 and U[1, 8192],
-           page {1, 16}: flashplan's executor vs raw FlashInfer on the same inputs
-           (tensor-core and CUDA-core decode), as KV bytes read / kernel time; plus the
-           decode-kernel policy table (MHA / GQA, tensor vs CUDA cores).
-  host     host time of layout + plan + apply at batch {1, 64, 256, 1024} vs
-           FlashInfer's bare plan() on ready pinned tensors vs the reference file's way
-           (device cumsum + Triton gather + plan() with device indptrs), idle GPU and
-           behind a ~20 ms kernel, and a sync check (``torch.cuda.set_sync_debug_mode``).
-           Targets: <= 1.5x bare plan(); below the reference file's way; 0 syncs.
-  graph    a 32-layer decode step (kv 4096, page 16), batch {1, 8, 64, 256}:
-           (a) flashplan eager (layout + plan + apply + 32 runs), (b) flashplan graph
-           replay with its replay planning (layout + plan + ``step.replay(spec, table)``),
-           (b') the same over a bound page table (``bind_page_table``: the gather and
-           the indptr refresh replay inside the graph), (c) raw FlashInfer captured by
-           hand the reference file's way (graph-mode decode wrapper on fixed buffers;
-           per step device cumsum + Triton gather into the fixed indices buffer,
-           ``plan()`` with host indptrs, replay). Wall time per step (synced), median of
-           ``--steps`` after warm-up. Targets: (b') <= 1.02x (c) at batch 1 and 8,
-           <= 1.01x at 64 and 256 (issue 24);
-           (a) / (b) >= 3 at batch 1. Plus replay-planning host time alone: flashplan vs
-           the raw way's plan() vs the reference file's replay path (plan() with device
-           indptrs: it syncs), idle and behind a 20 ms kernel.
-  deterministic  decode bs {64, 256} kv 4096: kernel time with
-           ``ExecutorPolicy(deterministic=True)`` vs the default, and whether one
-           request's output is bit-identical across 5 batch compositions (both policies).
-  extend   extend 16 x (2048 prefix + 512 new): ragged+paged+merge vs paged-only,
-           FA2 vs FA3, one layer incl. the KV write.
-  window   windowed-prefix mask for 256 requests (prefix U[1, 8192], extend 512, window
-           4096): flashplan's host description + Triton build vs the reference file's
-           per-request loop (target >= 20x); decode with a window group: bandwidth vs the
-           keys actually read.
+then on the GPU machine (two commands: each stays under the 10-minute limit)::
 
-Kernel times: triton.testing.do_bench (CUDA events, L2 flushed, median after warm-up).
-Host and step times: time.perf_counter medians after warm-up. Results: OUT/bench.json,
-OUT/bench.md; a summary of every target (met / MISSED) is printed last.
+    source .whl/setup.sh && export PYTHONPATH=$PWD:$PYTHONPATH && \\
+      python3 benchmarks/run_gpu.py --compare-tree .old --old-label efdfb65 --out $OUT
+    source .whl/setup.sh && export PYTHONPATH=$PWD:$PYTHONPATH && \\
+      python3 benchmarks/run_gpu.py --compare-tree .old --old-label efdfb65 \\
+        --parts engine,overlap --out $OUT/engine
+
+Each writes ``OUT/compare.md`` (the targets' rows first: old, new, new / old; then every
+row; then each tree's own tables) and ``OUT/compare.json``. Expected wall time on an H100
+(estimated, both trees, Triton compiles and FlashInfer module loads of a fresh machine
+included): 4 to 7 minutes for the first command, 3 to 5 for the engine's.
+
+Without ``--compare-tree`` the parts run here, on the flashplan that ``import flashplan``
+finds, into ``OUT/bench.md`` and ``OUT/bench.json``. A CPU smoke run (no GPU, no
+FlashInfer kernels: the new executor over the CPU twin ``flashplan.twin.flashinfer_twin``,
+tiny sizes, a few seconds; every default part: about a minute)::
+
+    python3 benchmarks/run_gpu.py --parts host --device cpu --twin --out /tmp/bench
+
+Parts (``--parts``, comma-separated; default ``host,verify,multi_item,graph,kernel,sync``;
+``all``: every part):
+
+  host        a decode step's host time with COLD caches (64 MB of host memory rewritten
+              before each call, fresh lengths each call: a decode loop), batch
+              1/64/256/1024, kv 4096, page 16: flashplan ``BatchLayout.decode`` + ``plan``
+              + ``apply`` vs FlashInfer's bare ``plan()`` (inputs made ahead) vs sglang's
+              way (device cumsum + Triton gather + ``plan()`` with device indptrs); the
+              ratio to the bare ``plan()``; hot caches and behind a 20 ms kernel too.
+  verify      64 x 64-token trees over 4096: plan + apply vs bare ``plan()`` vs sglang's
+              way (hot and cold caches), and the kernel vs raw FlashInfer.
+  multi_item  256 x (512-token prompt + 32 items): layout + plan + apply + positions vs
+              bare ``plan()`` vs sglang's per-request loop + ``plan()``.
+  graph       32-layer decode, kv 4096, page 16, batch 1/8/64/256: layout + plan +
+              ``step.replay(spec, table)`` vs a raw FlashInfer step captured by hand
+              (sglang's buffer refresh + ``plan()`` + replay), synced wall time per step.
+  kernel      the device-to-device copy ceiling; decode through flashplan vs raw
+              FlashInfer (tensor and CUDA cores) on the same inputs, as bandwidth.
+  sync        ``torch.cuda.set_sync_debug_mode("error")`` around apply, run, positions,
+              a verify apply and a graph replay; host waits it cannot see, counted.
+  engine      the example engine (``bench_engine.py --parts engine``: Llama-shaped
+              ~1.5B, prompts 1024, 128 new tokens), plain loop, eager and CUDA graphs,
+              batch 1 and 64: tokens/s. Runs each tree's own ``benchmarks/bench_engine.py``
+              and ``examples/engine`` in a subprocess.
+  overlap     ``bench_engine.py --parts overlap``: the plain vs the overlapped loop.
+  draft, fp8, cascade, extend, deterministic, window: further parts (``_parts_extra``).
+
+Host times: ``time.perf_counter``, the GPU idle before each call, medians after warm-up,
+jobs of a table taken round by round. GPU times: CUDA events (``triton.testing.do_bench``),
+medians after warm-up. ``--compare-tree DIR`` runs the same parts, from this file's
+measuring code (which uses only API both executors have), in two subprocesses:
+``PYTHONPATH`` = this repository, then ``DIR``; each checks which flashplan it imported.
+``--repeat N`` alternates the two N times and keeps each row's median.
+
+Files: this script; ``_common.py`` (device, timing, report), ``_raw.py`` (raw FlashInfer
+and sglang's way), ``_parts_host.py``, ``_parts_gpu.py``, ``_parts_extra.py`` (the parts),
+``bench_engine.py`` (the engine, run as a subprocess; also usable alone).
 """
 
 from __future__ import annotations
@@ -53,1099 +75,458 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
-import warnings
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    import flashinfer
-import triton
-from _ref_kernels import ref_kv_indices_kernel
-from _timing import blocked_us, kernel_ms, pinned, sleep_cycles
-from _timing import host_us as _host_us
-
-import flashplan as fp
-from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
-from flashplan.executor.flashinfer.bucket import GraphBucket
-from flashplan.executor.flashinfer.calls import translate
-from flashplan.executor.flashinfer.graphs import capture, graph_executor
-from flashplan.executor.flashinfer.policy import decode_uses_tensor_cores
-
-try:  # renamed from build_threshold_mask (same leading arguments)
-    from flashplan.kernels import build_custom_mask as build_mask
-except ImportError:  # pragma: no cover - older trees
-    from flashplan.kernels import build_threshold_mask as build_mask  # type: ignore[no-redef]
-
-HQ, HKV, D = 32, 8, 128
-HEADS = fp.HeadConfig(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D)
-DT = torch.bfloat16
-DEV = torch.device("cuda")
-ELT = 2
-ALL_PARTS = "copy,decode,host,graph,deterministic,extend,window"
-
-parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-parser.add_argument("--out", default=os.environ.get("OUT", "."))
-parser.add_argument("--parts", default=ALL_PARTS, help=f"comma-separated subset of {ALL_PARTS}")
-parser.add_argument("--steps", type=int, default=50, help="timed steps per graph case")
-ARGS = parser.parse_args()
-PARTS = set(ARGS.parts.split(","))
-unknown = PARTS - set(ALL_PARTS.split(","))
-if unknown:
-    parser.error(f"unknown parts {sorted(unknown)}; choose from {ALL_PARTS}")
-os.makedirs(ARGS.out, exist_ok=True)
-RESULTS: dict[str, Any] = {
-    "gpu": torch.cuda.get_device_name(),
-    "flashinfer": flashinfer.__version__,
-    "torch": torch.__version__,
-    "triton": triton.__version__,
-    "date": time.strftime("%Y-%m-%d"),
-}
-MD: list[str] = []
-SUMMARY: list[dict[str, Any]] = []
-# one float workspace for every raw FlashInfer wrapper (they run one after another)
-RAW_WS = torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device=DEV)
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+DEFAULT = ("host", "verify", "multi_item", "graph", "kernel", "sync")
+EXTRA = ("draft", "fp8", "cascade", "extend", "deterministic", "window")
+ENGINE = ("engine", "overlap")
+ALL = DEFAULT + EXTRA + ENGINE
+HIGHER = ("TB/s", "tok/s")  # units where higher is better (and metrics saying so)
 
 
-def log(*args: object) -> None:
-    print("[bench]", *args, flush=True)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--parts",
+        default=",".join(DEFAULT),
+        help=f"comma-separated, of: {', '.join(ALL)}; or 'all'",
+    )
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"), help="output folder")
+    ap.add_argument(
+        "--compare-tree",
+        metavar="DIR",
+        help="also run the parts on the flashplan in DIR (a plain checkout of an "
+        "older commit inside the repo copy, e.g. .old) and print old/new ratios",
+    )
+    ap.add_argument("--old-label", help="name of the --compare-tree commit in the tables")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="with --compare-tree: alternate the two trees this many times, keep each row's median",
+    )
+    ap.add_argument("--device", default=None, help="cuda (default) or cpu (with --twin)")
+    ap.add_argument(
+        "--twin",
+        action="store_true",
+        help="the new executor over flashplan.twin.flashinfer_twin (CPU smoke run)",
+    )
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (implied on the CPU)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per graph case (50)")
+    ap.add_argument("--engine-batches", default="1,64")
+    ap.add_argument("--engine-prompt", type=int, default=1024)
+    ap.add_argument("--engine-new", type=int, default=128)
+    # internal: one side of --compare-tree
+    ap.add_argument("--side", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--tree", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    parts = ALL if args.parts == "all" else tuple(p for p in args.parts.split(",") if p)
+    unknown = set(parts) - set(ALL)
+    if unknown:
+        ap.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(ALL)}")
+    args.part_list = [p for p in ALL if p in parts]
+    if args.device is None:
+        args.device = "cpu" if args.twin and not _cuda_available() else "cuda"
+    if args.device == "cpu":
+        args.quick = True
+        if not args.twin:
+            ap.error("--device cpu needs --twin (FlashInfer's kernels need CUDA)")
+    return args
 
 
-def save() -> None:
-    RESULTS["summary"] = SUMMARY
-    with open(os.path.join(ARGS.out, "bench.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
-    with open(os.path.join(ARGS.out, "bench.md"), "w") as f:
-        f.write("\n".join(MD + summary_md()) + "\n")
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
-def target(part: str, what: str, value: str, goal: str, met: bool) -> str:
-    """Record a target in the summary; returns the table mark."""
-    SUMMARY.append({"part": part, "what": what, "value": value, "target": goal, "met": met})
-    return "met" if met else "**MISSED**"
-
-
-def summary_md() -> list[str]:
-    if not SUMMARY:
-        return []
-    rows = ["### Targets", "", "| part | what | measured | target | |", "|---|---|---|---|---|"]
-    for s in SUMMARY:
-        mark = "met" if s["met"] else "**MISSED**"
-        rows.append(f"| {s['part']} | {s['what']} | {s['value']} | {s['target']} | {mark} |")
-    return [*rows, ""]
-
-
-# ------------------------------------------------------------------------ timing helpers
-def host_us(fn: Callable[[], object], n: int = 100, warmup: int = 20) -> float:
-    """Median host time of ``fn`` on an idle GPU (synchronized before each call)."""
-    return _host_us(fn, n, warmup)
-
-
-def step_us(fn: Callable[[], object], steps: int, warmup: int = 5) -> tuple[float, float]:
-    """(median wall time of one synced step, mean per step of ``steps`` back to back)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e6)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    torch.cuda.synchronize()
-    return statistics.median(times), (time.perf_counter() - t0) * 1e6 / steps
-
-
-def count_syncs(fn: Callable[[], object]) -> int:
-    """Syncs torch sees in one call of ``fn`` (``set_sync_debug_mode("warn")``)."""
-    fn()
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    # (torch warns once per process that the sync debug mode is a prototype: not a sync)
-    messages = [str(w.message).lower() for w in caught]
-    return sum("synchroniz" in m and "prototype" not in m for m in messages)
-
-
-def raises_on_sync(fn: Callable[[], object]) -> bool:
-    """Whether ``fn`` fails under ``set_sync_debug_mode("error")`` (i.e. it syncs)."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fn()
-    except RuntimeError:
-        return True
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
-    return False
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp(min=1e-12))
-
-
-# ------------------------------------------------------------------------ inputs
-def shuffled_table(spec: fp.PlanSpec, seed: int) -> fp.PageTable:
-    """Each request gets its own pages at random places of the pool, in a random row."""
-    return fp.PageTable.shuffled(spec.pages_needed, seed=seed, device=DEV)
-
-
-def kv_cache(table: fp.PageTable, page_size: int) -> torch.Tensor:
-    assert table.num_pages is not None
-    return torch.randn(table.num_pages, 2, page_size, HKV, D, device=DEV, dtype=DT)
-
-
-def raw_decode_inputs(
-    spec: fp.PlanSpec, table: fp.PageTable
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pinned indptr / last_page_len and device page ids, built with torch (no flashplan)."""
-    part = spec.group_plans[0].paged
-    assert part is not None
-    pages = table.pages.cpu()
-    idx = torch.cat(
-        [
-            pages[int(row), s : s + n]
-            for row, s, n in zip(
-                table.rows.tolist(), part.start_page.tolist(), part.num_pages.tolist(), strict=True
-            )
+# -- one tree, in this process -------------------------------------------------------------
+def run_here(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the selected parts on the flashplan this process imports."""
+    if args.tree is not None:  # an editable install's finder would fill in, from another
+        # tree, any flashplan module that this tree lacks: only PYTHONPATH's tree counts
+        sys.meta_path[:] = [
+            f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")
         ]
-    )
-    return pinned(part.page_indptr), idx.to(DEV), pinned(part.last_page_len)
+    import _common
+    import torch
 
+    import flashplan
 
-def ref_kv_indices(
-    pages: torch.Tensor,
-    rows: torch.Tensor,
-    npages: torch.Tensor,
-    indptr: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    ref_kv_indices_kernel[(rows.shape[0],)](
-        pages, rows, npages, indptr, out, pages.stride(0), BLOCK=512
-    )
-
-
-class RefWay:
-    """The reference file's per-batch preparation of a decode wrapper: lengths on the
-    device, device cumsum + Triton gather of the page ids, then ``plan()``.
-
-    ``plan_device`` feeds ``plan()`` the device indptr / last-page lengths (its default
-    path: FlashInfer copies them back to the host, a sync); ``plan_host`` feeds it host
-    (pinned) ones, as its ``fast_decode_plan`` route with ``global_override_indptr_cpu``
-    does. ``indices`` is the page-id output (a graph wrapper's fixed buffer, or not).
-    """
-
-    def __init__(
-        self, wrapper: Any, table: fp.PageTable, lens: np.ndarray, indices: torch.Tensor
-    ) -> None:
-        bs = lens.shape[0]
-        self.w = wrapper
-        self.pages = table.pages
-        self.rows = torch.from_numpy(table.rows.astype(np.int32)).to(DEV)
-        self.lens_cpu = lens.astype(np.int64)
-        self.lens = torch.from_numpy(lens.astype(np.int32)).to(DEV)
-        self.indptr = torch.zeros(bs + 1, dtype=torch.int32, device=DEV)
-        self.indices = indices
-        self.npages: torch.Tensor | None = None
-        self.ring = [torch.empty(2 * bs + 1, dtype=torch.int32, pin_memory=True) for _ in range(4)]
-        self.turn = 0
-
-    def fill(self) -> None:
-        """Device cumsum + Triton gather (writes ``indices`` in place)."""
-        npages = (self.lens + 15) // 16
-        self.indptr[1:] = torch.cumsum(npages, 0)
-        ref_kv_indices(self.pages, self.rows, npages, self.indptr, self.indices)
-        self.npages = npages
-
-    def last_page_len(self) -> torch.Tensor:
-        """Device last-page lengths [bs] of the pages ``fill`` counted."""
-        assert self.npages is not None
-        return self.lens - (self.npages - 1) * 16
-
-    def plan_device(self) -> None:
-        self.w.plan(
-            self.indptr, self.indices, self.last_page_len(), HQ, HKV, D, 16,
-            q_data_type=DT, kv_data_type=DT, non_blocking=True,
-        )  # fmt: skip
-
-    def host_arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pinned host indptr [bs + 1] and last-page lengths [bs] (a ring slot)."""
-        buf = self.ring[self.turn]
-        self.turn = (self.turn + 1) % len(self.ring)
-        bs = self.lens_cpu.shape[0]
-        host = buf.numpy()
-        npages = (self.lens_cpu + 15) // 16
-        host[0] = 0
-        np.cumsum(npages, out=host[1 : bs + 1])
-        host[bs + 1 :] = self.lens_cpu - (npages - 1) * 16
-        return buf[: bs + 1], buf[bs + 1 :]
-
-    def plan_fast(self) -> None:
-        """FlashInfer's ``fast_decode_plan`` with the host indptr as
-        ``global_override_indptr_cpu``: the reference file's decode replay path (its
-        graph wrapper's fixed buffers were refreshed on the device by ``fill``)."""
-        indptr, last = self.host_arrays()
-        flashinfer.fast_decode_plan(
-            self.w, indptr, self.indices, last, HQ, HKV, D, 16,
-            q_data_type=DT, kv_data_type=DT, non_blocking=True,
-            global_override_indptr_cpu=indptr,
-        )  # fmt: skip
-
-    def plan_host(self) -> None:
-        indptr, last = self.host_arrays()
-        self.w.plan(
-            indptr, self.indices, last, HQ, HKV, D, 16,
-            q_data_type=DT, kv_data_type=DT, non_blocking=True,
-        )  # fmt: skip
-
-
-# ------------------------------------------------------------------------ copy
-def part_copy() -> float:
-    n = 2 * 1024**3
-    src = torch.randn(n, device=DEV, dtype=DT)
-    dst = torch.empty_like(src)
-    ms = kernel_ms(lambda: dst.copy_(src), rep=100)
-    bw = 2 * n * ELT / ms / 1e9
-    RESULTS["copy_TBps"] = bw
-    torch.cuda.empty_cache()
-    log(f"copy {bw:.2f} TB/s")
-    MD.extend(
-        ["### Copy ceiling", "", f"device-to-device copy: **{bw:.2f} TB/s** (read + write)", ""]
-    )
-    return bw
-
-
-# ------------------------------------------------------------------------ decode
-def part_decode(copy_bw: float) -> None:
-    rng = np.random.default_rng(0)
-    cases = [
-        ("B1 kv4096", [4096]),
-        ("B64 kv4096", [4096] * 64),
-        ("B256 kv4096", [4096] * 256),
-        ("B256 kv U[1,8192]", rng.integers(1, 8193, 256).tolist()),
+    where = Path(flashplan.__file__).resolve()
+    if args.tree is not None and Path(args.tree).resolve() not in where.parents:
+        raise SystemExit(
+            f"[bench] imported {where}, not the flashplan of {args.tree}: "
+            "check PYTHONPATH (and any installed flashplan)"
+        )
+    env = _common.configure(args.device, args.twin, args.quick, args.steps)
+    rep = _common.Report()
+    meta = {
+        "side": args.side or "here",
+        "flashplan": str(where.parent),
+        "tree": str(args.tree or REPO),
+        "device": torch.cuda.get_device_name() if env.cuda else "cpu",
+        "flashinfer": str(getattr(env.fi, "__version__", "?")),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "host_cpus": os.cpu_count(),
+        "quick": args.quick,
+        "twin": args.twin,
+    }
+    print(f"[bench] {meta}", flush=True)
+    failed, seconds = [], {}
+    for part in args.part_list:
+        t0 = time.perf_counter()
+        try:
+            if part in ENGINE:
+                run_engine(part, args, rep)
+            elif not env.cuda and part in ("draft", "window"):
+                rep.md += [f"### {part}", "", "skipped: sglang's side needs CUDA", ""]
+            else:
+                part_fn(part)(rep)
+        except Exception:  # report and go on: one broken part must not hide the rest
+            failed.append(part)
+            tb = traceback.format_exc()
+            print(f"[bench] part {part} FAILED:\n{tb}", flush=True)
+            rep.md += [f"### {part}: FAILED", "", "```", tb.strip()[-3000:], "```", ""]
+            if env.cuda:
+                torch.cuda.synchronize()
+        seconds[part] = time.perf_counter() - t0
+        print(f"[bench] part {part}: {seconds[part]:.1f} s", flush=True)
+        if env.cuda:
+            torch.cuda.empty_cache()
+    meta["part_seconds"] = seconds
+    meta["failed"] = failed
+    foreign = [
+        name
+        for name, mod in sorted(sys.modules.items())
+        if name.split(".")[0] in ("flashplan", "examples")
+        and getattr(mod, "__file__", None)
+        and where.parent.parent not in Path(mod.__file__).resolve().parents
     ]
+    if foreign:  # modules of another tree: the comparison would mix the two
+        meta["failed"].append(f"modules from another tree: {', '.join(foreign[:10])}")
+    return {"meta": meta, "rows": rep.rows, "md": rep.md}
+
+
+def part_fn(part: str) -> Any:
+    if part in ("host", "verify", "multi_item", "sync"):
+        import _parts_host
+
+        return getattr(_parts_host, f"part_{part}")
+    if part in ("graph", "kernel"):
+        import _parts_gpu
+
+        return getattr(_parts_gpu, f"part_{part}")
+    import _parts_extra
+
+    return _parts_extra.PARTS[part]
+
+
+def child_env(tree: Path) -> dict[str, str]:
+    """This environment with ``PYTHONPATH`` = ``tree`` first, without the other trees."""
+    env = dict(os.environ)
+    drop = {REPO.resolve(), tree.resolve()}
+    keep = [
+        p
+        for p in env.get("PYTHONPATH", "").split(os.pathsep)
+        if p and Path(p).resolve() not in drop
+    ]
+    env["PYTHONPATH"] = os.pathsep.join([str(tree), *keep])
+    return env
+
+
+def run_engine(part: str, args: argparse.Namespace, rep: Any) -> None:
+    """``bench_engine.py`` of the tree under test, in a subprocess over that tree."""
+    import _common
+
+    if not _common.ENV.cuda:
+        rep.md += [f"### {part}", "", "skipped: the engine benchmark needs CUDA", ""]
+        return
+    tree = Path(args.tree or REPO).resolve()
+    script = tree / "benchmarks" / "bench_engine.py"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / ("engine.json" if part == "engine" else "overlap.md")
+        cmd = [
+            sys.executable,
+            str(script),
+            "--parts",
+            part,
+            "--batches",
+            args.engine_batches,
+            "--prompt",
+            str(args.engine_prompt),
+            "--new",
+            str(args.engine_new),
+            "--json" if part == "engine" else "--md",
+            str(out),
+        ]
+        print(f"[bench] {' '.join(cmd)}", flush=True)
+        proc = subprocess.run(cmd, env=child_env(tree), cwd=tree, capture_output=True, text=True)
+        sys.stdout.write(proc.stdout[-4000:])
+        if proc.returncode != 0:
+            raise RuntimeError(f"{script} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        text = out.read_text()
+    if part == "engine":
+        rows = json.loads(text)["rows"]
+        lines = []
+        for r in rows:
+            case = f"engine B{r['batch']}, plain loop"
+            for key, metric in (
+                ("graphs_tok_s", "graphs: tok/s"),
+                ("eager_tok_s", "eager: tok/s"),
+                ("graphs_decode_tok_s", "graphs: decode tok/s"),
+                ("eager_decode_tok_s", "eager: decode tok/s"),
+            ):
+                if key in r:
+                    rep.add("engine", case, metric, r[key], "tok/s", key=key == "graphs_tok_s")
+            for key, metric in (
+                ("graphs_host_share", "graphs: flashplan host share of a step"),
+                ("eager_host_share", "eager: flashplan host share of a step"),
+            ):
+                if key in r:
+                    rep.add("engine", case, metric, r[key], "x")
+            lines.append(
+                [
+                    str(r["batch"]),
+                    f"{r.get('eager_tok_s', 0):.0f}",
+                    f"{r.get('graphs_tok_s', 0):.0f}",
+                    f"{r.get('graphs_host_share', 0):.1%}",
+                ]
+            )
+        rep.table(
+            f"Example engine, plain loop (prompts {args.engine_prompt}, {args.engine_new} new)",
+            ["batch", "eager tok/s", "graphs tok/s", "graphs: host share"],
+            lines,
+        )
+        return
+    # overlap: bench_engine's markdown table, one row per batch
+    lines = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 4 or not cells[0].isdigit():
+            continue
+        case = f"engine B{cells[0]}, graphs"
+        rep.add("overlap", case, "plain loop: tok/s", float(cells[1]), "tok/s")
+        rep.add("overlap", case, "overlapped loop: tok/s", float(cells[2]), "tok/s", key=True)
+        lines.append(cells[:4])
+    rep.table(
+        "Overlapped vs plain step loop (graphs)",
+        ["batch", "plain tok/s", "overlapped tok/s", "overlapped / plain"],
+        lines,
+    )
+    rep.md += ["", text.strip(), ""]
+
+
+# -- two trees, in subprocesses ------------------------------------------------------------
+def run_side(args: argparse.Namespace, side: str, tree: Path, tmp: Path, k: int) -> dict[str, Any]:
+    result = tmp / f"{side}-{k}.json"
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--parts",
+        ",".join(args.part_list),
+        "--side",
+        side,
+        "--tree",
+        str(tree),
+        "--result",
+        str(result),
+        "--device",
+        args.device,
+        "--engine-batches",
+        args.engine_batches,
+        "--engine-prompt",
+        str(args.engine_prompt),
+        "--engine-new",
+        str(args.engine_new),
+        "--out",
+        str(tmp),
+    ]
+    if args.quick:
+        cmd.append("--quick")
+    if args.twin:  # (a tree before the rebuild has no CPU twin: that side then fails)
+        cmd.append("--twin")
+    if args.steps is not None:
+        cmd += ["--steps", str(args.steps)]
+    print(f"[bench] === {side} ({tree}) ===", flush=True)
+    proc = subprocess.run(cmd, env=child_env(tree), cwd=REPO)
+    if proc.returncode != 0 or not result.exists():
+        return {
+            "meta": {"side": side, "tree": str(tree), "failed": ["(the run)"]},
+            "rows": [],
+            "md": [f"### {side}: the run failed (exit {proc.returncode}; see the log)"],
+        }
+    return json.loads(result.read_text())
+
+
+def _key(row: dict[str, Any]) -> tuple[str, str, str]:
+    return row["part"], row["case"], row["metric"]
+
+
+def merged(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One side's repeats as one result: each row's median (booleans: any True)."""
+    first = results[0]
+    if len(results) == 1:
+        return first
+    values: dict[tuple[str, str, str], list[Any]] = {}
+    for r in results:
+        for row in r["rows"]:
+            values.setdefault(_key(row), []).append(row["value"])
     rows = []
-    MD.extend(
-        [
-            "### Decode, bf16, 32/8 heads x 128",
+    for row in first["rows"]:
+        vals = [v for v in values[_key(row)] if v is not None]
+        if not vals:
+            value = None
+        elif isinstance(vals[0], bool):
+            value = any(vals)
+        else:
+            value = statistics.median(vals)
+        rows.append({**row, "value": value})
+    return {**first, "rows": rows}
+
+
+def _cell(value: Any, unit: str) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if unit == "x":
+        return f"{value:.3f}"
+    if unit in ("ms", "TB/s"):
+        return f"{value:.3f}"
+    return f"{value:.1f}" if abs(value) < 100 else f"{value:.0f}"
+
+
+def _verdict(row: dict[str, Any], old: Any, new: Any) -> tuple[str, str]:
+    if (
+        not isinstance(old, (int, float))
+        or not isinstance(new, (int, float))
+        or isinstance(old, bool)
+    ):
+        if isinstance(old, bool) or isinstance(new, bool):
+            return "", "" if old == new else "changed"
+        return "", ""
+    if old == 0:
+        return "", ""
+    ratio = new / old
+    higher = row["unit"] in HIGHER or "higher" in row["metric"]
+    better = ratio > 1.03 if higher else ratio < 0.97
+    worse = ratio < 0.97 if higher else ratio > 1.03
+    return f"{ratio:.3f}", "better" if better else "**worse**" if worse else "same"
+
+
+def compare_md(old: dict[str, Any], new: dict[str, Any], old_label: str) -> list[str]:
+    om, nm = old["meta"], new["meta"]
+    lines = [
+        f"# flashplan: working tree (new) vs {old_label} (old)",
+        "",
+        f"{nm.get('device')}, flashinfer {nm.get('flashinfer')}, torch {nm.get('torch')}, "
+        f"{nm.get('date')}; new: {nm.get('flashplan')}, old: {om.get('flashplan')}. "
+        "new / old < 1 is faster for times (µs, ms, ratios to a baseline), > 1 for TB/s and "
+        "tok/s; ±3 % counts as the same. Rows of raw FlashInfer and sglang's way run the "
+        "same code in both trees: their new / old shows the host's drift between the two "
+        "runs (use --repeat 3 to alternate the trees and keep medians).",
+        "",
+    ]
+    for label, m in (("new", nm), ("old", om)):
+        if m.get("failed"):
+            lines += [f"**{label}: failed parts: {', '.join(m['failed'])}**", ""]
+    old_rows = {_key(r): r for r in old["rows"]}
+    for title, keep in (("Targets", True), ("Every row", False)):
+        lines += [
+            f"## {title}",
             "",
-            "| page | case | flashplan µs | raw FI tc µs | raw FI cuda-core µs | flashplan TB/s "
-            "| raw tc / flashplan | % of copy |",
+            "| part | case | metric | unit | old | new | new / old | |",
             "|---|---|---|---|---|---|---|---|",
         ]
-    )
-    for ps in (1, 16):
-        for k, (name, lens) in enumerate(cases):
-            layout = fp.BatchLayout.decode(lens, page_size=ps)
-            spec = fp.plan(layout, HEADS)
-            table = shuffled_table(spec, seed=k)
-            cache = kv_cache(table, ps)
-            q = torch.randn(len(lens), HQ, D, device=DEV, dtype=DT)
-            ex = FlashInferExecutor()
-            ex.apply(spec, table)
-            group = layout.groups[0]
-            t_fp = kernel_ms(lambda: ex.run(group, q, None, None, cache))
-            ours = ex.run(group, q, None, None, cache)
-            indptr, idx, last = raw_decode_inputs(spec, table)
-            raw = {}
-            for tc in (True, False):
-                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    RAW_WS, "NHD", use_tensor_cores=tc, backend="fa2"
-                )
-                w.plan(indptr, idx, last, HQ, HKV, D, ps, q_data_type=DT, kv_data_type=DT)
-                err = rel_err(ours, w.run(q, cache))
-                assert err < 2e-2, f"flashplan != raw FlashInfer ({err})"
-                raw[tc] = kernel_ms(lambda w=w: w.run(q, cache))
-            kv_bytes = sum(lens) * 2 * HKV * D * ELT
-            bw = kv_bytes / t_fp / 1e9
-            row = {
-                "page_size": ps,
-                "case": name,
-                "flashplan_ms": t_fp,
-                "raw_tc_ms": raw[True],
-                "raw_cuda_core_ms": raw[False],
-                "flashplan_TBps": bw,
-                "ratio_vs_raw_tc": raw[True] / t_fp,
-                "frac_of_copy": bw / copy_bw,
-            }
-            rows.append(row)
-            log(row)
-            MD.append(
-                f"| {ps} | {name} | {t_fp * 1e3:.1f} | {raw[True] * 1e3:.1f} | "
-                f"{raw[False] * 1e3:.1f} | {bw:.2f} | {raw[True] / t_fp:.3f} | "
-                f"{100 * bw / copy_bw:.0f}% |"
+        for row in new["rows"]:
+            if keep and not row["key"]:
+                continue
+            o = old_rows.get(_key(row), {}).get("value")
+            ratio, verdict = _verdict(row, o, row["value"])
+            lines.append(
+                f"| {row['part']} | {row['case']} | {row['metric']} | {row['unit']} "
+                f"| {_cell(o, row['unit'])} | {_cell(row['value'], row['unit'])} | {ratio} "
+                f"| {verdict} |"
             )
-            torch.cuda.empty_cache()
-    MD.extend(
-        [
-            "",
-            "Decode kernel kind (raw FlashInfer, kv 4096, page 16):",
-            "",
-            "| heads q/kv | batch | tensor-core µs | cuda-core µs |",
-            "|---|---|---|---|",
-        ]
-    )
-    policy_rows = []
-    for hq, hkv in ((32, 32), (32, 8), (32, 4)):
-        for bs in (1, 4, 16, 64):
-            npages = [4096 // 16] * bs
-            indptr = torch.tensor([0, *np.cumsum(npages).tolist()], dtype=torch.int32).pin_memory()
-            idx = torch.randperm(sum(npages), device=DEV).to(torch.int32)
-            last = torch.full((bs,), 16, dtype=torch.int32).pin_memory()
-            cache = torch.randn(sum(npages), 2, 16, hkv, D, device=DEV, dtype=DT)
-            q = torch.randn(bs, hq, D, device=DEV, dtype=DT)
-            t = {}
-            for tc in (True, False):
-                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    RAW_WS, "NHD", use_tensor_cores=tc, backend="fa2"
-                )
-                w.plan(indptr, idx, last, hq, hkv, D, 16, q_data_type=DT, kv_data_type=DT)
-                t[tc] = kernel_ms(lambda w=w: w.run(q, cache))
-            policy_rows.append(
-                {"hq": hq, "hkv": hkv, "batch": bs, "tc_ms": t[True], "cuda_core_ms": t[False]}
+        only_old = [r for r in old["rows"] if _key(r) not in {_key(n) for n in new["rows"]}]
+        for row in only_old if not keep else []:
+            lines.append(
+                f"| {row['part']} | {row['case']} | {row['metric']} | {row['unit']} "
+                f"| {_cell(row['value'], row['unit'])} | — | | |"
             )
-            MD.append(f"| {hq}/{hkv} | {bs} | {t[True] * 1e3:.1f} | {t[False] * 1e3:.1f} |")
-    RESULTS["decode"] = rows
-    RESULTS["decode_kernel_kind"] = policy_rows
-    MD.append("")
-    save()
+        lines.append("")
+    lines += ["## new: the tables", "", *new["md"], "## old: the tables", "", *old["md"]]
+    return lines
 
 
-# ------------------------------------------------------------------------ host cost
-def part_host() -> None:
-    cycles = sleep_cycles(20.0)
-    rows = []
-    MD.extend(
-        [
-            "### Host cost of a decode batch (kv 4096, page 16), µs, median",
-            "",
-            "flashplan total = `BatchLayout.decode` + `plan` + `apply` (decode wrappers "
-            "re-planned through `fast_decode_plan`; *fast_plan off*: every call a full "
-            "`plan()`); FI bare = "
-            "`plan()` on ready pinned indptrs + device page ids; ref-file way = device "
-            "cumsum + Triton gather + `plan()` with device indptrs. *behind*: issued right "
-            "after a 20 ms kernel. Syncs: counted with `set_sync_debug_mode`.",
-            "",
-            "| batch | layout | plan | apply | flashplan total | total, fast_plan off "
-            "| FI bare | total / bare "
-            "| ref-file way | flashplan behind | FI bare behind | ref way behind "
-            "| syncs fp / bare / ref | ≤ 1.5x bare | < ref way |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
+def compare(args: argparse.Namespace) -> int:
+    tree = Path(args.compare_tree).resolve()
+    if not (tree / "flashplan" / "__init__.py").exists():
+        raise SystemExit(f"--compare-tree {tree}: no flashplan package there")
+    label = args.old_label or tree.name
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict[str, Any]]] = {"new": [], "old": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(args.repeat):
+            for side, root in (("new", REPO), ("old", tree)):
+                runs[side].append(run_side(args, side, root, Path(tmp), k))
+    new, old = merged(runs["new"]), merged(runs["old"])
+    text = "\n".join(compare_md(old, new, label)) + "\n"
+    (out / "compare.md").write_text(text)
+    (out / "compare.json").write_text(
+        json.dumps({"new": runs["new"], "old": runs["old"]}, indent=1, default=str)
     )
-    for bs in (1, 64, 256, 1024):
-        lens = np.full(bs, 4096)
-        layout = fp.BatchLayout.decode(lens, page_size=16)
-        spec = fp.plan(layout, HEADS)
-        table = shuffled_table(spec, seed=bs)
-        ex = FlashInferExecutor()
-        ex.apply(spec, table)
-        t_layout = host_us(lambda: fp.BatchLayout.decode(lens, page_size=16))
-        t_plan = host_us(lambda: fp.plan(layout, HEADS))
-        t_apply = host_us(lambda: ex.apply(spec, table))
-
-        def flashplan_step() -> None:
-            ex.apply(fp.plan(fp.BatchLayout.decode(lens, page_size=16), HEADS), table)
-
-        t_total = host_us(flashplan_step)
-        ex_full = FlashInferExecutor(fast_plan=False)
-        ex_full.apply(spec, table)
-        t_total_full = host_us(
-            lambda: ex_full.apply(fp.plan(fp.BatchLayout.decode(lens, page_size=16), HEADS), table)
-        )
-        indptr, idx, last = raw_decode_inputs(spec, table)
-        tc = decode_uses_tensor_cores(HEADS, ExecutorPolicy(), bs)  # flashplan's choice
-        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            RAW_WS, "NHD", use_tensor_cores=tc, backend="fa2"
-        )
-
-        def bare() -> None:
-            w.plan(
-                indptr, idx, last, HQ, HKV, D, 16,
-                q_data_type=DT, kv_data_type=DT, non_blocking=True,
-            )  # fmt: skip
-
-        t_bare = host_us(bare)
-        w2 = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            RAW_WS, "NHD", use_tensor_cores=tc, backend="fa2"
-        )
-        part = spec.group_plans[0].paged
-        assert part is not None
-        ref = RefWay(w2, table, lens, torch.empty(part.total_pages, dtype=torch.int32, device=DEV))
-
-        def ref_way() -> None:
-            ref.fill()
-            ref.plan_device()
-
-        t_ref = host_us(ref_way)
-        b_fp = blocked_us(flashplan_step, cycles)
-        b_bare = blocked_us(bare, cycles)
-        b_ref = blocked_us(ref_way, cycles)
-        fp_syncs = raises_on_sync(flashplan_step)
-        s_fp, s_bare, s_ref = count_syncs(flashplan_step), count_syncs(bare), count_syncs(ref_way)
-        ratio = t_total / t_bare
-        m_ratio = target("host", f"B{bs} layout+plan+apply / bare plan()", f"{ratio:.2f}x",
-                         "<= 1.5x", ratio <= 1.5)  # fmt: skip
-        m_ref = target("host", f"B{bs} flashplan total vs ref-file way (idle GPU)",
-                       f"{t_total:.0f} vs {t_ref:.0f} µs", "below", t_total < t_ref)  # fmt: skip
-        target("host", f"B{bs} syncs in layout+plan+apply", "error mode raised"
-                        if fp_syncs else "0", "0", not fp_syncs and s_fp == 0)  # fmt: skip
-        row = {
-            "batch": bs,
-            "layout_us": t_layout,
-            "plan_us": t_plan,
-            "apply_us": t_apply,
-            "flashplan_total_us": t_total,
-            "flashplan_total_fast_plan_off_us": t_total_full,
-            "fi_bare_plan_us": t_bare,
-            "ratio_total_vs_bare": ratio,
-            "ref_way_us": t_ref,
-            "blocked_flashplan_us": b_fp,
-            "blocked_bare_us": b_bare,
-            "blocked_ref_way_us": b_ref,
-            "syncs_flashplan": s_fp,
-            "flashplan_raises_in_error_mode": fp_syncs,
-            "syncs_bare": s_bare,
-            "syncs_ref_way": s_ref,
-        }
-        rows.append(row)
-        log(row)
-        MD.append(
-            f"| {bs} | {t_layout:.0f} | {t_plan:.0f} | {t_apply:.0f} | {t_total:.0f} | "
-            f"{t_total_full:.0f} | {t_bare:.0f} | {ratio:.2f} | {t_ref:.0f} | {b_fp:.0f} "
-            f"| {b_bare:.0f} | {b_ref:.0f} | {s_fp} / {s_bare} / {s_ref} | {m_ratio} | {m_ref} |"
-        )
-    RESULTS["host"] = rows
-    MD.append("")
-    save()
+    print(text)
+    print(f"[bench] wrote {out / 'compare.md'}, {out / 'compare.json'}")
+    return 1 if new["meta"].get("failed") or old["meta"].get("failed") else 0
 
 
-# ------------------------------------------------------------------------ graph
-class RawCapturedDecode:
-    """Raw FlashInfer captured by hand, the reference file's way: a graph-mode decode
-    wrapper on fixed buffers, per step the reference file's buffer refresh (device
-    cumsum + Triton gather straight into the fixed indices buffer), ``plan()`` with host
-    indptrs, then ``graph.replay()``."""
-
-    def __init__(
-        self, table: fp.PageTable, lens: np.ndarray, max_pages: int, tc: bool, fast: bool = False
-    ) -> None:
-        bs = lens.shape[0]
-        self.fast = fast
-        self.indptr_buf = torch.zeros(bs + 1, dtype=torch.int32, device=DEV)
-        self.indices_buf = torch.zeros(bs * max_pages, dtype=torch.int32, device=DEV)
-        self.last_buf = torch.ones(bs, dtype=torch.int32, device=DEV)
-        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            RAW_WS, "NHD", use_cuda_graph=True, use_tensor_cores=tc, backend="fa2",
-            paged_kv_indptr_buffer=self.indptr_buf,
-            paged_kv_indices_buffer=self.indices_buf,
-            paged_kv_last_page_len_buffer=self.last_buf,
-        )  # fmt: skip
-        self.ref = RefWay(self.wrapper, table, lens, self.indices_buf)
-        if fast:  # the refresh writes the fixed buffers themselves
-            self.ref.indptr = self.indptr_buf
-        self.graph = torch.cuda.CUDAGraph()
-        self.out: torch.Tensor | None = None
-
-    def plan(self) -> None:
-        self.ref.fill()
-        if self.fast:
-            self.last_buf.copy_(self.ref.last_page_len())
-            self.ref.plan_fast()
-        else:
-            self.ref.plan_host()
-
-    def capture(self, q: torch.Tensor, cache: torch.Tensor, layers: int) -> None:
-        self.ref.fill()
-        self.ref.plan_host()  # the first plan is a full plan() (it builds the module)
-
-        def forward() -> torch.Tensor:
-            out = q
-            for _ in range(layers):
-                out = self.wrapper.run(q, cache)
-            return out
-
-        cur = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            forward()
-        cur.wait_stream(side)
-        with torch.cuda.graph(self.graph):
-            self.out = forward()
-
-    def step(self) -> torch.Tensor:
-        self.plan()
-        self.graph.replay()
-        assert self.out is not None
-        return self.out
-
-
-def part_graph() -> None:
-    layers, steps = 32, ARGS.steps
-    cycles = sleep_cycles(20.0)
-    rows, host_rows = [], []
-    MD.extend(
-        [
-            f"### CUDA graphs: a {layers}-layer decode step (bf16 32/8 x 128, kv 4096, page 16)",
-            "",
-            "Wall time per step, µs: median of "
-            f"{steps} synced steps (in brackets: mean of {steps} steps back to back, no sync "
-            "between). (a) eager = layout + plan + apply + 32 `run`; (b) replay = layout + "
-            "plan + `step.replay(spec, table)`; (c) raw captured = the reference file's "
-            "buffer refresh (device cumsum + Triton gather) + `plan()` with host indptrs + "
-            "replay; (c') the same with FlashInfer's `fast_decode_plan` (host indptr "
-            "override, host last-page lengths) instead of `plan()`, the reference file's "
-            "decode replay path. The target is judged against (c), the issue's raw "
-            "baseline. One KV cache serves all layers (the same for every variant).",
-            "",
-            "| batch | (a) eager | (b) flashplan replay | (b') replay, bound table "
-            "| (c) raw captured | (c') raw, fast_decode_plan | (b) / (c) | (b') / (c) "
-            "| (b) / (c') | (a) / (b) | (b') ≤ 1.02x raw (B1, B8), ≤ 1.01x (B64, B256) "
-            "| ≥ 3x eager (B1) | max rel. err (b)/(b')/(c)/(c') vs (a) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-    )
-    for bs in (1, 8, 64, 256):
-        lens = np.full(bs, 4096)
-        layout0 = fp.BatchLayout.decode(lens, page_size=16)
-        spec0 = fp.plan(layout0, HEADS)
-        group = layout0.groups[0]
-        table = shuffled_table(spec0, seed=100 + bs)
-        cache = kv_cache(table, 16)
-        q = torch.randn(bs, HQ, D, device=DEV, dtype=DT)
-        max_pages = 4096 // 16
-
-        ex = FlashInferExecutor()
-
-        def eager_step() -> torch.Tensor:
-            ex.apply(fp.plan(fp.BatchLayout.decode(lens, page_size=16), HEADS), table)
-            out = q
-            for _ in range(layers):
-                out = ex.run(group, q, None, None, cache)
-            return out
-
-        def replayed(gx: FlashInferExecutor) -> Callable[[], torch.Tensor]:
-            """A step of layout + plan + replay of a graph captured on ``gx``."""
-            gx.apply(spec0, table)
-
-            def forward() -> torch.Tensor:
-                out = q
-                for _ in range(layers):
-                    out = gx.run(group, q, None, None, cache)
-                return out
-
-            captured = capture(gx, forward)
-
-            def step() -> torch.Tensor:
-                spec = fp.plan(fp.BatchLayout.decode(lens, page_size=16), HEADS)
-                return captured.replay(spec, table)
-
-            return step
-
-        gx = graph_executor(FlashInferExecutor(), GraphBucket.decode(bs, max_pages))
-        graph_step = replayed(gx)
-        # (b') the same over a bound page table: the gather and the indptr refresh replay
-        # inside the graph
-        bound = FlashInferExecutor()
-        bound.bind_page_table(table.pages, num_pages=table.num_pages)
-        bx = bound.for_bucket(GraphBucket.decode(bs, max_pages))
-        bound_step = replayed(bx)
-        assert bx._buffers.captured is not None
-
-        tc = decode_uses_tensor_cores(HEADS, ExecutorPolicy(), bs)  # the bucket's choice
-        raw = RawCapturedDecode(table, lens, max_pages, tc)
-        raw.capture(q, cache, layers)
-        raw_fast = RawCapturedDecode(table, lens, max_pages, tc, fast=True)
-        raw_fast.capture(q, cache, layers)
-
-        want = eager_step().clone()
-        err_g = rel_err(graph_step(), want)
-        err_b = rel_err(bound_step(), want)
-        assert err_b < 1e-2, (bs, err_b)
-        err_r = rel_err(raw.step(), want)
-        err_f = rel_err(raw_fast.step(), want)
-        assert err_g < 1e-2 and err_r < 1e-2 and err_f < 1e-2, (bs, err_g, err_r, err_f)
-
-        t_f, p_f = step_us(raw_fast.step, steps)
-        t_r, p_r = step_us(raw.step, steps)
-        t_g, p_g = step_us(graph_step, steps)
-        t_b, p_b = step_us(bound_step, steps)
-        t_e, p_e = step_us(eager_step, steps)
-        # how far the eager executor's buffers grew while the host ran ahead (private)
-        pool = getattr(ex, "_pool", None)
-        ring = getattr(ex, "_ring", None)
-        n_wrappers = sum(len(v) for v in pool.slots.values()) if pool is not None else -1
-        n_slots = len(ring.slots) if ring is not None else -1
-        vs_raw, vs_eager = t_g / t_r, t_e / t_g
-        goal = 1.02 if bs <= 8 else 1.01  # issue 24's targets
-        m_raw = target("graph", f"B{bs} flashplan replay, bound table / raw captured",
-                       f"{t_b / t_r:.3f}x", f"<= {goal}x", t_b / t_r <= goal)  # fmt: skip
-        m_eager = "—"
-        if bs == 1:
-            m_eager = target("graph", "B1 eager / flashplan replay", f"{vs_eager:.2f}x",
-                             ">= 3x", vs_eager >= 3.0)  # fmt: skip
-        row = {
-            "batch": bs,
-            "eager_us": t_e,
-            "replay_us": t_g,
-            "raw_captured_us": t_r,
-            "raw_fast_captured_us": t_f,
-            "replay_vs_raw_fast": t_g / t_f,
-            "bound_replay_us": t_b,
-            "bound_replay_pipelined_us": p_b,
-            "bound_vs_raw": t_b / t_r,
-            "rel_err_bound": err_b,
-            "raw_fast_pipelined_us": p_f,
-            "eager_pipelined_us": p_e,
-            "replay_pipelined_us": p_g,
-            "raw_pipelined_us": p_r,
-            "replay_vs_raw": vs_raw,
-            "eager_vs_replay": vs_eager,
-            "rel_err_replay": err_g,
-            "rel_err_raw": err_r,
-            "eager_wrappers_after_pipelined": n_wrappers,
-            "eager_pinned_slots_after_pipelined": n_slots,
-        }
-        rows.append(row)
-        log(row)
-        MD.append(
-            f"| {bs} | {t_e:.0f} ({p_e:.0f}) | {t_g:.0f} ({p_g:.0f}) | {t_b:.0f} ({p_b:.0f}) | "
-            f"{t_r:.0f} ({p_r:.0f}) | {t_f:.0f} ({p_f:.0f}) | {vs_raw:.3f} | {t_b / t_r:.3f} | "
-            f"{t_g / t_f:.3f} | {vs_eager:.2f} | {m_raw} | {m_eager} | "
-            f"{err_g:.1e} / {err_b:.1e} / {err_r:.1e} / {err_f:.1e} |"
-        )
-
-        # replay planning alone (host time, idle GPU and behind a 20 ms kernel)
-        def fp_planning() -> None:
-            gx.apply(fp.plan(fp.BatchLayout.decode(lens, page_size=16), HEADS), table)
-
-        def fp_bound_planning() -> None:
-            bx.apply(fp.plan(fp.BatchLayout.decode(lens, page_size=16), HEADS), table)
-
-        def ref_replay_path() -> None:
-            raw.ref.fill()
-            raw.ref.plan_device()
-
-        h = {
-            "batch": bs,
-            "fp_layout_plan_apply_us": host_us(fp_planning),
-            "fp_apply_us": host_us(lambda: gx.apply(spec0, table)),
-            "fp_bound_us": host_us(fp_bound_planning),
-            "fp_bound_apply_us": host_us(lambda: bx.apply(spec0, table)),
-            "fp_bound_syncs": count_syncs(fp_bound_planning),
-            "raw_plan_us": host_us(raw.ref.plan_host),
-            "raw_refresh_plan_us": host_us(raw.plan),
-            "raw_refresh_fast_us": host_us(raw_fast.plan),
-            "ref_replay_path_us": host_us(ref_replay_path),
-            "fp_behind_us": blocked_us(fp_planning, cycles),
-            "raw_behind_us": blocked_us(raw.plan, cycles),
-            "ref_behind_us": blocked_us(ref_replay_path, cycles),
-            "fp_syncs": count_syncs(fp_planning),
-            "replay_raises_in_error_mode": raises_on_sync(graph_step),
-            "ref_syncs": count_syncs(ref_replay_path),
-        }
-        host_rows.append(h)
-        log(h)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-    MD.extend(
-        [
-            "",
-            "Replay planning alone, host µs (median, idle GPU; *behind*: issued right after "
-            "a 20 ms kernel). flashplan = layout + plan + `graph_executor.apply` (apply alone "
-            "in brackets; bound table: the graph replays the gather and indptr refresh); "
-            "raw `plan()` = the graph wrapper's `plan()` on pinned host "
-            "indptrs; raw refresh + `plan()` = what (c) does per step before the replay; "
-            "ref-file replay path = device cumsum + Triton gather + `plan()` with device "
-            "indptrs.",
-            "",
-            "| batch | flashplan | flashplan, bound table | raw plan() | raw refresh + plan() "
-            "| raw refresh + fast_decode_plan | ref-file replay path "
-            "| flashplan behind | raw behind | ref path behind | syncs fp + bound / ref "
-            "| replay in error mode |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-    )
-    for h in host_rows:
-        MD.append(
-            f"| {h['batch']} | {h['fp_layout_plan_apply_us']:.0f} ({h['fp_apply_us']:.0f}) | "
-            f"{h['fp_bound_us']:.0f} ({h['fp_bound_apply_us']:.0f}) | "
-            f"{h['raw_plan_us']:.0f} | {h['raw_refresh_plan_us']:.0f} | "
-            f"{h['raw_refresh_fast_us']:.0f} | "
-            f"{h['ref_replay_path_us']:.0f} | {h['fp_behind_us']:.0f} | "
-            f"{h['raw_behind_us']:.0f} | {h['ref_behind_us']:.0f} | "
-            f"{h['fp_syncs']} + {h['fp_bound_syncs']} / {h['ref_syncs']} | "
-            f"{'raised (syncs)' if h['replay_raises_in_error_mode'] else 'ok (0 syncs)'} |"
-        )
-    RESULTS["graph"] = rows
-    RESULTS["graph_replay_planning"] = host_rows
-    MD.append("")
-    save()
-
-
-# ------------------------------------------------------------------------ deterministic
-def one_request_in(
-    ex: FlashInferExecutor, others: list[int], position: int, kv: torch.Tensor, q: torch.Tensor
-) -> torch.Tensor:
-    """The output of a 4096-token request decoded beside ``others`` at ``position``; it
-    always reads pages 0..255 (the same cache bytes), the others pages from 300 on."""
-    seq = [*others[:position], 4096, *others[position:]]
-    spec = fp.plan(fp.BatchLayout.decode(seq, page_size=16), HEADS)
-    need = spec.pages_needed.tolist()
-    rows = np.zeros((len(seq), max(need)), dtype=np.int32)
-    at = 300
-    for i, n in enumerate(need):
-        if i == position:
-            rows[i, :n] = np.arange(n)
-        else:
-            rows[i, :n] = at + np.arange(n)
-            at += n
-    assert at <= kv.shape[0]
-    table = fp.PageTable(torch.from_numpy(rows).to(DEV), np.arange(len(seq)), num_pages=kv.shape[0])
-    qs = torch.randn(len(seq), HQ, D, device=DEV, dtype=DT)
-    qs[position] = q
-    ex.apply(spec, table)
-    return ex.run(spec.key.groups[0], qs, None, None, kv)[position].clone()
-
-
-def part_deterministic() -> None:
-    det, default = ExecutorPolicy(deterministic=True), ExecutorPolicy()
-    rows = []
-    MD.extend(
-        [
-            "### Deterministic mode (decode, kv 4096, page 16, bf16 32/8 x 128)",
-            "",
-            "| batch | default µs | deterministic µs | cost | max abs diff |",
-            "|---|---|---|---|---|",
-        ]
-    )
-    for bs in (64, 256):
-        lens = [4096] * bs
-        layout = fp.BatchLayout.decode(lens, page_size=16)
-        spec = fp.plan(layout, HEADS)
-        table = shuffled_table(spec, seed=7 + bs)
-        cache = kv_cache(table, 16)
-        q = torch.randn(bs, HQ, D, device=DEV, dtype=DT)
-        group = layout.groups[0]
-        t, outs = {}, {}
-        for name, policy in (("default", default), ("deterministic", det)):
-            ex = FlashInferExecutor(policy=policy)
-            ex.apply(spec, table)
-            outs[name] = ex.run(group, q, None, None, cache)
-            t[name] = kernel_ms(lambda ex=ex: ex.run(group, q, None, None, cache))
-        diff = float((outs["default"].float() - outs["deterministic"].float()).abs().max())
-        cost = t["deterministic"] / t["default"]
-        rows.append({"batch": bs, "default_ms": t["default"], "det_ms": t["deterministic"],
-                     "cost": cost, "max_abs_diff": diff})  # fmt: skip
-        log(rows[-1])
-        MD.append(
-            f"| {bs} | {t['default'] * 1e3:.1f} | {t['deterministic'] * 1e3:.1f} | "
-            f"{cost:.3f}x | {diff:.2e} |"
-        )
-        torch.cuda.empty_cache()
-    gen = torch.Generator(device=DEV).manual_seed(7)
-    kv = torch.randn(300 + 63 * 256 + 1024, 2, 16, HKV, D, generator=gen, device=DEV).to(DT)
-    q1 = torch.randn(HQ, D, generator=gen, device=DEV).to(DT)
-    comps = [([], 0), ([8000], 0), ([9, 8000, 40], 2), ([100] * 6, 5), ([4096] * 63, 17)]
-    ident = {}
-    for name, policy in (("deterministic", det), ("default", default)):
-        ex = FlashInferExecutor(policy=policy)
-        outs_c = [one_request_in(ex, others, pos, kv, q1) for others, pos in comps]
-        same = [torch.equal(o, outs_c[0]) for o in outs_c[1:]]
-        worst = max(float((o.float() - outs_c[0].float()).abs().max()) for o in outs_c[1:])
-        ident[name] = {"identical": all(same), "per_composition": same, "max_abs_diff": worst}
-        log(f"bit-identity across 5 compositions ({name}): {all(same)} {same} max {worst:.2e}")
-    mark = target("deterministic", "one request bit-identical across 5 batch compositions",
-                  str(ident["deterministic"]["identical"]), "True",
-                  bool(ident["deterministic"]["identical"]))  # fmt: skip
-    d = ident["default"]
-    MD.extend(
-        [
-            "",
-            "One 4096-token request decoded alone, beside 1 (8000), 3 (9, 8000, 40), 6 "
-            "(100 each) and 63 (4096 each) others, at different positions: bit-identical "
-            f"output with `deterministic=True`: **{ident['deterministic']['identical']}** "
-            f"({mark}); with the default policy: {d['identical']} (per composition "
-            f"{d['per_composition']}, max abs diff {d['max_abs_diff']:.2e}).",
-            "",
-        ]
-    )
-    RESULTS["deterministic"] = {"kernel": rows, "bit_identity": ident}
-    save()
-
-
-# ------------------------------------------------------------------------ extend
-def part_extend() -> None:
-    layout = fp.BatchLayout.extend([2048 + 512] * 16, [2048] * 16, page_size=16)
-    group = layout.groups[0]
-    rows = []
-    MD.extend(
-        [
-            "### Extend 16 x (2048 prefix + 512 new), bf16 32/8 x 128, page 16, one layer "
-            "incl. KV write",
-            "",
-            "| path | backend | ms | vs fastest |",
-            "|---|---|---|---|",
-        ]
-    )
-    for path in ("ragged", "paged"):
-        spec = fp.plan(layout, HEADS, extend_path=path)
-        table = shuffled_table(spec, seed=2)
-        cache = kv_cache(table, 16)
-        q = torch.randn(spec.total_q, HQ, D, device=DEV, dtype=DT)
-        k = torch.randn(spec.total_q, HKV, D, device=DEV, dtype=DT)
-        for backend in ("fa2", "fa3"):
-            ex = FlashInferExecutor(policy=ExecutorPolicy(prefill_backend=backend))
-            ex.apply(spec, table)
-            ms = kernel_ms(lambda ex=ex: ex.run(group, q, k, k, cache), rep=100)
-            rows.append({"path": spec.key.paths[0].value, "backend": backend, "ms": ms})
-            log(rows[-1])
-    best = min(r["ms"] for r in rows)
-    for r in rows:
-        MD.append(f"| {r['path']} | {r['backend']} | {r['ms']:.3f} | {r['ms'] / best:.2f}x |")
-    RESULTS["extend"] = rows
-    MD.append("")
-    save()
-
-
-# ------------------------------------------------------------------------ window
-def sglang_style_masks(
-    prefix: torch.Tensor, seq: torch.Tensor, start: torch.Tensor, window: int
-) -> torch.Tensor:
-    """The reference file's per-request loop (device tensors, .cpu() + Python loop)."""
-    prefix_cpu = prefix.detach().cpu().tolist()
-    extend_cpu = (seq - prefix).detach().cpu().tolist()
-    start_cpu = start.detach().cpu().tolist()
-    parts = []
-    for p, e, s in zip(prefix_cpu, extend_cpu, start_cpu, strict=True):
-        n = int(p - s)
-        if n == 0 or e == 0:
-            continue
-        q_abs = torch.arange(e, device=DEV).view(-1, 1) + p
-        k_abs = torch.arange(n, device=DEV).view(1, -1) + s
-        parts.append((k_abs >= (q_abs - window)).to(torch.uint8).view(-1))
-    return torch.cat(parts)
-
-
-def part_window(copy_bw: float) -> None:
-    rng = np.random.default_rng(3)
-    window = 4096
-    bs, ext = 256, 512
-    prefix = rng.integers(1, 8193, bs)
-    seq = prefix + ext
-    group = fp.AttentionGroup(window_left=window)
-    layout = fp.BatchLayout.extend(seq, prefix, page_size=1, groups=[group])
-    policy = ExecutorPolicy(prefill_backend="fa2")
-    spec = fp.plan(layout, HEADS, extend_path="ragged")
-    table = shuffled_table(spec, seed=3)
-    ex = FlashInferExecutor(policy=policy)
-
-    def ours() -> None:  # the whole batch preparation: plan + apply (mask built on the GPU)
-        ex.apply(fp.plan(layout, HEADS, extend_path="ragged"), table)
-
-    prefix_dev = torch.from_numpy(prefix).to(DEV)
-    seq_dev = torch.from_numpy(seq).to(DEV)
-    start_dev = torch.clamp(prefix_dev - window, min=0)
-    qo = torch.full((bs,), ext, dtype=torch.int32, device=DEV)
-    kv = (prefix_dev - start_dev).to(torch.int32)
-
-    def theirs() -> tuple[torch.Tensor, torch.Tensor]:  # per-request loop + device packbits
-        mask = sglang_style_masks(prefix_dev, seq_dev, start_dev, window)
-        mask_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=DEV)
-        mask_indptr[1:] = torch.cumsum(qo * kv, 0)
-        return flashinfer.segment_packbits(mask, mask_indptr, bitorder="little")
-
-    staging = torch.empty(4 * bs + 1, dtype=torch.int32, pin_memory=True)  # as an executor's ring
-
-    def ours_mask_only() -> tuple[torch.Tensor, np.ndarray]:
-        """The same job as theirs: plan + translate + upload + Triton build (the upload
-        from a persistent pinned buffer, as the executor stages)."""
-        tr = translate(fp.plan(layout, HEADS, extend_path="ragged"), policy, sm90=True)
-        (gi, recipe), = tr.inputs.masks.items()  # fmt: skip
-        names = ("first_visible", "qo_lens", "kv_lens", "indptr")  # indptr[:bs]: bytes
-        np.concatenate([tr.inputs.host[f"g{gi}.mask.{n}"] for n in names], out=staging.numpy())
-        dev = staging.to(DEV, non_blocking=True)
-        buf = torch.empty(recipe.total_bytes, dtype=torch.uint8, device=DEV)
-        n = bs
-        build_mask(
-            dev[:n], dev[n : 2 * n], dev[2 * n : 3 * n], dev[3 * n : 4 * n], buf, recipe.max_bytes
-        )
-        return buf, tr.inputs.host[f"g{gi}.mask.indptr"][:-1]
-
-    def synced(fn: Callable[[], object]) -> Callable[[], None]:
-        def inner() -> None:
-            fn()
-            torch.cuda.synchronize()
-
-        return inner
-
-    t_ours = host_us(synced(ours), n=10, warmup=3)
-    t_mask = host_us(synced(ours_mask_only), n=10, warmup=3)
-    t_theirs = host_us(synced(theirs), n=10, warmup=3)
-    # where the mask-only job's time goes: host planning, host translation, device build
-    t_plan_w = host_us(lambda: fp.plan(layout, HEADS, extend_path="ragged"), n=20, warmup=3)
-    spec_w = fp.plan(layout, HEADS, extend_path="ragged")
-    t_translate = host_us(lambda: translate(spec_w, policy, sm90=True), n=20, warmup=3)
-    built_once, _ = ours_mask_only()
-    tr_w = translate(spec_w, policy, sm90=True)
-    ((gi_w, recipe_w),) = tr_w.inputs.masks.items()
-    arrays_w = [
-        torch.from_numpy(np.array(tr_w.inputs.host[f"g{gi_w}.mask.{n}"])).to(DEV)
-        for n in ("first_visible", "qo_lens", "kv_lens", "byte_offsets")
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.compare_tree:
+        return compare(args)
+    result = run_here(args)
+    if args.result:  # one side of --compare-tree: the parent writes the files
+        Path(args.result).write_text(json.dumps(result, default=str))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    m = result["meta"]
+    head = [
+        f"# flashplan benchmarks: {m['device']}, flashinfer {m['flashinfer']}, "
+        f"torch {m['torch']}, {m['date']} ({m['flashplan']})",
+        "",
     ]
-    t_build = kernel_ms(lambda: build_mask(*arrays_w, built_once, recipe_w.max_bytes), rep=50)
-    cycles = sleep_cycles(20.0)
-    b_ours = blocked_us(ours, cycles)
-    # identical bits: each request's packed bytes, ours (at flashplan's byte offsets) vs
-    # theirs (segment_packbits' compact layout)
-    built, offsets = ours_mask_only()
-    packed, packed_indptr = theirs()
-    built_np, packed_np = built.cpu().numpy(), packed.cpu().numpy()
-    p_ptr = packed_indptr.cpu().numpy().astype(np.int64)
-    sizes = np.diff(p_ptr)
-    src = np.repeat(offsets.astype(np.int64), sizes) + (
-        np.arange(int(sizes.sum())) - np.repeat(p_ptr[:-1], sizes)
-    )
-    same = bool(np.array_equal(built_np[src], packed_np[: int(p_ptr[-1])]))
-    # decode with a window group: bandwidth over the keys actually read
-    lens = rng.integers(1, 8193, 256).tolist()
-    wgroup = fp.AttentionGroup(window_left=window - 1)
-    dl = fp.BatchLayout.decode(lens, page_size=16, groups=[wgroup])
-    dspec = fp.plan(dl, HEADS)
-    dtable = shuffled_table(dspec, seed=4)
-    cache = kv_cache(dtable, 16)
-    q = torch.randn(256, HQ, D, device=DEV, dtype=DT)
-    dex = FlashInferExecutor()
-    dex.apply(dspec, dtable)
-    t_dec = kernel_ms(lambda: dex.run(wgroup, q, None, None, cache))
-    dpart = dspec.group_plans[0].paged
-    assert dpart is not None
-    read_tokens = int(dpart.kv_lens.sum())
-    bw = read_tokens * 2 * HKV * D * ELT / t_dec / 1e9
-    speed_mask, speed_all = t_theirs / t_mask, t_theirs / t_ours
-    mark = target("window", "mask job (256 req.) vs reference per-request loop",
-                  f"{speed_mask:.1f}x", ">= 20x", speed_mask >= 20)  # fmt: skip
-    target("window", "identical mask bits", str(same), "True", same)
-    RESULTS["window"] = {
-        "mask_ours_plan_apply_us": t_ours,
-        "mask_ours_mask_only_us": t_mask,
-        "mask_ref_loop_us": t_theirs,
-        "mask_plan_us": t_plan_w,
-        "mask_translate_us": t_translate,
-        "mask_build_kernel_ms": t_build,
-        "mask_buffer_bytes": int(recipe_w.total_bytes),
-        "speedup_mask_only": speed_mask,
-        "speedup_plan_apply": speed_all,
-        "identical_bytes": same,
-        "ours_behind_20ms_kernel_us": b_ours,
-        "decode_window_ms": t_dec,
-        "decode_window_TBps": bw,
-        "keys_read": read_tokens,
-        "keys_total": int(sum(lens)),
-    }
-    log(RESULTS["window"])
-    MD.extend(
-        [
-            "### Sliding window",
-            "",
-            "Windowed-prefix custom masks, 256 requests (prefix U[1, 8192], extend 512, "
-            "window 4096), the ragged + paged path (synced, median):",
-            "",
-            "| job | ms | speed-up |",
-            "|---|---|---|",
-            f"| reference file's per-request loop + `segment_packbits` (mask only) | "
-            f"{t_theirs / 1e3:.2f} | 1x |",
-            f"| flashplan mask only: `plan` + translate + upload + Triton build | "
-            f"**{t_mask / 1e3:.2f}** | {speed_mask:.1f}x ({mark}: ≥ 20x) |",
-            f"| flashplan whole batch: `plan` + `apply` incl. both FlashInfer `plan()` calls | "
-            f"{t_ours / 1e3:.2f} | {speed_all:.1f}x |",
-            f"| the same, issued behind a 20 ms kernel (host time) | {b_ours / 1e3:.2f} | |",
-            "",
-            f"Identical mask bits (flashplan's device-built bytes vs the loop's): {same}. "
-            f"The mask-only job splits into `plan` {t_plan_w / 1e3:.2f} ms + translate "
-            f"{t_translate / 1e3:.2f} ms (host) + upload and the Triton build (kernel "
-            f"{t_build:.3f} ms on the device, into a {recipe_w.total_bytes / 1e6:.0f} MB "
-            "buffer laid out at FlashInfer 0.7.4's bit-count offsets).",
-            "",
-            f"Decode B256 kv U[1, 8192] with window_left {window - 1}: {t_dec * 1e3:.1f} µs for "
-            f"{read_tokens} of {sum(lens)} keys = **{bw:.2f} TB/s** over the keys read "
-            f"({100 * bw / copy_bw:.0f}% of copy).",
-            "",
-        ]
-    )
-    torch.cuda.empty_cache()
-    save()
-
-
-def print_summary() -> None:
-    print("\n== targets ==")
-    width = max((len(s["what"]) for s in SUMMARY), default=10)
-    for s in SUMMARY:
-        mark = "met" if s["met"] else "MISSED"
-        print(f"{s['part']:<13} {s['what']:<{width}}  {s['value']:>22}  {s['target']:<9} {mark}")
-    n_met = sum(s["met"] for s in SUMMARY)
-    print(f"{n_met} of {len(SUMMARY)} targets met")
-
-
-def main() -> None:
-    t0 = time.perf_counter()
-    timings = {}
-    need_copy = bool(PARTS & {"copy", "decode", "window"})
-    copy_bw = part_copy() if need_copy else 0.0
-    steps: list[tuple[str, Callable[[], None]]] = [
-        ("decode", lambda: part_decode(copy_bw)),
-        ("host", part_host),
-        ("graph", part_graph),
-        ("deterministic", part_deterministic),
-        ("extend", part_extend),
-        ("window", lambda: part_window(copy_bw)),
+    keys = ["## Targets", "", "| part | case | metric | unit | value |", "|---|---|---|---|---|"]
+    keys += [
+        f"| {r['part']} | {r['case']} | {r['metric']} | {r['unit']} "
+        f"| {_cell(r['value'], r['unit'])} |"
+        for r in result["rows"]
+        if r["key"]
     ]
-    failed = []
-    for name, fn in steps:
-        if name in PARTS:
-            t1 = time.perf_counter()
-            try:
-                fn()
-            except Exception:  # report and go on: one broken part must not hide the rest
-                failed.append(name)
-                log(f"part {name} FAILED:\n{traceback.format_exc()}")
-                MD.extend([f"### {name}: FAILED (see the log)", ""])
-                torch.cuda.synchronize()
-            timings[name] = time.perf_counter() - t1
-            log(f"part {name}: {timings[name]:.1f} s")
-    RESULTS["failed_parts"] = failed
-    RESULTS["part_seconds"] = timings
-    RESULTS["total_seconds"] = time.perf_counter() - t0
-    save()
-    print("\n".join(MD))
-    print_summary()
-    if failed:
-        print(f"FAILED parts: {', '.join(failed)}")
-    log(f"total {RESULTS['total_seconds']:.1f} s; wrote {ARGS.out}/bench.json, bench.md")
-    if failed:
-        sys.exit(1)
+    text = "\n".join(head + keys + ["", *result["md"]]) + "\n"
+    (out / "bench.md").write_text(text)
+    (out / "bench.json").write_text(json.dumps(result, indent=1, default=str))
+    print(text)
+    if m["failed"]:
+        print(f"[bench] FAILED parts: {', '.join(m['failed'])}")
+    print(f"[bench] wrote {out / 'bench.md'}, {out / 'bench.json'}")
+    return 1 if m["failed"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
