@@ -412,7 +412,7 @@ def cascade_pays(
     bandwidth, plus ``overhead_us_per_level`` per level (the level's prefill call, which
     runs few query rows over many keys, and the merge).
 
-    Calibrated on an H100 (run BE, ``benchmarks/bench_cascade.py``): the copy bandwidth
+    Calibrated on an H100 (run BE; ``benchmarks/run_gpu.py --parts cascade``): the copy bandwidth
     of issue 27's run (3.05 TB/s); plain calls over shared pages ran at 7.3-8.5 TB/s of
     logical bytes; cascade calls took 52-84 µs per level beyond their bytes. Three
     batches (64 x (8192 + 256) in one group, 256 in groups of 8 over 2048, and the same

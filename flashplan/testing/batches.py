@@ -1,9 +1,9 @@
 """Fixed example batches that benchmarks and tests share (no Hypothesis needed).
 
-:func:`scoring_batch` is the multi-item scoring batch of ``benchmarks/bench_multi_item.py``
-(a prompt followed by items, each after a delimiter, and a closing delimiter), and
-:func:`bushy_tree_parents` the draft trees of the verify benchmark
-(``benchmarks/bench_speculative.py``), each drawn from a numpy generator so that every
+:func:`scoring_batch` is the multi-item scoring batch of the ``multi_item`` benchmark
+(``benchmarks/run_gpu.py``; a prompt followed by items, each after a delimiter, and a
+closing delimiter), and :func:`bushy_tree_parents` the draft trees of its ``verify`` and
+``draft`` parts, each drawn from a numpy generator so that every
 user of one seed gets the same batch. :func:`large_logit_fp8_batches` are the two fp8
 batches of issue 50 whose keys reach the formats' range (logits in the hundreds), where
 an fp8 tensor scale's rounding shows (``docs/semantics.md``, FP8 KV cache).
