@@ -49,7 +49,6 @@ from flashplan.executor.flashinfer.calls import (
     StagedArray,
     WrapperKind,
 )
-from flashplan.twin.wrappers import fast_decode_plan, flashinfer_twin, merge_state
 from flashplan.executor.gathers import gather_jobs
 from flashplan.kernels.custom_mask import build_custom_mask_torch
 from flashplan.kernels.runs import fill_runs_torch
@@ -64,6 +63,7 @@ from flashplan.testing import (
     verify_layouts,
 )
 from flashplan.torch_kernels import fold_sinks_torch, gather_slots_torch
+from flashplan.twin.wrappers import fast_decode_plan, flashinfer_twin, merge_state
 
 TWIN = flashinfer_twin
 WS = torch.zeros(1 << 10, dtype=torch.uint8)  # the twin reads only the workspace's device
