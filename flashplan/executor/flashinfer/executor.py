@@ -59,8 +59,8 @@ __all__ = [
 #: Default size of the float workspace all wrappers share (bytes): FlashInfer's
 #: recommended 128 MiB doubled, for split-KV partial results of large batches.
 DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
-#: The flashinfer-python versions the GPU suite passes on, ``[oldest, newest]``
-#: (``pyproject.toml``'s range); another version warns.
+#: The flashinfer-python range ``[oldest, newest]`` (``pyproject.toml``'s) whose ends the GPU
+#: suite is to pass on (0.7.4 does; 0.7.0.post1 has not run yet); another version warns.
 SUPPORTED_VERSIONS = ("0.7.0.post1", "0.7.4")
 
 
