@@ -56,6 +56,8 @@ Parts (``--parts``, comma-separated; default ``host,verify,multi_item,graph,kern
               and ``examples/engine`` in a subprocess.
   overlap     ``bench_engine.py --parts overlap``: the plain vs the overlapped loop.
   draft, fp8, cascade, extend, deterministic, window: further parts (``_parts_extra``).
+  profile     where apply's host time goes: each phase timed, then cProfile, at batch 1,
+              64, 256 (``_profile``).
 
 Host times: ``time.perf_counter``, the GPU idle before each call, medians after warm-up,
 jobs of a table taken round by round. GPU times: CUDA events (``triton.testing.do_bench``),
@@ -86,7 +88,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 DEFAULT = ("host", "verify", "multi_item", "graph", "kernel", "sync")
-EXTRA = ("draft", "fp8", "cascade", "extend", "deterministic", "window")
+EXTRA = ("draft", "fp8", "cascade", "extend", "deterministic", "window", "profile")
 ENGINE = ("engine", "overlap")
 ALL = DEFAULT + EXTRA + ENGINE
 HIGHER = ("TB/s", "tok/s")  # units where higher is better (and metrics saying so)
@@ -229,6 +231,10 @@ def part_fn(part: str) -> Any:
         import _parts_gpu
 
         return getattr(_parts_gpu, f"part_{part}")
+    if part == "profile":
+        import _profile
+
+        return _profile.part_profile
     import _parts_extra
 
     return _parts_extra.PARTS[part]

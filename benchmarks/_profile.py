@@ -1,21 +1,18 @@
 #!/usr/bin/env python3
-"""Where a decode step's host time goes in the FlashInfer executor: cProfile over a decode
-loop (fresh lengths each step, kv 4096, page 16, 32/8 heads x 128, bf16), per batch size,
-and the phases of ``apply`` timed one by one (medians of ``--steps`` after warm-up).
-
-    source .whl/setup.sh && export PYTHONPATH=$PWD:$PYTHONPATH && \\
-        python3 benchmarks/profile_apply.py --out $OUT
-"""
+"""Part ``profile`` of ``run_gpu.py``: where a decode step's host time goes in the
+FlashInfer executor. Per batch size (1, 64, 256; kv 4096 + U[0, 32), page 16, 32/8
+heads x 128, bf16, fresh lengths each step) the phases of ``apply`` timed one by one
+(the GPU idle before each step), then cProfile over the same loop; medians of the run's
+``--steps`` (default 100) after 10 warm-up steps. Needs CUDA."""
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
 import statistics
 import time
-from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -72,22 +69,24 @@ def phases(ex: FlashInferExecutor, bs: int, steps: int) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in out.items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--steps", type=int, default=100)
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    lines = [f"# apply's host time by phase ({torch.cuda.get_device_name()})", ""]
+def part_profile(rep: Any) -> None:
+    """The tables above into ``rep.md`` (``Report`` of ``_common``)."""
+    from _common import ENV
+
+    if not ENV.cuda:
+        rep.md += ["### profile", "", "skipped: needs CUDA", ""]
+        return
+    steps = ENV.sizes.steps
+    lines = [f"### apply's host time by phase ({torch.cuda.get_device_name()})", ""]
     for bs in (1, 64, 256):
         ex = FlashInferExecutor()
-        lines += [f"## batch {bs}", "", "| phase | µs (median) |", "|---|---|"]
-        for name, us in phases(ex, bs, args.steps).items():
+        lines += [f"#### batch {bs}", "", "| phase | µs (median) |", "|---|---|"]
+        for name, us in phases(ex, bs, steps).items():
             lines.append(f"| {name} | {us:.1f} |")
         rng = np.random.default_rng(0)
         table = _table(rng, bs)
         prof = cProfile.Profile()
-        for k in range(args.steps + 10):
+        for k in range(steps + 10):
             if k == 10:
                 prof.enable()
             ex.apply(fp.plan(fp.BatchLayout.decode(_lens(rng, bs), page_size=16), HEADS), table)
@@ -95,9 +94,4 @@ def main() -> None:
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
         lines += ["", "```", text.getvalue()[-6000:], "```", ""]
-    (args.out / "profile_apply.md").write_text("\n".join(lines))
-    print("\n".join(lines))
-
-
-if __name__ == "__main__":
-    main()
+    rep.md += lines
