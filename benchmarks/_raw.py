@@ -29,6 +29,10 @@ from _common import DT, ENV, HKV, HQ, PAGE, D, pinned
 
 import flashplan as fp
 
+#: The raw decode wrappers' ``plan()`` / ``fast_decode_plan`` arguments after the arrays.
+_DECODE_SHAPE = (HQ, HKV, D, PAGE)
+_DECODE_KW: dict[str, Any] = {"q_data_type": DT, "kv_data_type": DT, "non_blocking": True}
+
 
 # The reference file's index kernel (sglang's create_flashinfer_kv_indices_triton, with
 # kv_start_idx = 0): one program per request copies its row's first page ids.
@@ -93,7 +97,7 @@ def decode_wrapper(ws: torch.Tensor, tensor_cores: bool, **graph: Any) -> Any:
 
 
 def bare_decode_plan(w: Any, indptr: torch.Tensor, idx: torch.Tensor, last: torch.Tensor) -> None:
-    w.plan(indptr, idx, last, HQ, HKV, D, PAGE, q_data_type=DT, kv_data_type=DT, non_blocking=True)
+    w.plan(indptr, idx, last, *_DECODE_SHAPE, **_DECODE_KW)
 
 
 def tensor_cores(batch_size: int) -> bool:
@@ -150,13 +154,8 @@ class SglangDecode:
             self.indptr,
             self.indices,
             self.last_page_len(),
-            HQ,
-            HKV,
-            D,
-            PAGE,
-            q_data_type=DT,
-            kv_data_type=DT,
-            non_blocking=True,
+            *_DECODE_SHAPE,
+            **_DECODE_KW,
         )
 
     def host_arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,13 +175,8 @@ class SglangDecode:
             indptr,
             self.indices,
             last,
-            HQ,
-            HKV,
-            D,
-            PAGE,
-            q_data_type=DT,
-            kv_data_type=DT,
-            non_blocking=True,
+            *_DECODE_SHAPE,
+            **_DECODE_KW,
         )
 
     def plan_fast(self) -> None:
@@ -192,13 +186,8 @@ class SglangDecode:
             indptr,
             self.indices,
             last,
-            HQ,
-            HKV,
-            D,
-            PAGE,
-            q_data_type=DT,
-            kv_data_type=DT,
-            non_blocking=True,
+            *_DECODE_SHAPE,
+            **_DECODE_KW,
             global_override_indptr_cpu=indptr,
         )
 

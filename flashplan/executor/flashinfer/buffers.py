@@ -274,7 +274,7 @@ class Buffers:
         planned: dict[tuple[int, str], Any] = {}
         for gc in calls:
             parts = [("paged", gc.paged), ("ragged", gc.ragged)]
-            parts += [(f"level{k}", call) for k, call in enumerate(gc.levels)]
+            parts += [(names.level_part(k), call) for k, call in enumerate(gc.levels)]
             for part, call in parts:
                 if call is None:
                     continue

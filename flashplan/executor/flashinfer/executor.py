@@ -78,7 +78,7 @@ def _version_key(version: str) -> tuple[int, ...]:
 def check_version(version: str) -> None:
     """Warn when ``version`` is outside :data:`SUPPORTED_VERSIONS`."""
     lo, hi = (_version_key(v) for v in SUPPORTED_VERSIONS)
-    if not lo <= _version_key(version) <= hi and not version.endswith("+twin"):
+    if not lo <= _version_key(version) <= hi:  # (the twin's "0.7.4+twin" is 0.7.4)
         warnings.warn(
             f"flashinfer-python {version} is outside the versions flashplan's GPU suite "
             f"passes on ({SUPPORTED_VERSIONS[0]} to {SUPPORTED_VERSIONS[1]})",
@@ -162,7 +162,7 @@ def _merge_levels(
     out, lse = own
     fp8 = batch.spec.heads.kv_is_fp8
     for k, rows in enumerate(batch.level_rows):
-        wrapper = batch.planned[(args.index, f"level{k}")]
+        wrapper = batch.planned[(args.index, names.level_part(k))]
         q_level = q if rows is None else q.index_select(0, rows)
         o_level, s_level = wrapper.run(q_level, kv_cache, k_scale=k_scale, return_lse=True)
         if fp8:

@@ -14,8 +14,8 @@ from flashplan.executor.gathers import WRITE, is_pages_region, level_pages_regio
 __all__ = [
     "JOBS", "QO_INDPTR", "WRITE", "GroupArray", "ItemField", "ItemPart", "LevelArray",
     "MaskField", "Parsed", "batch_int", "group_array", "group_int", "is_pages_region",
-    "item_name", "item_part", "level_array", "level_int", "level_pages_region", "mask_name",
-    "pages_region", "parse", "step_of", "step_prefix",
+    "item_name", "item_part", "level_array", "level_int", "level_pages_region", "level_part",
+    "mask_name", "pages_region", "parse", "step_of", "step_prefix",
 ]  # fmt: skip
 
 #: The job table's slice: :attr:`~flashplan.executor.gathers.GatherJobs.table` flattened
@@ -59,6 +59,12 @@ def batch_int(field: Literal["qo.total", "qo.max_len"], prefix: str = "") -> str
 def group_array(group: int, field: GroupArray | GroupInt, prefix: str = "") -> str:
     """Group ``group``'s staged array or batch integer ``field``."""
     return f"{prefix}g{group}.{field}"
+
+
+def level_part(level: int) -> str:
+    """The part name of cascade level ``level``'s call among a batch's planned wrappers
+    (beside ``"paged"`` and ``"ragged"``)."""
+    return f"level{level}"
 
 
 def level_array(level: int, field: LevelArray | GroupInt, prefix: str = "") -> str:
