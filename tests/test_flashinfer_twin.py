@@ -762,11 +762,13 @@ def test_refusals() -> None:
 
 
 def test_namespace_has_what_the_executor_reads() -> None:
-    """The module-like namespace: a 0.7.4 version string and every wrapper class the
-    executor's call records name (``WrapperKey.class_name``)."""
+    """The module-like namespace: a 0.7.4 version string, every wrapper class the
+    executor's call records name (``WrapperKey.class_name``) and XQA's function."""
     from flashplan.executor.flashinfer.call_types import SINK_WRAPPERS
 
     assert TWIN.__version__.split("+")[0] == "0.7.4"
-    for name in [k.value for k in WrapperKind] + list(SINK_WRAPPERS.values()):
+    classes = [k.value for k in WrapperKind if k is not WrapperKind.XQA]
+    for name in classes + list(SINK_WRAPPERS.values()):
         assert isinstance(getattr(TWIN, name), type), name
     assert callable(TWIN.fast_decode_plan) and callable(TWIN.merge_state)
+    assert callable(TWIN.xqa)

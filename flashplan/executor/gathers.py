@@ -12,7 +12,9 @@ of each purpose:
 * ``"pages/l<l>"``: the shared pages of cascade level ``l``'s groups, in group order
   (each read from its first member's row: :func:`gather_jobs`' ``level_spans``), first;
 * ``"pages/<g>"``: the page ids (FlashInfer's ``kv_indices``) of group ``g``'s paged
-  call, in request order (``page_indptr`` offsets within the region);
+  call, in request order (``page_indptr`` offsets within the region), or, for a call
+  that reads a dense block table (XQA), one row of ``width`` entries per request (its
+  page ids first; the rest of the row is not written);
 * ``"write"``: the write slots of the new tokens of self groups in the full pool;
 * ``"write/window"``: the same slots mapped into the sliding-window pool (only with a
   page map and a windowed group): windowed groups write there;
@@ -156,6 +158,16 @@ class GatherJobs:
         """Whether the batch has a region called ``name``."""
         return any(r.name == name for r in self.regions)
 
+    def written(self) -> npt.NDArray[np.bool_]:
+        """bool ``[total]``: the outputs some job writes (a dense block table's rows end
+        in entries none writes). For checks that read the outputs back, not a hot path."""
+        counts = self.counts.astype(np.int64)
+        before = np.add.accumulate(counts) - counts
+        steps = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(before, counts)
+        out = np.zeros(self.total, dtype=bool)
+        out[np.repeat(self.dst.astype(np.int64), counts) + steps] = True
+        return out
+
     def columns(self) -> tuple[IntArray, ...]:
         """The six job arrays in :func:`~flashplan.kernels.gather_slots` order."""
         return tuple(self.table)
@@ -209,6 +221,7 @@ def gather_jobs(
     window_pool: bool = False,
     spans: Mapping[int, tuple[IntArray, IntArray]] | None = None,
     level_spans: Sequence[tuple[IntArray, IntArray]] = (),
+    widths: Mapping[int, int] | None = None,
 ) -> GatherJobs:
     """The gather jobs of ``spec`` for a table whose request ``i`` sits in ``rows[i]``.
 
@@ -224,13 +237,17 @@ def gather_jobs(
             its first member, nothing at the others), gathered into region
             ``"pages/l<level>"`` before the groups' regions (so that a level's region
             keeps its place while its sharing does, however the own parts grow).
+        widths: per group index, the row width (pages) of a dense block table: request
+            ``i``'s page ids go to entries ``[i * width, i * width + num_pages[i])`` of
+            the group's region (each request's pages must fit its row).
     """
     r32 = np.asarray(rows, dtype=np.int32)
     parts = job_parts(spec, window_pool, spans, True)
     parts[0:0] = [
         (level_pages_region(k), start, num, 1, 0) for k, (start, num) in enumerate(level_spans)
     ]
-    return job_table(parts, r32, spec.batch_size)
+    dense = {pages_region(i): w for i, w in (widths or {}).items()}
+    return job_table(parts, r32, spec.batch_size, widths=dense)
 
 
 def gather_jobs_steps(
@@ -240,6 +257,7 @@ def gather_jobs_steps(
     *,
     window_pool: bool = False,
     spans: Sequence[Mapping[int, tuple[IntArray, IntArray]] | None] | None = None,
+    widths: Sequence[Mapping[int, int]] | None = None,
 ) -> GatherJobs:
     """The gather jobs of several plans over one table (the steps of a multi-step draft
     decode), end to end in one table: what :func:`concat_jobs` of each plan's
@@ -249,9 +267,11 @@ def gather_jobs_steps(
         specs: the plans, all of one batch size (the table's).
         rows: int ``[bs]`` table row per request.
         prefixes: one region-name prefix per plan.
-        window_pool, spans: as :func:`gather_jobs` (``spans`` one per plan).
+        window_pool, spans, widths: as :func:`gather_jobs` (``spans`` and ``widths`` one
+            per plan).
     """
     parts: list[JobPart] = []
+    dense: dict[str, int] = {}
     bs = specs[0].batch_size if specs else 0
     for k, (spec, prefix) in enumerate(zip(specs, prefixes, strict=True)):
         if spec.batch_size != bs:
@@ -261,7 +281,9 @@ def gather_jobs_steps(
             )  # fmt: skip
         own = job_parts(spec, window_pool, spans[k] if spans else None, True)
         parts += [(prefix + p[0], p[1], p[2], p[3], p[4]) for p in own]
-    return job_table(parts, np.asarray(rows, dtype=np.int32), bs)
+        for i, width in (widths[k] if widths else {}).items():
+            dense[prefix + pages_region(i)] = width
+    return job_table(parts, np.asarray(rows, dtype=np.int32), bs, widths=dense)
 
 
 #: One part of a job table: region name, first (int32 ``[bs]``), counts (int32
@@ -314,12 +336,14 @@ def divisors_and_flags(per_part: tuple[tuple[int, int], ...]) -> IntArray:
 
 
 def job_table(
-    parts: list[JobPart], rows: IntArray, bs: int, flags: IntArray | None = None
-) -> GatherJobs:
+    parts: list[JobPart], rows: IntArray, bs: int, flags: IntArray | None = None, *,
+    widths: Mapping[str, int] | None = None,
+) -> GatherJobs:  # fmt: skip
     """The job table of ``parts`` (name, first, counts, div, use_map), each ``[bs]``,
     over table rows ``rows`` (int ``[bs]``); ``flags``: the parts' divisors and
     page-map flags as :func:`divisors_and_flags` gives them, when the caller keeps
-    them.
+    them; ``widths``: by region name, a dense block table's row width (each job's
+    output starts a row; its counts must fit it).
 
     Few numpy calls (this runs every step): the rows are broadcast into every part at
     once, each part's first and counts are filled by slice, the divisors and map flags
@@ -337,7 +361,13 @@ def job_table(
     if flags is None:
         flags = divisors_and_flags(tuple([(p[3], p[4]) for p in parts]))
     by_part[4:6] = flags
-    ends = np.add.accumulate(table[2], dtype=np.int64) if size else np.zeros(0, np.int64)
+    steps: IntArray = table[2]  # the entries each job's output takes
+    if widths:
+        steps = table[2].copy()
+        for k, part in enumerate(parts):
+            if part[0] in widths:
+                steps[k * bs : (k + 1) * bs] = widths[part[0]]
+    ends = np.add.accumulate(steps, dtype=np.int64) if size else np.zeros(0, np.int64)
     total = int(ends[-1]) if size else 0
     if total > INT32_MAX:
         raise UnsupportedError(
@@ -346,7 +376,7 @@ def job_table(
         )  # fmt: skip
     if size:  # dst: the running sum before each job
         table[3, 0] = 0
-        table[3, 1:] = ends[:-1]
+        table[3, 1:] = ends[:-1]  # (fits int32: checked above)
     bounds = [0, *ends[bs - 1 :: bs].tolist()] if bs else [0] * (n + 1)
     regions = tuple(map(Region, [p[0] for p in parts], bounds[:-1], bounds[1:]))
     table.setflags(write=False)

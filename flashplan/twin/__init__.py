@@ -1,6 +1,6 @@
 """A CPU twin of FlashInfer's wrapper API: the decode, paged and ragged prefill wrappers
-(and their CUDA-graph and attention-sink variants), ``fast_decode_plan`` and
-``merge_state``, computing in torch the attention FlashInfer documents.
+(and their CUDA-graph and attention-sink variants), ``fast_decode_plan``,
+``merge_state`` and XQA's decode (``xqa``), computing in torch the attention FlashInfer documents.
 
 Pass :data:`flashinfer_twin` as ``FlashInferExecutor(flashinfer=...)`` to run the whole
 FlashInfer executor (translation, staging, gathers, masks, ``plan()``/``run()``, graph

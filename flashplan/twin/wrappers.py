@@ -3,7 +3,8 @@
 
 :data:`flashinfer_twin` stands where the imported module would: the decode, paged and
 ragged prefill wrappers (with their CUDA-graph variants), the two attention-sink
-wrappers, ``fast_decode_plan`` and ``merge_state``, with 0.7.4's constructor and
+wrappers, ``fast_decode_plan``, ``merge_state`` and ``xqa`` (:mod:`~flashplan.twin.xqa`),
+with 0.7.4's constructor and
 ``plan()`` keywords. Keywords that change nothing computed (``non_blocking``,
 ``disable_split_kv``, …) are taken; features flashplan does not use (RoPE, unpacked
 masks, HND, several queries per decode request) and unknown keywords raise
@@ -49,6 +50,7 @@ from flashplan.twin.attention import (
     ragged_keys,
     run_batch,
 )
+from flashplan.twin.xqa import xqa
 
 __all__ = [
     "BatchAttentionWithAttentionSinkWrapper",
@@ -525,4 +527,5 @@ flashinfer_twin = types.SimpleNamespace(
     BatchAttentionWithAttentionSinkWrapper=BatchAttentionWithAttentionSinkWrapper,
     fast_decode_plan=fast_decode_plan,
     merge_state=merge_state,
+    xqa=xqa,
 )

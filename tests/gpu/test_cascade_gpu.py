@@ -142,7 +142,9 @@ def test_cascade_over_an_fp8_cache(scales: str):
     inputs = _inputs(on, table, heads, seed)
     pair = (0.37, 1.9)
     sc = pair if scales == "number" else tuple(torch.tensor(s, device=DEV) for s in pair)
-    got = _run(FlashInferExecutor(), on, table, inputs, sc)
+    got = _run(
+        FlashInferExecutor(policy=ExecutorPolicy(decode_backend="fa2")), on, table, inputs, sc
+    )
     _check(got, _run(fp.ReferenceExecutor(), off, table, inputs, sc))
 
 

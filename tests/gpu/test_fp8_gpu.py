@@ -32,6 +32,9 @@ TENSOR_V_SCALE_ROUNDING = 2.0**-9
 #: FlashInfer keeps logits and the LSE in float32 (base 2): with logits near 10⁵ (the large
 #: logit batches) a few float32 ulps (2⁻²³ each) exceed the absolute bound; allow 8.
 LSE_REL_TOL = 8 * 2.0**-23
+#: These tests check FA2's fp8 kernels (with their LSE): XQA's decode, which the default
+#: policy picks for e4m3 on Hopper, has its own tests (test_xqa_gpu.py).
+FA2 = ExecutorPolicy(decode_backend="fa2")
 
 
 def _heads(kv: str) -> fp.HeadConfig:
@@ -62,7 +65,9 @@ def test_decode_matches_reference(kv: str, page_size: int, tensor_cores: bool, s
     rng = np.random.default_rng(stable_seed("fp8 decode", kv, page_size, tensor_cores, scales))
     seq = rng.integers(1, 400, 7)
     layout = fp.BatchLayout.decode(seq, page_size=page_size, groups=GROUPS)
-    ex = FlashInferExecutor(policy=ExecutorPolicy(decode_tensor_cores=tensor_cores))
+    ex = FlashInferExecutor(
+        policy=ExecutorPolicy(decode_tensor_cores=tensor_cores, decode_backend="fa2")
+    )
     _check(run_both(layout, _heads(kv), ex, scales=_scales(scales)), scales)
 
 
@@ -75,7 +80,9 @@ def test_paged_extend_with_prefix_matches_reference(kv: str, page_size: int, sca
     prefix = (seq * rng.random(5)).astype(np.int64)
     prefix[0] = 0
     layout = fp.BatchLayout.extend(seq, prefix, page_size=page_size, groups=GROUPS)
-    _check(run_both(layout, _heads(kv), FlashInferExecutor(), scales=_scales(scales)), scales)
+    _check(
+        run_both(layout, _heads(kv), FlashInferExecutor(policy=FA2), scales=_scales(scales)), scales
+    )
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -90,7 +97,10 @@ def test_verify_tree_matches_reference(page_size: int, scales: str):
     layout = fp.BatchLayout.verify(
         rng.integers(1, 300, 4), tree, page_size=page_size, groups=groups
     )
-    _check(run_both(layout, _heads("e4m3"), FlashInferExecutor(), scales=_scales(scales)), scales)
+    _check(
+        run_both(layout, _heads("e4m3"), FlashInferExecutor(policy=FA2), scales=_scales(scales)),
+        scales,
+    )
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -100,7 +110,8 @@ def test_multi_item_matches_reference(page_size: int):
         item_delimiters=[[2, 9, 14, 30], [4, 5, 6], None],
     )  # fmt: skip
     _check(
-        run_both(layout, _heads("e4m3"), FlashInferExecutor(), scales=_scales("tensor")), "tensor"
+        run_both(layout, _heads("e4m3"), FlashInferExecutor(policy=FA2), scales=_scales("tensor")),
+        "tensor",
     )
 
 
@@ -115,7 +126,7 @@ def test_apply_and_run_never_sync():
     k = torch.randn(3, 4, 128, device=DEV).to(torch.bfloat16)
     sinks = torch.zeros(16, device=DEV)
     ks, vs = _scales("tensor")
-    ex = FlashInferExecutor()
+    ex = FlashInferExecutor(policy=FA2)
     ex.apply(spec, table)  # compiles and loads the kernels
     with syncs_raise():
         for _ in range(2):
@@ -133,7 +144,7 @@ def test_graph_replay_reads_tensor_scales_at_replay(page_size: int):
     gen = torch.Generator(device=DEV).manual_seed(stable_seed("fp8 graph", page_size))
     rng = np.random.default_rng(stable_seed("fp8 graph lens", page_size))
     bucket = GraphBucket.decode(batch_size=8, max_pages=320 // page_size + 2)
-    gx = FlashInferExecutor().for_bucket(bucket)
+    gx = FlashInferExecutor(policy=FA2).for_bucket(bucket)
     num_pages = 8 * (320 // page_size + 2)
     kv = torch.randn(num_pages, 2, page_size, 4, 128, generator=gen, device=DEV).to(heads.kv_dtype)
     q = torch.zeros(8, 16, 128, device=DEV, dtype=torch.bfloat16)
@@ -185,7 +196,7 @@ def test_large_logit_batches_number_and_tensor_scales(index: int, policy: dict) 
     )
     ks, vs = case.k_scale, case.v_scale
     tensors = (torch.tensor(ks, device=DEV), torch.tensor(vs, device=DEV))
-    ex = FlashInferExecutor(policy=ExecutorPolicy(**policy))
+    ex = FlashInferExecutor(policy=ExecutorPolicy(decode_backend="fa2", **policy))
     ref = fp.ReferenceExecutor()
     for group in case.layout.groups:
         sinks = sink_logits if group.sinks else None

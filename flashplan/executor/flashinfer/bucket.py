@@ -179,15 +179,19 @@ def check_fits(spec: PlanSpec, bucket: GraphBucket) -> None:
 def bucket_gather_jobs(
     spec: PlanSpec, rows: npt.NDArray[np.integer], bucket: BucketLayout, graph: GraphBucket, *,
     window_pool: bool = False, spans: Mapping[int, tuple[IntArray, IntArray]] | None = None,
+    dense: frozenset[int] = frozenset(),
 ) -> GatherJobs:  # fmt: skip
     """The gather jobs of ``spec`` (it fits ``graph``; ``rows``: int ``[bs]`` table row per
     request) in the fixed regions ``bucket``, without encoder writes, padded: per padding
     request a fill job per region, reading the dummy page (page-id regions: one entry, so
     they end where FlashInfer's ``kv_indices`` end) or writing nowhere (write regions:
     ``tokens_per_request`` entries). ``window_pool``, ``spans``: as
-    :func:`~flashplan.executor.gathers.gather_jobs`."""
+    :func:`~flashplan.executor.gathers.gather_jobs`; ``dense``: the groups whose region is
+    a dense block table of ``max_pages`` columns (XQA), request ``i``'s row at ``i *
+    max_pages``, the whole fixed region."""
     bs, pads = spec.batch_size, graph.batch_size - spec.batch_size
     parts = job_parts(spec, window_pool, spans, False)
+    dense_regions = {pages_region(i) for i in dense}
     table = np.empty((6, len(parts), graph.batch_size), dtype=np.int32)
     table[0, :, :bs] = rows
     table[0:2, :, bs:] = np.array([-1, graph.dummy_page], np.int32)[:, None, None]
@@ -198,6 +202,10 @@ def bucket_gather_jobs(
         table[1:3, k, :bs] = first, counts
         table[2, k, bs:] = 1 if pages else graph.tokens_per_request
         table[4:6, k, :bs] = np.array([div, use_map], np.int32)[:, None]
+        if name in dense_regions:  # a row of max_pages per request
+            table[3, k] = fixed.lo + graph.max_pages * np.arange(graph.batch_size, dtype=np.int32)
+            regions.append(fixed)
+            continue
         ends = np.add.accumulate(table[2, k])  # int32: a region's entries fit its capacity
         table[3, k] = ends - table[2, k] + fixed.lo
         size = int(ends[bs - 1]) if bs else 0

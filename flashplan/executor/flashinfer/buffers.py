@@ -28,6 +28,7 @@ from flashplan.executor.flashinfer.bucket import (
 from flashplan.executor.flashinfer.calls import (
     BatchInt,
     BuiltMask,
+    DeviceArray,
     DeviceIndices,
     GroupCalls,
     HostArray,
@@ -41,6 +42,7 @@ from flashplan.executor.flashinfer.calls import (
     skeleton_key,
 )
 from flashplan.executor.flashinfer.staging import DevicePlan, device_plan
+from flashplan.executor.flashinfer.xqa import XqaDecode
 from flashplan.executor.gathers import concat_jobs, gather_jobs, gather_jobs_steps, pages_region
 from flashplan.kernels.fused import StagedMask, launch_gather_and_mask
 from flashplan.kernels.gather import new_status
@@ -178,7 +180,7 @@ class Buffers:
                 policy = attrs.evolve(policy, prefill_backend="fa2")
             calls = self.skeletons[key] = call_skeleton(
                 spec, policy, sm90=self.settings.sm90, batch_size=bs,
-                sink_decode=self.settings.sink_decode,
+                sink_decode=self.settings.sink_decode, xqa=self.settings.xqa is not None,
             )  # fmt: skip
         return calls
 
@@ -189,7 +191,7 @@ class Buffers:
         inputs = call_inputs(spec, calls)
         jobs = gather_jobs(
             spec, table.rows, window_pool=self.settings.page_map is not None,
-            spans=inputs.spans, level_spans=inputs.level_spans,
+            spans=inputs.spans, level_spans=inputs.level_spans, widths=inputs.widths,
         )  # fmt: skip
         return device_plan(
             calls, jobs, inputs.host, inputs.masks, ints=inputs.ints, elements=inputs.elements
@@ -200,6 +202,7 @@ class Buffers:
         jobs = gather_jobs_steps(
             [spec for spec, _ in steps], table.rows, prefixes,
             window_pool=self.settings.page_map is not None, spans=[i.spans for i in inputs],
+            widths=[i.widths for i in inputs],
         )  # fmt: skip
         host = {p + n: a for p, i in zip(prefixes, inputs, strict=True) for n, a in i.host.items()}
         return device_plan((), jobs, host, {})
@@ -212,6 +215,9 @@ class Buffers:
         return buf.reserve(size)
 
     def make_wrapper(self, key: WrapperKey, group_index: int, prefix: str) -> Any:
+        if key.kind is WrapperKind.XQA:
+            assert self.settings.xqa is not None  # (call_skeleton plans XQA only then)
+            return XqaDecode(self.settings.flashinfer, self.settings.xqa)
         cls = getattr(self.settings.flashinfer, key.class_name)
         return cls(self.settings.workspace, **key.constructor_kwargs())
 
@@ -257,6 +263,8 @@ class Buffers:
         def resolve(value: object) -> object:
             if isinstance(value, HostArray):  # pinned host: plan() never reads back
                 return staged.host(prefix + value.name)
+            if isinstance(value, DeviceArray):  # a kernel reads all of it
+                return staged.device(prefix + value.name).view(_VIEW_DTYPES[value.dtype])
             if isinstance(value, StagedArray):  # a kernel reads it: typed device view
                 view = staged.device(prefix + value.name).view(_VIEW_DTYPES[value.dtype])
                 return view[: dplan.elements[prefix + value.name]]
@@ -382,7 +390,7 @@ class GraphBuffers(Buffers):
         inputs = call_inputs(spec, calls)
         jobs = bucket_gather_jobs(
             spec, table.rows, layout, self.bucket, window_pool=self.settings.page_map is not None,
-            spans=inputs.spans,
+            spans=inputs.spans, dense=frozenset(inputs.widths),
         )  # fmt: skip
         host = padded_inputs(inputs.host, spec.batch_size, self.bucket)
         return jobs, host, padded_masks(inputs.masks, spec.batch_size, self.bucket)
@@ -433,8 +441,13 @@ class GraphBuffers(Buffers):
 
     def make_wrapper(self, key: WrapperKey, group_index: int, prefix: str) -> Any:
         """A graph-mode wrapper over fixed indptr buffers and the group's fixed page ids
-        (step ``k`` of a multi-step draft: its own copy of the regions)."""
+        (step ``k`` of a multi-step draft: its own copy of the regions); an XQA decode
+        over the group's fixed block table and lengths of its own."""
         assert self.fixed is not None
+        if key.kind is WrapperKind.XQA:
+            assert self.settings.xqa is not None
+            rows = self.bucket.batch_size
+            return XqaDecode(self.settings.flashinfer, self.settings.xqa, graph_rows=rows)
         bs = self.bucket.batch_size
         ints = functools.partial(torch.zeros, dtype=torch.int32, device=self.settings.device)
         cls = getattr(self.settings.flashinfer, key.class_name)

@@ -18,7 +18,8 @@ from flashplan.layout.group import AttentionGroup
 from flashplan.planning.spec import KernelPath
 
 __all__ = [
-    "SINK_WRAPPERS", "BatchInt", "BuiltMask", "CallInputs", "DeviceIndices", "GroupCalls",
+    "SINK_WRAPPERS", "BatchInt", "BuiltMask", "CallInputs", "DeviceArray", "DeviceIndices",
+    "GroupCalls",
     "HostArray", "ItemPositions", "MaskRecipe", "PlanCall", "SinkKernel", "StagedArray",
     "Translation", "WrapperKey", "WrapperKind",
 ]  # fmt: skip
@@ -30,6 +31,8 @@ class WrapperKind(enum.Enum):
     DECODE = "BatchDecodeWithPagedKVCacheWrapper"
     PAGED_PREFILL = "BatchPrefillWithPagedKVCacheWrapper"
     RAGGED_PREFILL = "BatchPrefillWithRaggedKVCacheWrapper"
+    #: a decode on ``flashinfer.xqa`` (:class:`~flashplan.executor.flashinfer.xqa.XqaDecode`)
+    XQA = "xqa"
 
 
 #: FlashInfer's attention-sink wrappers, by the kind of call they replace.
@@ -66,7 +69,7 @@ class WrapperKey:
 
     kind: WrapperKind
     group: AttentionGroup
-    backend: str  # "fa2" / "fa3"; decode wrappers always "fa2"
+    backend: str  # "fa2" / "fa3"; decode wrappers "fa2", XQA calls "xqa"
     use_tensor_cores: bool  # decode only; False for prefill wrappers
     sink: SinkKernel | None = None
     level: int = -1
@@ -102,6 +105,15 @@ class StagedArray:
 
     name: str
     dtype: str  # "uint32" or "uint16"
+
+
+@attrs.frozen
+class DeviceArray:
+    """Placeholder: the batch's int32 host array ``name`` as a kernel reads it: its staged
+    device copy viewed as ``dtype`` (a 4-byte type, one element per int32)."""
+
+    name: str
+    dtype: str  # "uint32"
 
 
 @attrs.frozen
@@ -183,7 +195,8 @@ class CallInputs:
     """The arrays of one batch behind the skeleton's placeholders: int32 ``host`` arrays
     and ``ints`` by name (:mod:`~flashplan.executor.flashinfer.names`), per paged group
     and per cascade level the ``(start_page, num_pages)`` (int32 ``[bs]``) gathered, per
-    masked group its :class:`MaskRecipe`, per :class:`StagedArray` its ``elements``."""
+    masked group its :class:`MaskRecipe`, per :class:`StagedArray` its ``elements``, per
+    XQA group the ``widths`` of its dense block table (pages per row)."""
 
     host: Mapping[str, IntArray]
     spans: Mapping[int, tuple[IntArray, IntArray]]
@@ -191,6 +204,7 @@ class CallInputs:
     ints: Mapping[str, int] = attrs.field(factory=dict)
     elements: Mapping[str, int] = attrs.field(factory=dict)
     level_spans: tuple[tuple[IntArray, IntArray], ...] = ()
+    widths: Mapping[int, int] = attrs.field(factory=dict)
 
 
 @attrs.frozen(eq=False)

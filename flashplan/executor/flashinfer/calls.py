@@ -20,6 +20,7 @@ from flashplan.executor.flashinfer.call_types import (
     BatchInt,
     BuiltMask,
     CallInputs,
+    DeviceArray,
     DeviceIndices,
     GroupCalls,
     HostArray,
@@ -35,19 +36,23 @@ from flashplan.executor.flashinfer.call_types import (
 from flashplan.executor.flashinfer.policy import (
     ExecutorPolicy,
     decode_uses_tensor_cores,
+    decode_uses_xqa,
     prefill_backend,
     split_kwargs,
+    xqa_refusal,
 )
 from flashplan.layout.heads import HeadConfig
 from flashplan.planning.cascade import CascadePlan
 from flashplan.planning.masks import CustomMask, PositionMask, TreeMask
+from flashplan.planning.parts import PagedPart
 from flashplan.planning.spec import GroupPlan, KernelPath, PlanKey, PlanSpec
 
 if TYPE_CHECKING:
     from flashplan.arrays import IntArray
 
 __all__ = [
-    "BatchInt", "BuiltMask", "CallInputs", "DeviceIndices", "GroupCalls", "HostArray",
+    "BatchInt", "BuiltMask", "CallInputs", "DeviceArray", "DeviceIndices", "GroupCalls",
+    "HostArray",
     "ItemPositions", "MaskRecipe", "PlanCall", "SkeletonKey", "StagedArray", "Translation",
     "WrapperKey", "WrapperKind", "bytes_as_int32", "call_inputs", "call_skeleton",
     "check_runnable", "flashinfer_mask_offsets", "int32_words", "sink_kernel",
@@ -107,20 +112,28 @@ def check_runnable(spec: PlanSpec, *, graph: bool = False) -> None:
 
 def call_skeleton(
     spec: PlanSpec, policy: ExecutorPolicy, *, sm90: bool, batch_size: int | None = None,
-    sink_decode: bool = True,
+    sink_decode: bool = True, xqa: bool = False,
 ) -> tuple[GroupCalls, ...]:  # fmt: skip
     """Every ``plan()`` call of ``spec``, arrays as placeholders (a function of
     :func:`skeleton_key`, the policy and the GPU). ``batch_size``: a CUDA-graph bucket's,
-    which picks the decode kernel; ``sink_decode``: FlashInfer has its sink decode wrapper.
+    which picks the decode kernel; ``sink_decode``: FlashInfer has its sink decode wrapper;
+    ``xqa``: FlashInfer has ``xqa`` and this GPU runs it.
 
     Raises:
-        UnsupportedError: the policy forces a kernel the heads cannot run.
+        UnsupportedError: the policy forces a kernel the heads cannot run (naming the
+            group and why for ``decode_backend='xqa'``).
     """
     key, tensor_cores, masked, items, virtual, cascaded, levels = skeleton_key(
         spec, policy, batch_size
     )
     heads = key.heads
     cascade = spec.cascade
+    if policy.decode_backend == "xqa" and not xqa:
+        raise UnsupportedError(
+            "decode_backend", "'xqa' needs flashinfer.xqa and an sm_90, sm_100 or sm_120 GPU "
+            "(use 'auto' or 'fa2')",
+        )  # fmt: skip
+    xqa_decodes = xqa and decode_uses_xqa(heads, policy, sm90=sm90)
     split = split_kwargs(policy)
     out = []
     for index, (group, gp) in enumerate(zip(key.groups, spec.group_plans, strict=True)):
@@ -145,10 +158,19 @@ def call_skeleton(
             decode = gp.path is KernelPath.DECODE
             sink = sink_kernel(gp, heads, multi_item=items[index])
             sink = None if decode and not sink_decode else sink
-            if decode:
+            on_xqa = decode and xqa_decodes and _takes_xqa(
+                gp, heads, key.page_size, policy, multi_item=items[index],
+                cascade=index in cascaded,
+            )  # fmt: skip
+            args: list[tuple[str, Any]]
+            if on_xqa:  # its own arguments: XQA plans nothing on the host
+                wrapper = WrapperKey(WrapperKind.XQA, group, "xqa", False)
+                scale = group.scale_for(heads.head_dim)
+                args = _xqa_args(index, part, heads, key.page_size, scale, policy)
+            elif decode:
                 tc = tensor_cores or sink is not None
                 wrapper = WrapperKey(WrapperKind.DECODE, group, "fa2", tc, sink)
-                args: list[tuple[str, Any]] = [
+                args = [
                     ("indptr", page_indptr), ("indices", pages), ("last_page_len", last_page_len),
                     ("head_dim", heads.head_dim), ("page_size", key.page_size),
                     ("window_left", part.window_left),
@@ -175,7 +197,7 @@ def call_skeleton(
                         ("token_pos_in_items_len", BatchInt(item("tpos_len"))),
                         ("max_item_len_ptr", StagedArray(item("max_len"), "uint16")),
                     ]
-            paged = PlanCall(wrapper, tuple(args + common))
+            paged = PlanCall(wrapper, tuple(args if on_xqa else args + common))
         if gp.ragged is not None:
             backend = prefill_backend(heads, policy, custom_mask=False, sm90=sm90)
             wrapper = WrapperKey(WrapperKind.RAGGED_PREFILL, group, backend, False)
@@ -197,6 +219,41 @@ def call_skeleton(
             )
         out.append(GroupCalls(index, gp.path, paged, ragged, masked[index], level_calls))
     return tuple(out)
+
+
+def _takes_xqa(
+    gp: GroupPlan, heads: HeadConfig, page_size: int, policy: ExecutorPolicy, *,
+    multi_item: bool, cascade: bool,
+) -> bool:  # fmt: skip
+    """Whether this group's decode goes to XQA; ``decode_backend='xqa'`` refuses one that
+    cannot (:func:`~.policy.xqa_refusal`)."""
+    why = xqa_refusal(gp, heads, page_size, multi_item=multi_item, cascade=cascade)
+    if why is not None and policy.decode_backend == "xqa":
+        raise UnsupportedError(
+            "decode_backend", f"group {gp.group.describe()!r} cannot run on XQA: {why} (use "
+            "decode_backend='auto', which leaves such a group on FA2, or 'fa2')",
+            group=gp.group.describe(),
+        )  # fmt: skip
+    return why is None
+
+
+def _xqa_args(
+    index: int, part: PagedPart, heads: HeadConfig, page_size: int, sm_scale: float,
+    policy: ExecutorPolicy,
+) -> list[tuple[str, Any]]:  # fmt: skip
+    """The ``plan()`` arguments of an XQA decode (:class:`~.xqa.XqaDecode`): the group's
+    dense block table (gathered into its pages region, one row of ``widths[index]``
+    columns per request) and its keys per request."""
+    return [
+        ("block_tables", DeviceIndices(names.pages_region(index))),
+        ("seq_lens", DeviceArray(names.group_array(index, "kv_lens"), "uint32")),
+        ("page_size", page_size), ("num_qo_heads", heads.num_qo_heads),
+        ("num_kv_heads", heads.num_kv_heads), ("head_dim", heads.head_dim),
+        ("window_left", part.window_left), ("sm_scale", sm_scale),
+        ("q_data_type", heads.q_dtype), ("kv_data_type", heads.kv_dtype),
+        ("o_data_type", heads.out_dtype), ("sinks", part.sinks),
+        ("deterministic", policy.deterministic),
+    ]  # fmt: skip
 
 
 def _level_args(level: int, heads: HeadConfig, page_size: int) -> list[tuple[str, Any]]:
@@ -225,12 +282,14 @@ def sink_kernel(gp: GroupPlan, heads: HeadConfig, *, multi_item: bool) -> SinkKe
 
 
 def translate(
-    spec: PlanSpec, policy: ExecutorPolicy, *, sm90: bool, sink_decode: bool = True
-) -> Translation:
+    spec: PlanSpec, policy: ExecutorPolicy, *, sm90: bool, sink_decode: bool = True,
+    xqa: bool = False,
+) -> Translation:  # fmt: skip
     """Describe every FlashInfer ``plan()`` call of ``spec`` and the arrays it needs, under
     ``policy`` (:class:`ExecutorPolicy`); ``sm90``: the GPU is Hopper (FA3 under
-    ``"auto"``); ``sink_decode``: FlashInfer has its sink decode wrapper."""
-    calls = call_skeleton(spec, policy, sm90=sm90, sink_decode=sink_decode)
+    ``"auto"``); ``sink_decode``: FlashInfer has its sink decode wrapper; ``xqa``: it has
+    ``xqa`` and the GPU runs it."""
+    calls = call_skeleton(spec, policy, sm90=sm90, sink_decode=sink_decode, xqa=xqa)
     return Translation(calls, call_inputs(spec, calls))
 
 
@@ -252,6 +311,7 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
     masks: dict[int, MaskRecipe] = {}
     ints: dict[str, int] = {}
     elements: dict[str, int] = {}
+    widths: dict[int, int] = {}
     cascade = spec.cascade
     for gc in calls:
         index = gc.group_index
@@ -273,6 +333,10 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
             num = seal_inplace(np.where(empty, 1, num))
             page_indptr = indptr(num, "pages")
         spans[index] = (start, num)
+        if gc.paged is not None and gc.paged.wrapper.kind is WrapperKind.XQA:
+            host[names.group_array(index, "kv_lens")] = call.kv_lens  # each at least 1
+            widths[index] = max(int(np.maximum.reduce(num)), 1) if num.size else 1
+            continue
         host[names.group_array(index, "page_indptr")] = page_indptr
         host[names.group_array(index, "last_page_len")] = call.last_page_len
         if gc.masked:
@@ -299,7 +363,7 @@ def call_inputs(spec: PlanSpec, calls: tuple[GroupCalls, ...]) -> CallInputs:
     level_spans: tuple[tuple[IntArray, IntArray], ...] = ()
     if cascade is not None and any(gc.levels for gc in calls):
         level_spans = _level_inputs(cascade.levels, spec.total_q, host)
-    return CallInputs(host, spans, masks, ints, elements, level_spans)
+    return CallInputs(host, spans, masks, ints, elements, level_spans, widths)
 
 
 def _level_inputs(

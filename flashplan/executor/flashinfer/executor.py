@@ -36,9 +36,10 @@ from flashplan.executor.checks import (
 )
 from flashplan.executor.flashinfer.bucket import GraphBucket
 from flashplan.executor.flashinfer.buffers import Buffers, GraphBuffers, Staged
-from flashplan.executor.flashinfer.calls import check_runnable
+from flashplan.executor.flashinfer.calls import WrapperKind, check_runnable
 from flashplan.executor.flashinfer.policy import ExecutorPolicy, ExecutorSettings
 from flashplan.executor.flashinfer.staging import DevicePlan
+from flashplan.executor.flashinfer.xqa import XqaBuffers
 from flashplan.executor.gathers import Region, write_region
 from flashplan.kernels.gather import NO_BAD_JOB
 from flashplan.kernels.kv_write import write_kv
@@ -119,6 +120,26 @@ def _device(device: object, twin: bool) -> torch.device:
             device=str(dev),
         )  # fmt: skip
     return dev
+
+
+def _xqa_buffers(
+    fi: Any, device: torch.device, twin: bool, policy: ExecutorPolicy
+) -> XqaBuffers | None:
+    """XQA's buffers where ``fi`` has ``xqa`` and the GPU runs it (sm_90, sm_100, sm_120;
+    the twin anywhere), else ``None``.
+
+    Raises:
+        UnsupportedError: the policy asks for XQA where it cannot run.
+    """
+    runs = hasattr(fi, "xqa") and (
+        twin or torch.cuda.get_device_capability(device)[0] in (9, 10, 12)
+    )
+    if not runs and policy.decode_backend == "xqa":
+        raise UnsupportedError(
+            "decode_backend", "'xqa' needs flashinfer.xqa and an sm_90, sm_100 or sm_120 GPU "
+            "(use 'auto' or 'fa2')", device=str(device),
+        )  # fmt: skip
+    return XqaBuffers(device) if runs else None
 
 
 @attrs.frozen(eq=False)
@@ -236,14 +257,16 @@ class FlashInferExecutor:
         if policy is not None and not isinstance(policy, ExecutorPolicy):
             raise OptionTypeError("policy", "must be an ExecutorPolicy", value=policy)
         size = as_option(as_int, "workspace_bytes", workspace_bytes, minimum=1 << 20)
+        policy = policy or ExecutorPolicy()
+        xqa = _xqa_buffers(fi, dev, twin, policy)
         settings = ExecutorSettings(
-            device=dev, flashinfer=fi, policy=policy or ExecutorPolicy(), workspace_bytes=size,
+            device=dev, flashinfer=fi, policy=policy, workspace_bytes=size,
             # zeroed: FlashInfer asks for a zero-initialised float workspace
             workspace=torch.zeros(size, dtype=torch.uint8, device=dev),
             page_map=check_page_map(page_map, dev),
             check_pages=as_option(as_bool, "check_pages", check_pages),
             sm90=dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0),
-            sink_decode=hasattr(fi, "BatchDecodeWithAttentionSinkWrapper"), twin=twin,
+            sink_decode=hasattr(fi, "BatchDecodeWithAttentionSinkWrapper"), twin=twin, xqa=xqa,
         )  # fmt: skip
         self._settings = settings
         self._buffers: Buffers = Buffers(settings)
@@ -480,6 +503,13 @@ class FlashInferExecutor:
         if kv_cache is not None and not kv_cache.is_contiguous():
             raise PlanMismatchError("kv_cache", "FlashInfer needs a contiguous cache tensor")
         spec, gc, fp8 = batch.spec, batch.dplan.calls[args.index], batch.spec.heads.kv_is_fp8
+        xqa = gc.paged is not None and gc.paged.wrapper.kind is WrapperKind.XQA
+        if xqa and return_lse:  # refused before anything is written
+            raise UnsupportedError(
+                "return_lse", f"group {group.describe()!r} decodes on XQA, which returns no "
+                "LSE: construct the executor with ExecutorPolicy(decode_backend='fa2') to "
+                "get one", group=group.describe(),
+            )  # fmt: skip
         w = batch.write_region(group, self.page_map is not None) if args.writes else None
         if self.check_pages and kv_cache is not None:
             reads = [names.pages_region(args.index)] if args.plan.paged is not None else []
@@ -495,6 +525,13 @@ class FlashInferExecutor:
             out = q.new_zeros(q.shape, dtype=spec.heads.out_dtype)
             lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
             return (out, lse) if return_lse else out
+        if xqa:
+            wrapper = batch.planned[(args.index, "paged")]
+            scales = (args.k_scale, args.v_scale) if fp8 else (1.0, 1.0)
+            out = wrapper.run(q, kv_cache, sinks=sinks, k_scale=scales[0], v_scale=scales[1])
+            if sinks is not None:  # NaN / +inf logits: NaN heads (docs/semantics.md)
+                mark_undefined_sinks(out, None, sinks)
+            return out
         # a sink joins the state once: in FlashInfer's sink kernel, else folded in the merge
         in_kernel = gc.paged is not None and gc.paged.wrapper.sink is not None
         fold = None if in_kernel else sinks
@@ -538,7 +575,7 @@ def _check_gathered(
     jobs = dplan.jobs
     off = offset[: jobs.total].cpu().numpy()
     pg = page[: jobs.total].cpu().numpy()
-    bad = np.flatnonzero(off < 0)
+    bad = np.flatnonzero((off < 0) & jobs.written())  # (not a dense table's unused columns)
     if bad.size:
         _raise_bad(dplan, spec, table, int(bad[0]), "is not a valid page id")
     for r in jobs.regions:
@@ -551,11 +588,12 @@ def _check_gathered(
 
 def _check_cache_pages(batch: AppliedBatch, regions: list[str], num_pages: int) -> None:
     """Every id of ``regions`` is inside the cache of ``num_pages`` pages."""
+    written = torch.from_numpy(batch.dplan.jobs.written()).to(batch.page.device)
     for name in regions:
         r = batch.dplan.jobs.region(name)
-        ids = batch.page[r.lo : r.hi]
-        if r.size and int(ids.max()) >= num_pages:
-            entry = r.lo + int(torch.argmax((ids >= num_pages).to(torch.int8)))
+        beyond = (batch.page[r.lo : r.hi] >= num_pages) & written[r.lo : r.hi]
+        if r.size and bool(beyond.any()):
+            entry = r.lo + int(torch.argmax(beyond.to(torch.int8)))
             _raise_bad(batch.dplan, batch.spec, batch.table, entry,
                        f"is beyond the KV cache's {num_pages} pages")  # fmt: skip
 
