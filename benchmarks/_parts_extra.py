@@ -13,6 +13,11 @@ scripts that measured other issues' targets:
   deterministic  decode kernel with ``ExecutorPolicy(deterministic=True)`` vs the default
   window         windowed-prefix masks, 256 requests: flashplan plan + apply (mask built
                  on the device) vs sglang's per-request loop + ``segment_packbits``
+  xqa            issue 52's targets in one run: e4m3 and bf16 decode at batch 1/8/64/256 x
+                 4096 keys, flashplan on XQA vs raw ``flashinfer.xqa`` vs flashplan and raw
+                 FA2 (tensor cores), as bandwidth against the device-to-device copy and as
+                 tokens/s against the bf16 decode; host plan + apply on XQA vs on FA2 (e4m3);
+                 the error of both kernels against a float64 oracle on random inputs
 """
 
 from __future__ import annotations
@@ -182,8 +187,9 @@ def part_fp8(rep: Report) -> None:
         group = layout.groups[0]
         indptr, idx, last = decode_inputs(spec, table)
         ws = workspace()
-        for tc in (True, False):
-            ex = executor(ExecutorPolicy(decode_tensor_cores=tc))
+        for tc in (True, False):  # FA2 against FA2 (XQA: part xqa)
+            fa2 = {"decode_backend": "fa2"} if hasattr(ExecutorPolicy(), "decode_backend") else {}
+            ex = executor(ExecutorPolicy(decode_tensor_cores=tc, **fa2))
             ex.apply(spec, table)
             t_fp = kernel_ms(
                 lambda: ex.run(group, q, None, None, cache, k_scale=scales[0], v_scale=scales[1])
@@ -401,6 +407,180 @@ def part_window(rep: Report) -> None:
     )
 
 
+# -- xqa -----------------------------------------------------------------------------------
+def _copy_tbps() -> float:
+    """Device-to-device copy bandwidth (TB/s, bytes read + written): the ceiling."""
+    n = (64 << 20) if _small() else (1 << 30)
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=ENV.device)
+    dst = torch.empty_like(src)
+    return 2 * n / kernel_ms(lambda: dst.copy_(src)) / 1e9
+
+
+def _raw_xqa(spec: fp.PlanSpec, table: fp.PageTable) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode plan's dense block table (int32 ``[bs, width]``) and uint32 lengths ``[bs,
+    1]``, made with torch (untimed): raw XQA's inputs."""
+    part = spec.group_plans[0].paged
+    assert part is not None
+    width = int(part.num_pages.max())
+    rows = torch.as_tensor(np.asarray(table.rows), device=ENV.device).long()
+    dense = table.pages[rows][:, :width].contiguous()
+    lens = torch.as_tensor(part.kv_lens, device=ENV.device).to(torch.int32)
+    return dense, lens.view(torch.uint32).view(-1, 1)
+
+
+def _decode_oracle(
+    q: torch.Tensor, cache: torch.Tensor, spec: fp.PlanSpec, table: fp.PageTable,
+    scales: tuple[float | None, float | None],
+) -> torch.Tensor:  # fmt: skip
+    """float64 decode attention over the dequantized cache, request by request."""
+    part = spec.group_plans[0].paged
+    assert part is not None
+    ks, vs = (s if s is not None else 1.0 for s in scales)
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    scale = D**-0.5
+    for i, (row, n) in enumerate(zip(table.rows, part.kv_lens, strict=True)):
+        pages = table.pages[int(row), : -(-int(n) // PAGE)].long()
+        kv = cache[pages].double()  # [pages, 2, PAGE, HKV, D]
+        k = kv[:, 0].reshape(-1, HKV, D)[: int(n)].repeat_interleave(HQ // HKV, 1) * ks
+        v = kv[:, 1].reshape(-1, HKV, D)[: int(n)].repeat_interleave(HQ // HKV, 1) * vs
+        p = torch.softmax(torch.einsum("hd,khd->hk", q[i].double(), k) * scale, dim=-1)
+        out[i] = torch.einsum("hk,khd->hd", p, v)
+    return out
+
+
+def _oracle_errors(kv_dtype: torch.dtype, backend: str) -> dict[str, float]:
+    """Errors of one decode kernel against a float64 oracle on random inputs (unit
+    normal q, K, V; e4m3 cache with scales 0.37 / 1.9; lengths 1..4096): max, p99 and
+    mean |out - oracle| over max |oracle|."""
+    from flashplan.executor.flashinfer import ExecutorPolicy
+
+    heads = fp.HeadConfig(HQ, HKV, D, q_dtype=DT, kv_dtype=kv_dtype)
+    rng = np.random.default_rng(52)
+    lens = rng.integers(1, 256 if _small() else 4097, 8 if _small() else 64)
+    spec = fp.plan(fp.BatchLayout.decode(lens, page_size=PAGE), heads)
+    table = fp.PageTable.shuffled(spec.pages_needed, seed=52, device=ENV.device)
+    cache = _cache(table.num_pages, dtype=kv_dtype)
+    q = torch.randn(spec.total_q, HQ, D, device=ENV.device, dtype=DT)
+    scales = (0.37, 1.9) if kv_dtype != DT else (None, None)
+    ex = executor(ExecutorPolicy(decode_backend=backend))
+    ex.apply(spec, table)
+    group = spec.key.groups[0]
+    out = ex.run(group, q, None, None, cache, k_scale=scales[0], v_scale=scales[1]).double()
+    want = _decode_oracle(q, cache, spec, table, scales)
+    err = (out - want).abs().flatten()
+    top = float(want.abs().max())
+    return {
+        "max": float(err.max()) / top,
+        "p99": float(torch.quantile(err.float()[: 1 << 24], 0.99)) / top,
+        "mean": float(err.mean()) / top,
+    }
+
+
+def part_xqa(rep: Report) -> None:
+    from flashplan.executor.flashinfer import ExecutorPolicy
+
+    copy = _copy_tbps()
+    rep.add("xqa", "d2d copy", "bandwidth", copy, "TB/s")
+    kv = 256 if _small() else 4096
+    batches = (1, 2) if _small() else (1, 8, 64, 256)
+    lines, host_lines, ms = [], [], {}
+    for bs in batches:
+        for name, dtype in (("e4m3", torch.float8_e4m3fn), ("bf16", DT)):
+            heads = fp.HeadConfig(HQ, HKV, D, q_dtype=DT, kv_dtype=dtype)
+            layout = fp.BatchLayout.decode(np.full(bs, kv), page_size=PAGE)
+            spec = fp.plan(layout, heads)
+            table = fp.PageTable.shuffled(spec.pages_needed, seed=bs, device=ENV.device)
+            cache = _cache(table.num_pages, dtype=dtype)
+            q = torch.randn(bs, HQ, D, device=ENV.device, dtype=DT)
+            ks, vs = (0.37, 1.9) if name == "e4m3" else (None, None)
+            group = layout.groups[0]
+            nbytes = bs * kv * 2 * HKV * D * cache.element_size()
+            times = {}
+            for backend in ("xqa", "fa2"):
+                ex = executor(ExecutorPolicy(decode_backend=backend))
+                ex.apply(spec, table)
+                times[f"flashplan {backend}"] = kernel_ms(
+                    lambda ex=ex: ex.run(group, q, None, None, cache, k_scale=ks, v_scale=vs)
+                )
+                if name == "e4m3" and bs in (1, 64, 256):  # host plan + apply (e4m3)
+                    host = host_us(lambda ex=ex: ex.apply(fp.plan(layout, heads), table))
+                    rep.add("xqa", f"host B{bs} e4m3", f"plan + apply {backend}", host, "µs")
+                    host_lines.append([f"B{bs}", backend, f"{host:.0f}"])
+            dense, lens = _raw_xqa(spec, table)
+            out = torch.empty(bs, 1, HQ, D, device=ENV.device, dtype=DT)
+            sem = torch.zeros(2 << 20, dtype=torch.uint32, device=ENV.device)
+            scratch = torch.zeros(32 << 20, dtype=torch.uint8, device=ENV.device)
+            k_c, v_c = cache.unbind(1)
+            scale = (0.37 / 1.9) if name == "e4m3" else 1.0
+            kvs = 1.9 if name == "e4m3" else 1.0
+            times["raw xqa"] = kernel_ms(
+                lambda: ENV.fi.xqa(
+                    q.unsqueeze(1),
+                    k_c,
+                    v_c,
+                    dense,
+                    lens,
+                    out,
+                    scratch,
+                    sem,
+                    HKV,
+                    PAGE,
+                    q_scale=scale,
+                    kv_scale=kvs,
+                )
+            )
+            indptr, idx, last = decode_inputs(spec, table)
+            w = decode_wrapper(workspace(), True)
+            w.plan(indptr, idx, last, HQ, HKV, D, PAGE, q_data_type=DT, kv_data_type=dtype)
+            times["raw fa2 tc"] = kernel_ms(lambda w=w: w.run(q, cache, k_scale=ks, v_scale=vs))
+            for label, t in times.items():
+                case = f"decode B{bs} kv{kv} {name}"
+                bw = nbytes / t / 1e9
+                ms[(bs, name, label)] = t
+                rep.add("xqa", case, f"{label} ms", t, "ms")
+                rep.add("xqa", case, f"{label} bandwidth", bw, "TB/s")
+                lines.append([case, label, f"{t:.3f}", f"{bw:.2f}", f"{100 * bw / copy:.1f}"])
+        ours, raw = ms[(bs, "e4m3", "flashplan xqa")], ms[(bs, "e4m3", "raw xqa")]
+        bf16 = ms[(bs, "bf16", "flashplan fa2")]  # the default bf16 decode
+        bw = bs * kv * 2 * HKV * D / ours / 1e9
+        rep.add("xqa", f"B{bs}", "flashplan xqa / raw xqa speed", raw / ours, "x", key=True)
+        rep.add("xqa", f"B{bs}", "e4m3 xqa tokens/s / bf16", bf16 / ours, "x", key=True)
+        rep.add("xqa", f"B{bs}", "e4m3 xqa % of copy", 100 * bw / copy, "%", key=True)
+    rep.table(
+        f"Decode kernels, {kv} keys per request, page {PAGE}, {HQ}/{HKV} heads x {D}; "
+        f"device-to-device copy {copy:.2f} TB/s (read + write)",
+        ["case", "kernel", "ms", "TB/s", "% of copy"], lines,
+    )  # fmt: skip
+    summary = []
+    for bs in batches:
+        ours, raw = ms[(bs, "e4m3", "flashplan xqa")], ms[(bs, "e4m3", "raw xqa")]
+        fa2 = ms[(bs, "e4m3", "flashplan fa2")]
+        bf16, bf16_xqa = ms[(bs, "bf16", "flashplan fa2")], ms[(bs, "bf16", "flashplan xqa")]
+        pct = 100 * bs * kv * 2 * HKV * D / ours / 1e9 / copy
+        summary.append([f"B{bs}", f"{pct:.1f}", f"{bf16 / ours:.2f}", f"{raw / ours:.3f}",
+                        f"{fa2 / ours:.2f}", f"{bf16 / bf16_xqa:.2f}"])  # fmt: skip
+    rep.table(
+        "XQA targets (issue 52)",
+        ["batch", "e4m3 XQA % of copy", "tokens/s vs bf16 decode", "flashplan / raw XQA speed",
+         "XQA speed-up over FA2 e4m3", "bf16: XQA speed-up over FA2"],
+        summary,
+    )  # fmt: skip
+    rep.table("Host plan + apply (e4m3 decode, µs)", ["batch", "decode", "µs"], host_lines)
+    err_lines = []
+    for name, dtype in (("e4m3", torch.float8_e4m3fn), ("bf16", DT)):
+        for backend in ("xqa", "fa2"):
+            e = _oracle_errors(dtype, backend)
+            for stat, value in e.items():
+                rep.add("xqa", f"error {name} {backend}", stat, value, "x")
+            err_lines.append([name, backend, f"{e['max']:.2e}", f"{e['p99']:.2e}",
+                              f"{e['mean']:.2e}"])  # fmt: skip
+    rep.table(
+        "Error against a float64 oracle (|out - oracle| / max |oracle|; 64 random requests, "
+        "1-4096 keys, unit normal inputs, e4m3 scales 0.37 / 1.9)",
+        ["cache", "kernel", "max", "p99", "mean"], err_lines,
+    )  # fmt: skip
+
+
 PARTS = {
     "draft": part_draft,
     "fp8": part_fp8,
@@ -408,4 +588,5 @@ PARTS = {
     "extend": part_extend,
     "deterministic": part_deterministic,
     "window": part_window,
+    "xqa": part_xqa,
 }

@@ -55,7 +55,7 @@ Parts (``--parts``, comma-separated; default ``host,verify,multi_item,graph,kern
               batch 1 and 64: tokens/s. Runs each tree's own ``benchmarks/bench_engine.py``
               and ``examples/engine`` in a subprocess.
   overlap     ``bench_engine.py --parts overlap``: the plain vs the overlapped loop.
-  draft, fp8, cascade, extend, deterministic, window: further parts (``_parts_extra``).
+  draft, fp8, cascade, extend, deterministic, window, xqa: further parts (``_parts_extra``).
   profile     where apply's host time goes: each phase timed, then cProfile, at batch 1,
               64, 256 (``_profile``).
 
@@ -88,7 +88,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 DEFAULT = ("host", "verify", "multi_item", "graph", "kernel", "sync")
-EXTRA = ("draft", "fp8", "cascade", "extend", "deterministic", "window", "profile")
+EXTRA = ("draft", "fp8", "cascade", "extend", "deterministic", "window", "xqa", "profile")
 ENGINE = ("engine", "overlap")
 ALL = DEFAULT + EXTRA + ENGINE
 HIGHER = ("TB/s", "tok/s")  # units where higher is better (and metrics saying so)
