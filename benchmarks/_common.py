@@ -242,6 +242,19 @@ def kernel_ms(fn: Callable[[], object], rep: int = 100, warmup: int = 25) -> flo
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def graph_ms(fn: Callable[[], object], rep: int = 200) -> float:
+    """Median GPU time of ``fn`` (ms) replayed in a CUDA graph (no host time between
+    launches; L2 not flushed: for kernels of a few µs, where a host call would
+    outlast the kernel). On the CPU: :func:`kernel_ms`."""
+    if not ENV.cuda:
+        return kernel_ms(fn)
+    import triton
+
+    fn()  # first call: modules loaded, buffers made, outside the capture
+    sync()
+    return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+
+
 def step_us(fn: Callable[[], object], steps: int, warmup: int = 5) -> tuple[float, float]:
     """(median wall time of one synced step, mean per step of ``steps`` back to back)."""
     for _ in range(warmup):
