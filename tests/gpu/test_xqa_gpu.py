@@ -225,8 +225,8 @@ def test_default_policy_mixes_xqa_and_fa2_over_a_long_lived_executor() -> None:
     ex = FlashInferExecutor()
     rng = np.random.default_rng(11)
     for step in range(24):
-        bs = int(rng.integers(1, 40))
-        prefix = rng.integers(0, 2500, bs)
+        bs = int(rng.integers(1, 17))  # (the reference's dense logits bound the sizes)
+        prefix = rng.integers(0, 1500, bs)
         if step % 3 == 2:
             layout = fp.BatchLayout.extend(prefix, rng.integers(1, 9, bs), page_size=16,
                                            groups=groups)  # fmt: skip
