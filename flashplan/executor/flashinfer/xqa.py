@@ -13,9 +13,15 @@ and for a cache of the queries' dtype the same without ``kv_scale``. A plan's so
 scale ``s`` and an fp8 cache's ``k_scale`` / ``v_scale`` therefore map to ``kv_scale =
 v_scale`` and ``q_scale = s * k_scale * sqrt(head_dim) / v_scale`` (numbers on the host,
 0-d tensors on the device: no sync). Its grid depends only on the number of rows and,
-through a cap that never binds below the sequences' own tiles, on the table width;
-``deterministic`` plans pass ``sm_count=1``, which gives every sequence one CTA per head
-(batch-invariant results).
+through a cap that never binds below the sequences' own tiles, on the table width.
+
+XQA splits each sequence into ``round(floor(3 * sm_count / (rows * kv_heads)) / 4)``
+parts (at least 1; fewer for short sequences), one CTA each. With the device's SM count
+a batch of 64 x 8 KV heads gets one part per sequence: 512 CTAs, under 4 waves on an
+H100, which reads the cache at 86 % of the copy bandwidth where 256 x 8 (2048 CTAs)
+reaches 100 %. :func:`xqa_sm_count` passes XQA the ``sm_count`` that gives at least
+:data:`XQA_MIN_WAVES` waves of CTAs; ``deterministic`` plans pass ``sm_count=1``: one
+CTA per sequence and head, batch-invariant results.
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ import torch
 
 from flashplan.errors import PlanMismatchError
 
-__all__ = ["XQA_SCRATCH_BYTES", "XQA_SEMAPHORE_BYTES", "XqaBuffers", "XqaDecode"]
+__all__ = [
+    "XQA_MIN_WAVES", "XQA_SCRATCH_BYTES", "XQA_SEMAPHORE_BYTES", "XqaBuffers", "XqaDecode",
+    "xqa_sm_count",
+]  # fmt: skip
 
 #: XQA's semaphores (uint32, zeroed before the first call; the kernel leaves them zero):
 #: the 8 MiB that ``flashinfer.decode.xqa_batch_decode_with_kv_cache`` reserves.
@@ -39,12 +48,38 @@ XQA_SEMAPHORE_BYTES = 8 * 1024 * 1024
 XQA_SCRATCH_BYTES = 32 * 1024 * 1024
 
 
+#: The fewest waves of CTAs (per SM) :func:`xqa_sm_count` asks XQA's split for
+#: (``benchmarks/run_gpu.py --parts xqa``: 256 x 8 sequence-heads, 15.5 waves on an
+#: H100, read the cache at the copy bandwidth).
+XQA_MIN_WAVES = 12
+
+
+def xqa_sm_count(sms: int, rows: int, kv_heads: int, *, deterministic: bool) -> int:
+    """The ``sm_count`` to pass XQA for ``rows`` sequences of ``kv_heads`` on a GPU of
+    ``sms`` SMs: 1 when ``deterministic`` (no split); else the count whose split gives
+    ``ceil(XQA_MIN_WAVES * sms / (rows * kv_heads))`` parts per sequence, or XQA's own
+    split where that is larger (the kernel still caps the parts by each sequence's
+    tiles)."""
+    if deterministic:
+        return 1
+    units = max(rows * kv_heads, 1)
+    own = max(1, round((3 * sms // units) / 4))  # the kernel's split at the real count
+    parts = max(own, -(-XQA_MIN_WAVES * sms // units))
+    return max(sms, -(-4 * parts * units // 3))
+
+
 class XqaBuffers:
     """An executor's XQA semaphores and scratch, allocated at the first XQA call (every
     XQA call of the executor and its graph executors runs on one stream and shares them)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        #: the GPU's SM count (XQA's split; 1 on the CPU, where the twin ignores it)
+        self.sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else 1
+        )
         self._semaphores: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
 
@@ -138,7 +173,7 @@ class XqaDecode:
             hkv, p["page_size"], sinks=None if sinks is None else sinks.view(hkv, -1),
             q_scale=q_scale, kv_scale=kv_scale,
             sliding_win_size=window + 1 if window >= 0 else 0,
-            sm_count=1 if p["deterministic"] else None,
+            sm_count=xqa_sm_count(self._buffers.sms, rows, hkv, deterministic=p["deterministic"]),
         )  # fmt: skip
         return out
 
