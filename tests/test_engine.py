@@ -86,8 +86,10 @@ def run_engine(
     page_size: int = 16,
     extend_path: str = "auto",
     conventions: HFConventions = HFConventions(),  # noqa: B008 (frozen)
+    overlap: bool = True,
 ) -> tuple[Engine, list, list[StepOutput], list[bool]]:
-    """Six requests (prompts 1..40 tokens, 6..8 new tokens), 3 at a time, 16 tokens a step.
+    """Six requests (prompts 1..40 tokens, 6..8 new tokens), 3 at a time, 16 tokens a step,
+    on the engine's default loop, the overlapped one (``overlap=False``: the plain loop).
     Returns the engine, requests, steps and, per step, whether a page-table row was
     non-contiguous."""
     engine = Engine(
@@ -100,6 +102,7 @@ def run_engine(
         extend_path=extend_path,
         conventions=conventions,
         keep_all_logits=True,  # compare every new token, not only the sampled ones
+        overlap=overlap,
     )
     reqs = make_requests(model.config.vocab_size, model.config.is_encoder_decoder, 6, 8, 0)
     steps, scattered = [], []
@@ -157,6 +160,29 @@ def test_parity_with_hf(name: str, page_size: int, extend_path: str) -> None:
         assert any(
             s.layout.encoder_cached.any() and not s.layout.encoder_cached.all() for s in steps
         )
+
+
+@pytest.mark.parametrize(
+    ("name", "page_size", "extend_path"),
+    [("llama", 16, "auto"), ("gemma2", 1, "ragged"), ("bart", 16, "paged")],
+)
+def test_plain_loop_parity_with_hf(name: str, page_size: int, extend_path: str) -> None:
+    """The plain loop (``Engine(overlap=False)``, ``run.py --plain-loop``), one flag away
+    from the default: the same parity with HF, step outputs as :func:`check_step` states
+    them, and the same tokens as the default (overlapped) loop."""
+    model, ref = models(name)
+    engine, reqs, steps, _ = run_engine(
+        model, page_size=page_size, extend_path=extend_path, overlap=False
+    )
+    assert not engine.overlap and engine.table.shape[0] == 3  # no rows for a queued step
+    parity = check_parity(ref, reqs, steps)
+    assert parity.max_abs_diff <= ATOL and not parity.mismatches, parity.line()
+    _, default_reqs, default_steps, _ = run_engine(
+        model, page_size=page_size, extend_path=extend_path
+    )
+    assert [r.output for r in reqs] == [r.output for r in default_reqs]
+    assert len(steps) == len(default_steps)
+    assert not engine.running and len(engine.allocator.free) == KV_TOKENS // page_size
 
 
 def _window_shift(shift: int) -> HFConventions:

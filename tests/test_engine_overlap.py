@@ -1,6 +1,6 @@
-"""The example engine's overlapped step loop (``Engine(overlap=True)``) against its plain
-loop (``overlap=False``, the default until the overlapped loop has run on a GPU), on the
-CPU reference executor.
+"""The example engine's overlapped step loop (``Engine(overlap=True)``, the default)
+against its plain loop (``overlap=False``, ``run.py --plain-loop``), on the CPU reference
+executor.
 
 The overlapped loop queues step N+1 before it reads step N's sampled tokens: step N+1's
 decodes feed those tokens from the device, and the host books them one step late. Checked
@@ -12,15 +12,14 @@ families (Llama, Gemma 2 with windows, BART encoder-decoder); every logits row o
 overlapped run, the extra steps' included, equals HF's; the reads of sampled tokens
 happen one step late and the decodes' input tokens come from the device, never read by
 the host first; parallel samples at a temperature draw the same tokens; the pieces
-(:func:`overlap.input_ids`, :class:`overlap.TokenReader`, :func:`overlap.step_gaps`)
-and the CLI flag.
+(:func:`overlap.input_ids`, :class:`overlap.TokenReader`, :func:`overlap.step_gaps`,
+the host-clock marks) and the CLI flag. ``benchmarks/bench_engine.py --parts overlap``'s
+CPU smoke run: tests/test_engine_bench.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -42,7 +41,6 @@ from examples.engine.hf_models import adapter_for, load_model
 from examples.engine.parity import check_parity, reference_model
 from examples.engine.run import make_requests
 
-ROOT = Path(__file__).resolve().parents[1]
 KV_TOKENS = 384  # KV capacity per layer: 24 pages of 16, or 384 pages of 1
 ATOL = 1e-4  # fp32 engine vs fp32 HF
 
@@ -305,8 +303,32 @@ def test_step_gaps() -> None:
         overlap.step_gaps(times, np.array([True, False, True, False]))
 
 
-def test_run_cli_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``run.py --overlap`` gives the engine the overlapped loop (the default: plain)."""
+def test_step_marks_on_the_cpu_use_the_host_clock() -> None:
+    """``Engine.step_events`` on the CPU: every step bracketed by host-clock marks in
+    order (start <= forward <= end, each step after the one before it in the plain loop),
+    read by :func:`overlap.event_times` and :func:`overlap.step_gaps`."""
+    model, _ = models("llama")
+    engine = Engine(
+        adapter_for(model), fp.ReferenceExecutor(), page_size=4, num_pages=32, max_running=2,
+        token_budget=8, overlap=False,
+    )  # fmt: skip
+    engine.step_events = []
+    steps = list(engine.run([Request(list(range(3, 14)), 5), Request([5, 6], 4)]))
+    marks = engine.step_events
+    assert len(marks) == len(steps) and all(not m.events for m in marks)
+    times = overlap.event_times(marks)
+    assert times[0, 0] == 0.0 and (np.diff(times, axis=1) >= 0).all()
+    assert (times[1:, 0] >= times[:-1, 2]).all()  # the plain loop: one step after another
+    gaps = overlap.step_gaps(times, np.array([m.decode for m in marks]))
+    assert gaps.pairs >= 2 and 0.0 <= gaps.idle_share < 1.0 and gaps.step_ms > 0
+    off = overlap.StepEvents(decode=True, timing=False, cuda=False)
+    off.record("start")
+    assert not off.events and not off.host_ms
+
+
+def test_run_cli_plain_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The overlapped loop is the default, of ``Engine`` and of ``run.py``;
+    ``run.py --plain-loop`` gives the engine the plain loop."""
     from examples.engine import run
 
     seen: list[bool] = []
@@ -318,18 +340,7 @@ def test_run_cli_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(Engine, "__init__", spy)
     argv = ["--model", "llama", "--requests", "2", "--max-new-tokens", "3"]
-    assert run.main([*argv, "--overlap"]) == 0
     assert run.main(argv) == 0
+    assert run.main([*argv, "--plain-loop"]) == 0
     assert seen == [True, False]
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="measures on a GPU: run it there")
-def test_bench_overlap_part_skips_without_cuda() -> None:
-    path = ROOT / "benchmarks" / "bench_engine.py"
-    spec = importlib.util.spec_from_file_location("bench_engine", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_engine", bench)  # (its dataclass looks its module up)
-    spec.loader.exec_module(bench)
-    lines = bench.bench_overlap(argparse.Namespace(batches=[1, 8, 64], prompt=16, new=4))
-    assert lines[-1].endswith("skipped (no CUDA device)")
+    assert Engine(adapter_for(models("llama")[0]), fp.ReferenceExecutor()).overlap

@@ -3,14 +3,14 @@
 Per step (:meth:`Engine.step`): admit -> layout -> plan -> apply -> model forward (attention
 through flashplan) -> sample (greedy, or with a temperature) -> fork the samples of
 requests with ``n > 1`` -> read the sampled tokens -> free the pages of finished requests.
-``Engine(overlap=True)`` overlaps the loop (:mod:`.overlap`): the next step is planned and
-queued while the GPU runs the current one, its decodes feed the sampled tokens on the
-device, and the host reads them one step late; the default, the plain loop, reads each
-step's tokens before planning the next (the overlapped loop becomes the default once its
-GPU test and figures are in: issue 54). A request's samples share its prompt's pages and
-are planned with shared-prefix (cascade) levels. Encoder-only models (EmbeddingGemma) have
-no step loop: :func:`embed` runs several prompts in one packed bidirectional pass. See
-docs/guide-engine.md ("Parallel sampling", "The overlapped loop").
+By default the loop is overlapped (:mod:`.overlap`): the next step is planned and queued
+while the GPU runs the current one, its decodes feed the sampled tokens on the device, and
+the host reads them one step late. ``Engine(overlap=False)`` (``run.py --plain-loop``) is
+the plain loop, which reads each step's tokens before planning the next; speculative
+decoding (:mod:`.speculative`) runs its own plain loop. A request's samples share its
+prompt's pages and are planned with shared-prefix (cascade) levels. Encoder-only models
+(EmbeddingGemma) have no step loop: :func:`embed` runs several prompts in one packed
+bidirectional pass. See docs/guide-engine.md ("Parallel sampling", "The overlapped loop").
 """
 
 from __future__ import annotations
@@ -272,15 +272,18 @@ class Engine:
             decode steps alike: inductor fuses the norms, RoPE and activations around
             attention, which runs through the custom op ``flashplan::run``
             (``fp.attention``), kept whole by the compiler. ``None``: eager.
-        overlap: the overlapped loop (:mod:`.overlap`): :meth:`step` queues the next step,
-            planned on the host while the GPU runs the current one and fed the current
-            one's sampled tokens on the device, before it reads the current one's tokens
-            (one step late) and returns its output. ``False``: the plain loop, which reads
-            each step's tokens back before planning the next (the default, until the
-            overlapped loop has run on a GPU). (Speculative decoding,
-            :mod:`.speculative`, runs its own plain loop.) The overlapped loop's page table
-            has ``2 * max_running`` rows, handed out first in, first out, so that the step
-            queued next never reuses a row the step being returned ran.
+        overlap: the overlapped loop (:mod:`.overlap`, the default): :meth:`step` queues
+            the next step, planned on the host while the GPU runs the current one and fed
+            the current one's sampled tokens on the device, before it reads the current
+            one's tokens (one step late) and returns its output. ``False``: the plain
+            loop, which reads each step's tokens back before planning the next (``run.py
+            --plain-loop``). Both give the same tokens; with ``eos_token_id`` the
+            overlapped loop runs one extra decode of a request that stopped, its token
+            discarded (:attr:`StepOutput.discarded`). (Speculative decoding,
+            :mod:`.speculative`, runs its own plain loop: a round's layout needs the
+            previous round's accepted count on the host.) The overlapped loop's page
+            table has ``2 * max_running`` rows, handed out first in, first out, so that
+            the step queued next never reuses a row the step being returned ran.
     """
 
     def __init__(
@@ -302,7 +305,7 @@ class Engine:
         cuda_graphs: Sequence[int] = (),
         cascade: str = "auto",
         compile: Any = None,
-        overlap: bool = False,
+        overlap: bool = True,
     ) -> None:
         if cascade not in ("off", "on", "auto"):
             raise ValueError(f"cascade must be 'off', 'on' or 'auto', not {cascade!r}")
@@ -379,8 +382,9 @@ class Engine:
         #: sampled tokens on the device (its successor's decodes feed them)
         self._in_flight: Launched | None = None
         self._last_tokens: torch.Tensor | None = None
-        #: a list (CUDA only): every step's GPU work is bracketed by timing events
-        #: (:class:`.overlap.StepEvents`), appended here (benchmarks/bench_engine.py)
+        #: a list: every step's work is bracketed by timing marks, CUDA events on a GPU,
+        #: the host clock elsewhere (:class:`.overlap.StepEvents`), appended here
+        #: (benchmarks/bench_engine.py)
         self.step_events: list[StepEvents] | None = None
         if cuda_graphs:
             if not isinstance(adapter, DecoderOnly):
@@ -661,8 +665,12 @@ class Engine:
         #    plan; no cache), apply once and the forward (every layer runs its group on
         #    this plan), or a captured decode step's replay (which applies the plan to
         #    its bucket).
-        timing = self.step_events is not None and self.device.type == "cuda"
-        events = StepEvents(layout.mode is fp.Mode.DECODE) if timing else _NO_EVENTS
+        cuda = self.device.type == "cuda"
+        events = (
+            _NO_EVENTS
+            if self.step_events is None
+            else StepEvents(layout.mode is fp.Mode.DECODE, cuda=cuda)
+        )
         events.record("start")
         pages = self.device_table.send(self.table)  # the same tensor every step
         table = fp.PageTable(pages, rows=[r.row for r in reqs])
@@ -679,7 +687,7 @@ class Engine:
         tokens = self._sample(logits, rows, samplers)
         pending = self.reader.start(tokens)
         events.record("end")
-        if self.step_events is not None and timing:
+        if self.step_events is not None:
             self.step_events.append(events)
         full = mark_launched(batch, samplers)
         self._last_tokens = tokens

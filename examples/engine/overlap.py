@@ -31,6 +31,7 @@ used it two steps before has been read, hence has run.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -247,33 +248,49 @@ EVENT_NAMES = ("start", "forward", "end")
 
 
 class StepEvents:
-    """CUDA events (timing on) of one step's GPU work, recorded by the engine when
-    :attr:`Engine.step_events` is a list: ``start`` before the step's first copy (its
-    page table), ``forward`` before its forward or graph replay (after its apply), ``end``
-    after the copy of its sampled tokens. ``timing=False``: records nothing.
+    """Timing marks of one step's work, recorded by the engine when
+    :attr:`Engine.step_events` is a list: ``start`` before the step's first copy (its page
+    table), ``forward`` before its forward or graph replay (after its apply), ``end`` after
+    the copy of its sampled tokens. On a GPU they are CUDA events (timing on), so the gaps
+    between steps are the GPU's idle time; elsewhere (``cuda=False``) the host clock at
+    each mark, where every op runs when it is called and nothing overlaps (the CPU smoke
+    mode of ``benchmarks/bench_engine.py``). ``timing=False``: records nothing.
 
     Attributes:
         decode: the step decodes only.
+        events: the CUDA events by name (``cuda`` and ``timing``).
+        host_ms: the host clock at each mark, ms (``timing`` without ``cuda``).
     """
 
-    def __init__(self, decode: bool, timing: bool = True) -> None:
+    def __init__(self, decode: bool, timing: bool = True, *, cuda: bool = True) -> None:
         self.decode = decode
         self.events: dict[str, torch.cuda.Event] = {}
-        if timing:
+        self.host_ms: dict[str, float] = {}
+        self._host = timing and not cuda
+        if timing and cuda:
             self.events = {n: torch.cuda.Event(enable_timing=True) for n in EVENT_NAMES}
 
     def record(self, name: str) -> None:
-        """Record event ``name`` on the current stream (nothing when timing is off)."""
+        """Record mark ``name``: a CUDA event on the current stream, or the host clock
+        (nothing when timing is off)."""
         if self.events:
             self.events[name].record()
+        elif self._host:
+            self.host_ms[name] = time.perf_counter() * 1e3
 
 
 def event_times(steps: Sequence[StepEvents]) -> np.ndarray:
-    """float64 ``[steps, 3]`` milliseconds of each step's start, forward and end events
-    after the first step's start. Call after the GPU has run them (synchronize)."""
-    origin = steps[0].events["start"]
+    """float64 ``[steps, 3]`` milliseconds of each step's start, forward and end marks
+    after the first step's start. CUDA events: call after the GPU has run them
+    (synchronize)."""
+    if not steps[0].events:  # the host clock
+        origin = steps[0].host_ms["start"]
+        return np.array(
+            [[s.host_ms[n] - origin for n in EVENT_NAMES] for s in steps], dtype=np.float64
+        )
+    first = steps[0].events["start"]
     return np.array(
-        [[origin.elapsed_time(s.events[n]) for n in EVENT_NAMES] for s in steps], dtype=np.float64
+        [[first.elapsed_time(s.events[n]) for n in EVENT_NAMES] for s in steps], dtype=np.float64
     )
 
 

@@ -12,7 +12,7 @@ Examples (from the repository root)::
                                                               # 3 samples per prompt, shared
   python examples/engine/run.py --model gemma2 --device cuda  # FlashInferExecutor, bf16
   python examples/engine/run.py --model gemma2 --executor twin  # FlashInferExecutor, CPU twin
-  python examples/engine/run.py --model llama --overlap       # the overlapped step loop
+  python examples/engine/run.py --model llama --plain-loop    # the plain step loop
   python examples/engine/run.py --model path/to/checkpoint    # from_pretrained, real weights
 """
 
@@ -184,10 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         "attention through flashplan's custom op",
     )  # fmt: skip
     p.add_argument(
-        "--overlap", action="store_true",
-        help="the overlapped step loop: plan and queue the next step before reading this "
-        "step's sampled tokens, one step late (default: the plain loop, which reads each "
-        "step's tokens back before planning the next)",
+        "--plain-loop", dest="overlap", action="store_false",
+        help="the plain step loop, which reads each step's sampled tokens back before "
+        "planning the next (default: the overlapped loop, which plans and queues the next "
+        "step first and reads this step's tokens one step late)",
     )  # fmt: skip
     args = p.parse_args(argv)
 

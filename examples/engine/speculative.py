@@ -15,6 +15,10 @@ target's cached tokens and ``x`` the pending token (generated, not yet cached):
    prediction after them is the next pending token. A chain's accepted tokens already
    sit at ``L .. L + a - 1`` (``fp.compact_accepted`` moves nothing, and is called to
    show where a tree would need it).
+
+It runs its own plain loop, not ``Engine``'s (whose default loop is overlapped,
+:mod:`.overlap`): each round's layout needs the number of drafts the previous verify
+accepted, which the host reads before it plans the next round.
 """
 
 from __future__ import annotations
