@@ -49,22 +49,37 @@ are to its target's (acceptance 0.79 on the CPU box at 0.01; 1.0 turns it off).
         [--parts engine,hf,spec] [--hf-compile] [--compile] [--spec-damp 0.01]
         [--md OUT.md] [--json OUT.json]
     python3 benchmarks/bench_engine.py --tp 2 --parts none --batches 64   # 2 GPUs, NCCL
-    python3 benchmarks/bench_engine.py --parts overlap [--md OUT.md]      # issue 54
+    python3 benchmarks/bench_engine.py --parts overlap [--md OUT.md] [--json OUT.json]
+    python3 benchmarks/bench_engine.py --parts fp8 [--md OUT.md] [--json OUT.json]
+    python3 benchmarks/bench_engine.py --parts overlap,fp8 --device cpu  # CPU smoke run
 
-The engine parts run the engine's default loop, the plain one (``--overlap``: the
-overlapped loop).
+The engine parts run the engine's default loop, the overlapped one (``--plain-loop``:
+the plain loop); the rows of ``--json`` say which (``"loop"``).
 
 ``--parts overlap`` (issue 54): the plain and the overlapped step loop side by side
 (``Engine(overlap=False)`` / ``Engine(overlap=True)``), with graphs (a bucket of the
-batch), at each batch size: tokens/s over the whole run (prefill + decode, one warm-up
-run of each first, then a timed run without events), and the GPU's idle time between
-decode steps, from a third run whose every step's GPU work is bracketed by CUDA events
+batch), at each batch size: tokens/s over the whole run (prefill + decode; one warm-up
+run of each loop first, then ``--repeat`` timed runs without events, the two loops
+alternating, the median kept), and the GPU's idle time between decode steps, from one
+more run of each loop whose every step's GPU work is bracketed by CUDA events
 (``Engine.step_events``: one before the step's first copy, one before its forward or
-replay, one after the copy of its sampled tokens). Idle is the gap from one decode step's
-end event to the next decode step's start event, as a share of the step (start to
-start): the summed gaps over the summed periods, and the median of each pair's share;
-"to forward" also counts the next step's page-table copy and apply before its replay.
-The greedy tokens of both loops must be equal. Without CUDA the part is skipped.
+replay, one after the copy of its sampled tokens). Idle is the gap from one decode
+step's end event to the next decode step's start event, as a share of the step (start
+to start): the summed gaps over the summed periods (the figure the targets use), and the
+median of each pair's share; "to forward" also counts the next step's page-table copy
+and apply before its replay; decode tok/s is the batch over the median step period (GPU
+clock). The greedy tokens of both loops must be equal. Each row is checked against
+issue 54's targets (:data:`OVERLAP_TARGETS`); ``--md`` writes the table, ``--json`` every
+figure. ``--device cpu`` runs the same code on a tiny Llama over the FlashInfer twin,
+without graphs and with host-clock marks in place of CUDA events (a smoke run: on the CPU
+every op runs when called, nothing overlaps, and the targets do not apply).
+
+``--parts fp8`` (issue 52): an fp8 e4m3 KV cache in the engine on the FlashInfer
+executor with its default policy (:func:`fp8_parity`), against Hugging Face's fp32 eager
+forward of each request alone and against the same engine over a bf16 cache: max and
+mean |logit diff|, greedy agreement. The tiny models of ``--fp8-models`` (and ``bench``:
+the model above, 8 prompts of 256 tokens, 32 new tokens, graphs) on a GPU; ``--device
+cpu``: the tiny models over the twin.
 
 ``--tp N`` (issue 30): the model sharded over N GPUs (``examples.engine.tensor_parallel``,
 one process per GPU over NCCL), the engine with graphs at the largest batch, against the
@@ -75,12 +90,15 @@ same engine on one GPU; and the time of a decode step's all-reduces (two per lay
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -89,11 +107,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from examples.engine.engine import Engine, Request
+from examples.engine.engine import Engine, Request, StepOutput
 from examples.engine.hf_attention import ATTN_IMPLEMENTATION
-from examples.engine.hf_models import DecoderOnly, adapter_for
+from examples.engine.hf_models import DecoderOnly, adapter_for, load_model
 from examples.engine.overlap import StepGaps, event_times, step_gaps
-from examples.engine.run import make_executor
+from examples.engine.parity import check_parity, compare_runs, reference_model
+from examples.engine.run import make_executor, make_requests
 from examples.engine.speculative import (
     draft_from,
     greedy_decode,
@@ -122,9 +141,16 @@ def build(attn: str, device: torch.device | None = None) -> torch.nn.Module:
     return model.eval()
 
 
-def prompts(batch: int, length: int, seed: int = 1) -> list[list[int]]:
+def prompts(batch: int, length: int, seed: int = 1, vocab: int | None = None) -> list[list[int]]:
+    """``batch`` prompts of ``length`` random tokens (of ``vocab``: the model above's)."""
     rng = np.random.default_rng(seed)
-    return rng.integers(3, config().vocab_size, (batch, length)).tolist()
+    return rng.integers(3, vocab or config().vocab_size, (batch, length)).tolist()
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def make_engine(
@@ -135,19 +161,21 @@ def make_engine(
     graphs: bool,
     compile: str | None = None,
     overlap: bool = True,
+    executor: str = "auto",
 ) -> Engine:
     """The benchmark's engine for ``batch`` requests of ``prompt + new`` tokens, with the
     benchmark's prompts queued (graphs: one bucket of ``batch``; ``overlap``: the
-    overlapped step loop, else the plain one)."""
+    overlapped step loop, else the plain one; ``executor``: ``run.make_executor``'s
+    kind, ``"twin"`` on the CPU)."""
     adapter = model if isinstance(model, DecoderOnly) else adapter_for(model)
     width = -(-(prompt + new + 1) // PAGE)
     engine = Engine(
-        adapter, make_executor(adapter.model.device), page_size=PAGE,
+        adapter, make_executor(adapter.model.device, kind=executor), page_size=PAGE,
         num_pages=batch * width + 2, max_running=batch, token_budget=min(16384, batch * prompt),
         max_request_tokens=prompt + new + 1, cuda_graphs=(batch,) if graphs else (),
         compile=compile, overlap=overlap,
     )  # fmt: skip
-    for p in prompts(batch, prompt):
+    for p in prompts(batch, prompt, vocab=adapter.model.config.vocab_size):
         engine.add(Request(p, new))
     return engine
 
@@ -230,6 +258,7 @@ def bench_engine_and_hf(args: argparse.Namespace, parts: set[str]) -> list[dict[
         row: dict[str, object] = {"batch": batch}
         tokens = batch * args.new
         if fp_model is not None:
+            row["loop"] = "overlapped" if args.overlap else "plain"
             variants = [("eager", False, None), ("graphs", True, None)]
             if args.compile:
                 variants.append(("compiled", True, "inductor"))
@@ -279,7 +308,7 @@ def bench_engine_and_hf(args: argparse.Namespace, parts: set[str]) -> list[dict[
 @dataclass
 class LoopRun:
     """One run of :func:`run_loop`: wall seconds, each request's generated tokens and,
-    when the steps were bracketed by CUDA events, the idle time between decode steps."""
+    when the steps were bracketed by timing marks, the idle time between decode steps."""
 
     wall_s: float
     tokens: list[list[int]]
@@ -287,21 +316,38 @@ class LoopRun:
 
 
 def run_loop(
-    model: torch.nn.Module, batch: int, prompt: int, new: int, overlap: bool, events: bool
+    model: torch.nn.Module,
+    batch: int,
+    prompt: int,
+    new: int,
+    overlap: bool,
+    events: bool,
+    *,
+    graphs: bool = True,
+    executor: str = "auto",
+    freeze_gc: bool = False,
 ) -> LoopRun:
-    """One run of the engine with graphs (a bucket of ``batch``), the overlapped or the
-    plain loop; ``events``: every step's GPU work bracketed by CUDA events
-    (``Engine.step_events``), read into :class:`StepGaps` after the run."""
-    engine = make_engine(model, batch, prompt, new, True, overlap=overlap)
+    """One run of the engine (``graphs``: a bucket of ``batch``), the overlapped or the
+    plain loop; ``events``: every step's work bracketed by timing marks
+    (``Engine.step_events``: CUDA events on a GPU, the host clock on the CPU), read into
+    :class:`StepGaps` after the run; ``freeze_gc``: ``gc.freeze()`` after start-up."""
+    engine = make_engine(model, batch, prompt, new, graphs, overlap=overlap, executor=executor)
     requests = list(engine.waiting)
     if events:
         engine.step_events = []
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    while engine.has_work():
-        assert engine.step() is not None
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
+    if freeze_gc:
+        gc.collect()
+        gc.freeze()
+    try:
+        sync(engine.device)
+        t0 = time.perf_counter()
+        while engine.has_work():
+            assert engine.step() is not None
+        sync(engine.device)
+        wall = time.perf_counter() - t0
+    finally:
+        if freeze_gc:
+            gc.unfreeze()
     gaps = None
     if engine.step_events is not None:
         marks = engine.step_events
@@ -309,49 +355,324 @@ def run_loop(
     return LoopRun(wall, [r.output for r in requests], gaps)
 
 
-def bench_overlap(args: argparse.Namespace) -> list[str]:
-    """``--parts overlap``: the plain and the overlapped loop side by side, with graphs,
-    at each batch size (see the module docstring); a table, or a line saying why not."""
-    if not torch.cuda.is_available():
-        return ["", "overlapped vs plain step loop: skipped (no CUDA device)"]
-    model = build(ATTN_IMPLEMENTATION)
+#: Issue 54's targets, per batch size: (the overlapped loop's idle share of a decode step
+#: at most, its tokens/s over the plain loop's at least); ``None``: no idle target there.
+#: Every batch: greedy tokens equal.
+OVERLAP_TARGETS: dict[int, tuple[float | None, float]] = {
+    1: (0.02, 1.05),
+    8: (None, 1.0),
+    64: (0.02, 1.0),
+}
+
+
+def overlap_targets(row: dict[str, Any]) -> dict[str, bool]:
+    """Which of issue 54's targets a row of :func:`bench_overlap` meets (name -> met);
+    a batch size the issue names no target for must at least not be slower."""
+    idle, ratio = OVERLAP_TARGETS.get(int(row["batch"]), (None, 1.0))
+    met = {"tokens equal": bool(row["tokens_equal"])}
+    met[f"tok/s >= {ratio:.2f}x plain"] = row["tok_s_ratio"] >= ratio
+    if idle is not None:
+        met[f"idle <= {idle:.0%} of the step"] = row["overlapped"]["idle_share"] <= idle
+    return met
+
+
+def overlap_targets_text() -> str:
+    """:data:`OVERLAP_TARGETS` in words."""
+    parts = []
+    for batch, (idle, ratio) in OVERLAP_TARGETS.items():
+        words = [f"tok/s >= {ratio:.2f}x plain"]
+        if idle is not None:
+            words.append(f"idle <= {idle:.0%} of the step")
+        parts.append(f"batch {batch}: " + ", ".join(words))
+    return "; ".join(parts) + "; greedy tokens equal at every batch"
+
+
+def loop_figures(batch: int, new: int, walls: list[float], gaps: StepGaps) -> dict[str, Any]:
+    """One loop's figures at one batch size: the timed runs' median wall and tokens/s
+    (``new`` tokens per request), the decode tokens/s of the marked run (the batch over
+    the median step period) and its :class:`StepGaps`."""
+    wall = float(np.median(walls))
+    return {
+        "wall_s": wall,
+        "walls_s": walls,
+        "tok_s": batch * new / wall,
+        "decode_tok_s": batch * 1e3 / gaps.step_ms,
+        **dataclasses.asdict(gaps),
+    }
+
+
+def overlap_table(rows: list[dict[str, Any]], title: str) -> list[str]:
+    """:func:`bench_overlap`'s rows as a markdown table with a targets line. The first
+    four columns (batch, plain tok/s, overlapped tok/s, ratio) are what
+    ``benchmarks/run_gpu.py --parts overlap`` reads."""
     lines = [
         "",
-        f"overlapped vs plain step loop, {torch.cuda.get_device_name()}, the model above, "
-        f"prompts {args.prompt}, {args.new} new tokens, graphs (a bucket of the batch); idle: "
-        "GPU time from a decode step's end event to the next one's start event, over the "
-        "step (summed, and the median of each step's share)",
+        title,
         "",
         "| batch | plain tok/s | overlapped tok/s | overlapped / plain "
-        "| step ms plain / overlapped | idle share plain | idle share overlapped "
-        "| idle µs (median) plain / overlapped | idle to forward share plain / overlapped "
-        "| tokens equal |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| decode tok/s plain / overlapped | step ms plain / overlapped "
+        "| idle share plain | idle share overlapped | idle µs (median) plain / overlapped "
+        "| idle to forward share plain / overlapped | tokens equal | targets |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for batch in args.batches:
-        timed: dict[bool, LoopRun] = {}
-        gaps: dict[bool, StepGaps] = {}
-        for overlap in (False, True):
-            name = "overlapped" if overlap else "plain"
-            run_loop(model, batch, args.prompt, args.new, overlap, events=False)  # warm-up
-            timed[overlap] = run_loop(model, batch, args.prompt, args.new, overlap, False)
-            marked = run_loop(model, batch, args.prompt, args.new, overlap, events=True)
-            assert marked.gaps is not None
-            gaps[overlap] = marked.gaps
-            print(f"batch {batch} {name}: {timed[overlap].wall_s:.3f} s, {marked.gaps}", flush=True)
-        tok = {k: batch * args.new / v.wall_s for k, v in timed.items()}
-        p, o = gaps[False], gaps[True]
+    for r in rows:
+        p, o = r["plain"], r["overlapped"]
+        missed = [name for name, ok in r["targets"].items() if not ok]
         lines.append(
-            f"| {batch} | {tok[False]:.0f} | {tok[True]:.0f} | {tok[True] / tok[False]:.3f}x "
-            f"| {p.step_ms:.3f} / {o.step_ms:.3f} "
-            f"| {p.idle_share:.1%} ({p.idle_share_median:.1%}) "
-            f"| {o.idle_share:.1%} ({o.idle_share_median:.1%}) "
-            f"| {p.idle_us:.0f} / {o.idle_us:.0f} "
-            f"| {p.to_forward_share:.1%} / {o.to_forward_share:.1%} "
-            f"| {timed[False].tokens == timed[True].tokens} |"
+            f"| {r['batch']} | {p['tok_s']:.0f} | {o['tok_s']:.0f} | {r['tok_s_ratio']:.3f}x "
+            f"| {p['decode_tok_s']:.0f} / {o['decode_tok_s']:.0f} "
+            f"| {p['step_ms']:.3f} / {o['step_ms']:.3f} "
+            f"| {p['idle_share']:.1%} ({p['idle_share_median']:.1%}) "
+            f"| {o['idle_share']:.1%} ({o['idle_share_median']:.1%}) "
+            f"| {p['idle_us']:.0f} / {o['idle_us']:.0f} "
+            f"| {p['to_forward_share']:.1%} / {o['to_forward_share']:.1%} "
+            f"| {r['tokens_equal']} | {'met' if not missed else 'missed: ' + ', '.join(missed)} |"
         )
-        torch.cuda.empty_cache()
     return lines
+
+
+def bench_overlap(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
+    """``--parts overlap``: the plain and the overlapped loop side by side, with graphs,
+    at each batch size (see the module docstring); the table's lines (or a line saying
+    why not) and every figure (``--json``'s ``"overlap"``). ``args.device``: ``"cuda"``
+    (the model above, the FlashInfer executor, graphs, CUDA events) or ``"cpu"`` (the
+    smoke run: a tiny Llama over the twin, no graphs, the host clock)."""
+    device = torch.device(getattr(args, "device", "cuda"))
+    cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        line = "overlapped vs plain step loop: skipped (no CUDA device; --device cpu: smoke run)"
+        return ["", line], {"skipped": "no CUDA device"}
+    if cuda:
+        model = build(ATTN_IMPLEMENTATION, device)
+        kind, card = "auto", torch.cuda.get_device_name(device)
+        what = (
+            "Llama-shaped ~1.5B bf16 (16 layers, 2048 hidden, 32/8 heads x 128), "
+            "FlashInferExecutor (FA2 prefill), CUDA graphs (a bucket of the batch), CUDA events"
+        )
+    else:
+        model = load_model("llama", device=device)
+        kind, card = "twin", "CPU"
+        what = (
+            "SMOKE RUN: tiny Llama (2 layers, hidden 128, fp32), FlashInferExecutor over the "
+            "CPU twin, no graphs, host-clock marks (every op runs when called: nothing "
+            "overlaps; not the targets' measurement)"
+        )
+    repeat = max(1, int(getattr(args, "repeat", 3)))
+    kw: dict[str, Any] = dict(
+        graphs=cuda, executor=kind, freeze_gc=bool(getattr(args, "freeze_gc", False))
+    )
+    rows: list[dict[str, Any]] = []
+    for batch in args.batches:
+        walls: dict[bool, list[float]] = {False: [], True: []}
+        tokens: dict[bool, list[list[int]]] = {}
+        for overlap in (False, True):  # warm-up
+            run_loop(model, batch, args.prompt, args.new, overlap, False, **kw)
+        for _ in range(repeat):  # the two loops alternate
+            for overlap in (False, True):
+                r = run_loop(model, batch, args.prompt, args.new, overlap, False, **kw)
+                walls[overlap].append(r.wall_s)
+                if tokens.setdefault(overlap, r.tokens) != r.tokens:
+                    raise AssertionError(f"batch {batch}: two runs of one loop differ")
+        figures = {}
+        for overlap in (False, True):
+            marked = run_loop(model, batch, args.prompt, args.new, overlap, True, **kw)
+            assert marked.gaps is not None
+            figures[overlap] = loop_figures(batch, args.new, walls[overlap], marked.gaps)
+            name = "overlapped" if overlap else "plain"
+            print(f"batch {batch} {name}: {figures[overlap]}", flush=True)
+        row: dict[str, Any] = {
+            "batch": batch,
+            "plain": figures[False],
+            "overlapped": figures[True],
+            "tok_s_ratio": figures[True]["tok_s"] / figures[False]["tok_s"],
+            "decode_tok_s_ratio": figures[True]["decode_tok_s"] / figures[False]["decode_tok_s"],
+            "tokens_equal": tokens[False] == tokens[True],
+        }
+        row["targets"] = overlap_targets(row)
+        rows.append(row)
+        if cuda:
+            torch.cuda.empty_cache()
+    title = (
+        f"overlapped vs plain step loop, {card}, {what}; prompts {args.prompt}, {args.new} "
+        f"new tokens; tok/s: median of {repeat} timed runs (prefill + decode); decode tok/s: "
+        "the batch over the median decode step (start to start); idle: time from a decode "
+        "step's end mark to the next one's start mark over the step (summed, and in brackets "
+        "the median of each step's share)"
+    )
+    lines = overlap_table(rows, title)
+    met = all(all(r["targets"].values()) for r in rows)
+    verdict = "all met" if met else "NOT all met"
+    if not cuda:
+        verdict += " (CPU smoke run: the targets are for a GPU with graphs)"
+    lines += ["", f"issue 54's targets ({overlap_targets_text()}): {verdict}"]
+    result = {
+        "device": card,
+        "setup": what,
+        "prompt": args.prompt,
+        "new": args.new,
+        "repeat": repeat,
+        "graphs": cuda,
+        "rows": rows,
+        "targets_met": met,
+    }
+    return lines, result
+
+
+# -- an fp8 KV cache in the engine vs Hugging Face (issue 52) -------------------------------
+#: The tiny models ``--parts fp8`` runs by default (``bench``: the model above, CUDA only):
+#: a full-attention Llama, Mistral's window, Gemma 2's soft cap (no XQA: FA2), gpt-oss's
+#: sinks over windows.
+FP8_MODELS = ("llama", "mistral", "gemma2", "gpt-oss", "bench")
+
+
+def default_policy_executor(device: torch.device) -> Any:
+    """The FlashInfer executor with its default policy (``ExecutorPolicy()``): on a GPU,
+    FlashInfer; elsewhere its CPU twin."""
+    from flashplan.executor.flashinfer import FlashInferExecutor
+
+    if device.type == "cuda":
+        return FlashInferExecutor(device)
+    from flashplan.twin import flashinfer_twin
+
+    return FlashInferExecutor(device, flashinfer=flashinfer_twin)
+
+
+def fp8_parity(
+    model: torch.nn.Module,
+    make_reqs: Callable[[], list[Request]],
+    engine_kw: dict[str, Any],
+    *,
+    kv_dtype: torch.dtype = torch.float8_e4m3fn,
+    ref: torch.nn.Module | None = None,
+) -> dict[str, Any]:
+    """The engine over a ``kv_dtype`` cache and over the model's dtype (bf16), each on a
+    fresh FlashInfer executor with its default policy, the same requests
+    (``make_reqs()``, made anew per run; ``engine_kw``: the rest of ``Engine``'s
+    arguments), every logits row kept: each run against HF's fp32 eager forward of every
+    request alone (``ref``: :func:`reference_model`'s copy; made when ``None``), and the
+    fp8 run against the bf16 one (:func:`parity.compare_runs`). Greedy tokens: equal to
+    HF's argmax, or not, and then whether HF's top two logits there are within twice
+    the run's max |logit diff| (the most that diff can move two logits apart: a
+    "numerical tie"; a token differing outside it is an error, not rounding)."""
+    device = next(model.parameters()).device
+    ref = reference_model(model) if ref is None else ref
+    runs: dict[str, tuple[list[Request], list[StepOutput]]] = {}
+    out: dict[str, Any] = {}
+    for key, dtype in (("bf16 cache", None), ("fp8 cache", kv_dtype)):
+        executor = default_policy_executor(device)
+        engine = Engine(
+            adapter_for(model), executor, kv_dtype=dtype, keep_all_logits=True, **engine_kw
+        )
+        reqs = make_reqs()
+        steps = list(engine.run(reqs))
+        runs[key] = (reqs, steps)
+        first = check_parity(ref, reqs, steps, tie_margin=float("inf"))  # every difference
+        top = first.max_ref_logit
+        second = check_parity(ref, reqs, steps, tie_margin=2 * first.max_abs_diff)
+        out[key] = {
+            "cache_dtype": str(engine.ctx.kv_caches[0].dtype),
+            "policy": repr(getattr(executor, "policy", None)),
+            "max_abs_diff": first.max_abs_diff,
+            "max_rel_diff": first.max_abs_diff / top,
+            "mean_abs_diff": first.mean_abs_diff,
+            "mean_rel_diff": first.mean_abs_diff / top,
+            "max_ref_logit": top,
+            "rows": first.rows,
+            "tokens": first.tokens,
+            "tokens_equal_hf": first.tokens - first.ties,
+            "numerical_ties": second.ties,
+            "mismatches": len(second.mismatches),
+            "replayed_steps": engine.replayed_steps,
+            "steps": len(steps),
+        }
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    diff = compare_runs(*runs["fp8 cache"], *runs["bf16 cache"])
+    out["fp8 vs bf16 cache"] = dataclasses.asdict(diff) | {
+        "max_rel_diff": diff.max_abs_diff / out["fp8 cache"]["max_ref_logit"],
+        "mean_rel_diff": diff.mean_abs_diff / out["fp8 cache"]["max_ref_logit"],
+    }
+    return out
+
+
+def bench_fp8(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
+    """``--parts fp8``: :func:`fp8_parity` per model of ``args.fp8_models`` on
+    ``args.device``; the table's lines and every figure (``--json``'s ``"fp8"``). A model
+    that fails is reported, the others still run."""
+    device = torch.device(getattr(args, "device", "cuda"))
+    cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        return ["", "fp8 KV cache parity: skipped (no CUDA device)"], {"skipped": "no CUDA"}
+    card = torch.cuda.get_device_name(device) if cuda else "CPU (FlashInfer twin)"
+    results: dict[str, Any] = {}
+    for name in args.fp8_models:
+        try:
+            if name == "bench":
+                if not cuda:
+                    continue
+                model = build(ATTN_IMPLEMENTATION, device)
+                vocab = config().vocab_size
+
+                def make_reqs(v: int = vocab) -> list[Request]:
+                    return [Request(p, 32) for p in prompts(8, 256, seed=3, vocab=v)]
+
+                kw: dict[str, Any] = dict(
+                    page_size=PAGE, num_pages=8 * 19 + 2, max_running=8, token_budget=2048,
+                    max_request_tokens=289, cuda_graphs=(8,),
+                )  # fmt: skip
+            else:
+                model = load_model(name, dtype=torch.bfloat16, device=device)
+                vocab = model.config.vocab_size
+
+                def make_reqs(v: int = vocab) -> list[Request]:
+                    return make_requests(v, False, 6, 16, 0)
+
+                kw = dict(page_size=16, num_pages=24, max_running=3, token_budget=16)
+            results[name] = fp8_parity(model, make_reqs, kw)
+        except Exception as exc:  # reported; the other models still run
+            print(f"fp8 parity {name} failed: {exc!r}", flush=True)
+            results[name] = {"error": repr(exc)[:300]}
+        else:
+            print(f"fp8 parity {name}: {results[name]}", flush=True)
+        finally:
+            if cuda:
+                torch.cuda.empty_cache()
+    lines = [
+        "",
+        f"fp8 e4m3 KV cache (scales 1.0) vs a bf16 cache in the engine, {card}, bf16 model, "
+        "the FlashInfer executor's default policy, every logits row vs HF's fp32 eager "
+        "forward of each request alone (tiny models: 6 requests of 1-40 prompt tokens, 16 "
+        "new, 3 at a time; bench: the model above, 8 x 256 prompt tokens, 32 new, graphs). "
+        "% : of max |HF logit|. Greedy: tokens equal to HF's argmax (numerical ties: HF's "
+        "top two within 2x the run's max diff; mismatches: beyond it)",
+        "",
+        "| model | cache | max abs diff vs HF | mean abs diff vs HF | greedy = HF "
+        "| numerical ties / mismatches | fp8 vs bf16 cache: max / mean abs diff "
+        "| tokens equal to the bf16 run (until the first difference) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, res in results.items():
+        if "error" in res:
+            lines.append(f"| {name} | failed: {res['error']} | | | | | | |")
+            continue
+        d = res["fp8 vs bf16 cache"]
+        for key in ("bf16 cache", "fp8 cache"):
+            r = res[key]
+            vs_bf16 = (
+                f"{d['max_abs_diff']:.3f} ({d['max_rel_diff']:.1%}) / "
+                f"{d['mean_abs_diff']:.4f} ({d['mean_rel_diff']:.2%})"
+                if key == "fp8 cache"
+                else ""
+            )
+            same = f"{d['same_prefix']}/{d['tokens']}" if key == "fp8 cache" else ""
+            lines.append(
+                f"| {name} | {r['cache_dtype'].removeprefix('torch.')} "
+                f"| {r['max_abs_diff']:.3f} ({r['max_rel_diff']:.1%}) "
+                f"| {r['mean_abs_diff']:.4f} ({r['mean_rel_diff']:.2%}) "
+                f"| {r['tokens_equal_hf']}/{r['tokens']} "
+                f"| {r['numerical_ties']} / {r['mismatches']} | {vs_bf16} | {same} |"
+            )
+    return lines, {"device": card, "models": results}
 
 
 def damp_past(model: torch.nn.Module, first: int, factor: float) -> None:
@@ -406,8 +727,8 @@ def tp_worker(rank: int, world: int, init: str, args: argparse.Namespace, out: s
         dev = torch.device("cuda", rank)
         adapter = shard_decoder_only(adapter_for(build(ATTN_IMPLEMENTATION, dev)), rank, world)
         batch = args.batches[-1]
-        run_engine(adapter, batch, args.prompt, 8, True)  # warm-up
-        r = run_engine(adapter, batch, args.prompt, args.new, True)
+        run_engine(adapter, batch, args.prompt, 8, True, overlap=args.overlap)  # warm-up
+        r = run_engine(adapter, batch, args.prompt, args.new, True, overlap=args.overlap)
         # the all-reduces of one decode step alone: two per layer of [batch, hidden] bf16
         c = config()
         x = torch.randn(batch, c.hidden_size, device=dev, dtype=torch.bfloat16)
@@ -442,8 +763,8 @@ def bench_tp(args: argparse.Namespace) -> list[str]:
         mp.spawn(tp_worker, args=(args.tp, f"{tmp}/rendezvous", args, out), nprocs=args.tp)
         tp = torch.load(out)
     model = build(ATTN_IMPLEMENTATION)
-    run_engine(model, batch, args.prompt, 8, True)
-    one = run_engine(model, batch, args.prompt, args.new, True)
+    run_engine(model, batch, args.prompt, 8, True, overlap=args.overlap)
+    one = run_engine(model, batch, args.prompt, args.new, True, overlap=args.overlap)
     tok = lambda r: batch * args.new / r["wall_s"]  # noqa: E731
     step = tp["decode_s"] / tp["decode_steps"] * 1e3
     return [
@@ -457,10 +778,11 @@ def bench_tp(args: argparse.Namespace) -> list[str]:
 
 def table(rows: list[dict[str, object]], args: argparse.Namespace) -> list[str]:
     f = lambda r, k, fmt: "" if k not in r else format(r[k], fmt)  # noqa: E731
+    loop = "overlapped" if args.overlap else "plain"
     lines = [
         f"engine vs HF, {torch.cuda.get_device_name()}, Llama-shaped ~1.5B bf16 (16 layers, "
         f"2048 hidden, 32/8 heads x 128), prompts {args.prompt}, {args.new} new tokens, "
-        f"page {PAGE}",
+        f"page {PAGE}, the engine's {loop} step loop",
         "",
         "| batch | engine eager tok/s | engine graphs tok/s | HF static tok/s | graphs / HF "
         "| eager / HF | decode tok/s eager / graphs / HF | step ms eager / graphs / HF "
@@ -493,17 +815,37 @@ def table(rows: list[dict[str, object]], args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def main() -> None:
+#: ``--parts`` names.
+PARTS = ("engine", "hf", "spec", "overlap", "fp8")
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64])
-    ap.add_argument("--prompt", type=int, default=1024)
-    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument(
+        "--prompt", type=int, default=None, help="prompt tokens (default: 1024; cpu: 16)"
+    )
+    ap.add_argument("--new", type=int, default=None, help="new tokens (default: 128; cpu: 8)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument(
         "--spec-damp", type=float, default=0.01,
         help="--parts spec: scale of the target's layers past the draft's (1.0: none)",
     )  # fmt: skip
-    ap.add_argument("--parts", default="engine,hf,spec", help="of engine, hf, spec, overlap")
+    ap.add_argument("--parts", default="engine,hf,spec", help=f"of {', '.join(PARTS)}")
+    ap.add_argument(
+        "--device", default="cuda", choices=("cuda", "cpu"),
+        help="cpu: a smoke run of the overlap and fp8 parts on tiny models over the "
+        "FlashInfer twin (no graphs, host-clock marks)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--repeat", type=int, default=3,
+        help="--parts overlap: timed runs of each loop per batch size (median kept)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--fp8-models", type=lambda s: s.split(","), default=list(FP8_MODELS),
+        help=f"--parts fp8: tiny model names, and 'bench' (the model above, CUDA only); "
+        f"default {','.join(FP8_MODELS)}",
+    )  # fmt: skip
     ap.add_argument("--hf-compile", action="store_true")
     ap.add_argument(
         "--freeze-gc", action="store_true", help="gc.freeze() after each engine's start-up, "
@@ -516,13 +858,23 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--tp", type=int, default=0, help="tensor-parallel GPUs (the --tp part)")
     ap.add_argument(
-        "--overlap", action="store_true",
-        help="the engine parts with the overlapped step loop (default: the plain one)",
+        "--plain-loop", dest="overlap", action="store_false",
+        help="the engine parts (engine, --tp) with the plain step loop (default: the "
+        "engine's default, the overlapped loop)",
     )  # fmt: skip
     ap.add_argument("--md", type=Path)
     ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
-    parts = set(args.parts.split(","))
+    args = ap.parse_args(argv)
+    parts = set(args.parts.split(",")) - {"none", ""}
+    if parts - set(PARTS):
+        ap.error(f"unknown parts {sorted(parts - set(PARTS))}: choose from {', '.join(PARTS)}")
+    cpu = args.device == "cpu"
+    if cpu and (parts - {"overlap", "fp8"} or args.tp):
+        ap.error("--device cpu runs the overlap and fp8 parts only")
+    if args.prompt is None:
+        args.prompt = 16 if cpu else 1024
+    if args.new is None:
+        args.new = 8 if cpu else 128
     out: dict[str, object] = {}
     lines: list[str] = []
     if parts & {"engine", "hf"}:
@@ -532,7 +884,11 @@ def main() -> None:
     if args.tp:
         lines += bench_tp(args)
     if "overlap" in parts:
-        lines += bench_overlap(args)
+        overlap_lines, out["overlap"] = bench_overlap(args)
+        lines += overlap_lines
+    if "fp8" in parts:
+        fp8_lines, out["fp8"] = bench_fp8(args)
+        lines += fp8_lines
     if "spec" in parts:
         s = bench_speculative(args)
         out["speculative"] = s

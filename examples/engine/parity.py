@@ -49,6 +49,7 @@ class Parity:
             whose HF argmax differs (greedy parity: the engine's tokens are fed back to both).
         ties: differing tokens not counted as mismatches, because HF's top two logits there
             are closer than the ``tie_margin`` of :func:`check_parity`.
+        mean_abs_diff: mean |engine logit − HF logit| over every element compared.
     """
 
     max_abs_diff: float
@@ -57,6 +58,7 @@ class Parity:
     tokens: int
     mismatches: list[tuple[int, int]]
     ties: int = 0
+    mean_abs_diff: float = 0.0
 
     def ok(self, atol: float) -> bool:
         return self.max_abs_diff <= atol and not self.mismatches
@@ -84,11 +86,12 @@ def check_parity(
     A differing token where HF's top two logits are within ``tie_margin`` is a tie, not a
     mismatch (for bf16 runs; 0 in fp32: every token must match)."""
     want = {r.rid: reference_logits(ref, r).cpu() for r in requests}
-    diff, rows = 0.0, 0
+    diff, rows, total = 0.0, 0, 0.0
     for out in steps:
         got = out.logits.float().cpu()
         for j, (r, pos) in enumerate(zip(out.owners, out.positions, strict=True)):
-            diff = max(diff, float((got[j] - want[r.rid][pos]).abs().max()))
+            err = (got[j] - want[r.rid][pos]).abs()
+            diff, total = max(diff, float(err.max())), total + float(err.mean())
             rows += 1
     mismatches, tokens, ties = [], 0, 0
     for r in requests:
@@ -103,7 +106,77 @@ def check_parity(
             else:
                 mismatches.append((r.rid, k))
     top = max(float(w.abs().max()) for w in want.values())
-    return Parity(diff, top, rows, tokens, mismatches, ties)
+    return Parity(diff, top, rows, tokens, mismatches, ties, total / max(rows, 1))
+
+
+@dataclass
+class RunDiff:
+    """Two runs of the same requests compared (:func:`compare_runs`).
+
+    Attributes:
+        max_abs_diff: largest |logit difference| over the rows compared.
+        mean_abs_diff: mean |logit difference| over every element of those rows.
+        rows: logits rows compared: each (request, position) both runs kept whose tokens
+            up to that position are the same in both (after a request's first differing
+            token the two runs decode different sequences).
+        tokens: generated tokens of the first run.
+        same_prefix: of those, the tokens before each request's first difference from
+            the second run (greedy agreement of the two runs).
+    """
+
+    max_abs_diff: float
+    mean_abs_diff: float
+    rows: int
+    tokens: int
+    same_prefix: int
+
+    def line(self) -> str:
+        return (
+            f"max |logit diff| {self.max_abs_diff:.2e}, mean {self.mean_abs_diff:.2e} over "
+            f"{self.rows} logits rows; generated tokens equal until the first difference: "
+            f"{self.same_prefix}/{self.tokens}"
+        )
+
+
+def compare_runs(
+    requests: Sequence[Request],
+    steps: Sequence[StepOutput],
+    other_requests: Sequence[Request],
+    other_steps: Sequence[StepOutput],
+) -> RunDiff:
+    """Compare a run's logits with another run's of the same requests (request ``i`` of
+    one with request ``i`` of the other: two engines given the same workload), for
+    example an fp8 KV cache against the model's dtype: every (request, position) both
+    runs kept, while the request's tokens up to it are the same in both."""
+
+    def rows(
+        reqs: Sequence[Request], run: Sequence[StepOutput]
+    ) -> dict[tuple[int, int], torch.Tensor]:
+        index = {r.rid: i for i, r in enumerate(reqs)}
+        return {
+            (index[r.rid], pos): out.logits[j]
+            for out in run
+            for j, (r, pos) in enumerate(zip(out.owners, out.positions, strict=True))
+            if r.rid in index
+        }
+
+    a, b = rows(requests, steps), rows(other_requests, other_steps)
+    diff, total, count = 0.0, 0.0, 0
+    for (i, pos), row in a.items():
+        if (i, pos) not in b or requests[i].tokens[: pos + 1] != other_requests[i].tokens[
+            : pos + 1
+        ]:
+            continue
+        err = (row.float() - b[(i, pos)].float()).abs()
+        diff, total, count = max(diff, float(err.max())), total + float(err.mean()), count + 1
+    tokens = sum(len(r.output) for r in requests)
+    same = 0
+    for r, o in zip(requests, other_requests, strict=True):
+        same += next(
+            (k for k, (x, y) in enumerate(zip(r.output, o.output, strict=False)) if x != y),
+            min(len(r.output), len(o.output)),
+        )
+    return RunDiff(diff, total / max(count, 1), count, tokens, same)
 
 
 @torch.no_grad()
