@@ -288,7 +288,8 @@ def run_engine(part: str, args: argparse.Namespace, rep: Any) -> None:
         rows = json.loads(text)["rows"]
         lines = []
         for r in rows:
-            case = f"engine B{r['batch']}, plain loop"
+            loop = r.get("loop", "plain")  # (older trees: the plain loop only)
+            case = f"engine B{r['batch']}, {loop} loop"
             for key, metric in (
                 ("graphs_tok_s", "graphs: tok/s"),
                 ("eager_tok_s", "eager: tok/s"),
@@ -312,7 +313,8 @@ def run_engine(part: str, args: argparse.Namespace, rep: Any) -> None:
                 ]
             )
         rep.table(
-            f"Example engine, plain loop (prompts {args.engine_prompt}, {args.engine_new} new)",
+            f"Example engine, {rows[0].get('loop', 'plain') if rows else 'plain'} loop "
+            f"(prompts {args.engine_prompt}, {args.engine_new} new)",
             ["batch", "eager tok/s", "graphs tok/s", "graphs: host share"],
             lines,
         )
