@@ -34,18 +34,13 @@ import torch
 from flashplan.errors import PlanMismatchError
 
 __all__ = [
-    "XQA_MIN_WAVES", "XQA_SCRATCH_BYTES", "XQA_SEMAPHORE_BYTES", "XqaBuffers", "XqaDecode",
+    "XQA_MIN_WAVES", "XQA_SEMAPHORE_BYTES", "XqaBuffers", "XqaDecode", "xqa_scratch_bytes",
     "xqa_sm_count",
 ]  # fmt: skip
 
 #: XQA's semaphores (uint32, zeroed before the first call; the kernel leaves them zero):
 #: the 8 MiB that ``flashinfer.decode.xqa_batch_decode_with_kv_cache`` reserves.
 XQA_SEMAPHORE_BYTES = 8 * 1024 * 1024
-#: XQA's scratch for split sequences' partial results. The kernel splits a sequence
-#: into at most ``round(0.75 * SMs / (rows * kv_heads))`` parts, about ``0.75 * SMs``
-#: partial rows of ``head_group x head_dim`` float32 in all: under 9 MiB on a 132-SM
-#: H100 at head_dim 256 and 64 query heads per KV head.
-XQA_SCRATCH_BYTES = 32 * 1024 * 1024
 
 
 #: The fewest waves of CTAs (per SM) :func:`xqa_sm_count` asks XQA's split for
@@ -68,9 +63,21 @@ def xqa_sm_count(sms: int, rows: int, kv_heads: int, *, deterministic: bool) -> 
     return max(sms, -(-4 * parts * units // 3))
 
 
+def xqa_scratch_bytes(sms: int, group: int, head_dim: int) -> int:
+    """Bytes of XQA's scratch for split sequences under :func:`xqa_sm_count`: per part of a
+    sequence and KV head, ``group`` query heads' row sum and max (float32 each) and
+    partial output (``head_dim`` 16-bit values). A batch with parts has at most ``2 *
+    XQA_MIN_WAVES * sms`` of them (fewer sequence-heads than ``12 * sms`` get up to
+    ``ceil(12 * sms / units)`` parts each; XQA's own split gives under ``sms``)."""
+    per_part = group * (8 + 2 * head_dim)
+    return 2 * XQA_MIN_WAVES * sms * per_part + group * 2 * head_dim + (1 << 16)
+
+
 class XqaBuffers:
-    """An executor's XQA semaphores and scratch, allocated at the first XQA call (every
-    XQA call of the executor and its graph executors runs on one stream and shares them)."""
+    """An executor's XQA semaphores and scratch (made at the first XQA call; every XQA
+    call of the executor and its graph executors runs on one stream and shares them). A
+    scratch that must grow is replaced by a larger one and the old one kept: a captured
+    graph keeps reading the one it was captured with."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -81,15 +88,17 @@ class XqaBuffers:
             else 1
         )
         self._semaphores: torch.Tensor | None = None
-        self._scratch: torch.Tensor | None = None
+        self._scratch: list[torch.Tensor] = []
 
-    def get(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(semaphores uint32 [XQA_SEMAPHORE_BYTES / 4], scratch uint8 [XQA_SCRATCH_BYTES])``."""
-        if self._semaphores is None or self._scratch is None:
+    def get(self, scratch_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(semaphores uint32 [XQA_SEMAPHORE_BYTES / 4], scratch uint8 [>= scratch_bytes])``."""
+        if self._semaphores is None:
             words = XQA_SEMAPHORE_BYTES // 4
             self._semaphores = torch.zeros(words, dtype=torch.uint32, device=self.device)
-            self._scratch = torch.zeros(XQA_SCRATCH_BYTES, dtype=torch.uint8, device=self.device)
-        return self._semaphores, self._scratch
+        if not self._scratch or self._scratch[-1].shape[0] < scratch_bytes:
+            grown = max(scratch_bytes, 2 * self._scratch[-1].shape[0] if self._scratch else 0)
+            self._scratch.append(torch.empty(grown, dtype=torch.uint8, device=self.device))
+        return self._semaphores, self._scratch[-1]
 
 
 class XqaDecode:
@@ -162,7 +171,10 @@ class XqaDecode:
             )  # fmt: skip
         if (sinks is not None) != p["sinks"]:
             raise PlanMismatchError("sinks", "pass sinks exactly when the plan has them")
-        semaphores, scratch = self._buffers.get()
+        group = p["num_qo_heads"] // p["num_kv_heads"]
+        semaphores, scratch = self._buffers.get(
+            xqa_scratch_bytes(self._buffers.sms, group, p["head_dim"])
+        )
         out = torch.empty_like(q)
         k, v = kv_cache.unbind(1)
         q_scale, kv_scale = self._scales(k_scale, v_scale, kv_dtype != q_dtype)
