@@ -43,9 +43,10 @@ def _install_project(session: nox.Session, extras: str) -> None:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """Run the CPU test suite (``-m "not gpu"``). Extra args are passed to pytest."""
+    """Run the CPU test suite (``-n 2 -m "not gpu"``: two pytest-xdist workers, as
+    .ci/run and the README run it). Extra args are passed to pytest instead."""
     _install_project(session, "test,flashinfer")
-    args = session.posargs or ["-q", "-m", "not gpu"]
+    args = session.posargs or ["-q", "-n", "2", "-m", "not gpu"]
     session.run("python", "-m", "pytest", *args)
 
 
