@@ -7,9 +7,13 @@ XQA's kernel reads."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import flashplan as fp
 from flashplan.executor.flashinfer import (
@@ -20,6 +24,7 @@ from flashplan.executor.flashinfer import (
     graph_executor,
 )
 from flashplan.executor.flashinfer.calls import WrapperKind, call_skeleton
+from flashplan.executor.flashinfer.xqa import XQA_MIN_WAVES, xqa_scratch_bytes, xqa_sm_count
 from flashplan.executor.gathers import gather_jobs
 from flashplan.twin import flashinfer_twin
 
@@ -310,3 +315,40 @@ def _fa2_error(ex: FlashInferExecutor, spec: fp.PlanSpec, table: fp.PageTable, s
         want = ref.run(group, q, None, None, cache, sinks=sinks, k_scale=0.37, v_scale=1.9)
         worst = max(worst, _rel(out, want))
     return worst
+
+
+# -- XQA's split and scratch (pure host arithmetic) -----------------------------------------
+def _kernel_parts(sm_count: int, units: int, max_seq_len: int) -> int:
+    """XQA 0.7.4's split per sequence and KV head (``launchHopperF8MHAFlashInfer``):
+    ``min(max(1, round(floor(3 * sm_count / units) * 0.25)), ceil(max_seq_len / 64))``
+    (64: the smallest key tile, an upper bound on the grid)."""
+    split = math.floor((3 * sm_count // units) * 0.25 + 0.5)  # C round: half up here
+    return min(max(1, split), -(-max_seq_len // 64))
+
+
+@given(
+    sms=st.integers(1, 200),
+    rows=st.integers(1, 4096),
+    kv_heads=st.sampled_from([1, 2, 4, 8, 16]),
+    pages=st.integers(1, 4096),
+    page_size=st.sampled_from([16, 32, 64, 128]),
+    group=st.sampled_from([1, 2, 4, 8, 16, 64]),
+    head_dim=st.sampled_from([64, 128, 256]),
+)
+def test_xqa_split_reaches_the_waves_and_fits_the_scratch(
+    sms: int, rows: int, kv_heads: int, pages: int, page_size: int, group: int, head_dim: int
+) -> None:
+    """The sm_count passed gives XQA's split at least XQA_MIN_WAVES waves of CTAs (or
+    its own larger split, or as many parts as the sequences have tiles), and the scratch
+    it is given holds every part's row sums, maxima and partial outputs; deterministic
+    plans get one part."""
+    units, max_seq = rows * kv_heads, pages * page_size
+    smc = xqa_sm_count(sms, rows, kv_heads, deterministic=False)
+    parts = _kernel_parts(smc, units, max_seq)
+    own = _kernel_parts(sms, units, max_seq)
+    want = min(max(own, -(-XQA_MIN_WAVES * sms // units)), -(-max_seq // 64))
+    assert parts >= want
+    if parts > 1:  # split: the kernel writes rows * kv_heads * parts partial results
+        used = units * parts * group * (8 + 2 * head_dim) + group * 2 * head_dim
+        assert used <= xqa_scratch_bytes(sms, group, head_dim)
+    assert _kernel_parts(xqa_sm_count(sms, rows, kv_heads, deterministic=True), units, max_seq) == 1
