@@ -47,6 +47,7 @@ from _common import (
 from _raw import decode_inputs, decode_wrapper
 
 import flashplan as fp
+from flashplan.oracle import dense_attention
 
 HEADS = fp.HeadConfig(num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D)
 
@@ -433,19 +434,19 @@ def _decode_oracle(
     q: torch.Tensor, cache: torch.Tensor, spec: fp.PlanSpec, table: fp.PageTable,
     scales: tuple[float | None, float | None],
 ) -> torch.Tensor:  # fmt: skip
-    """float64 decode attention over the dequantized cache, request by request."""
+    """float64 decode attention over the dequantized cache, request by request
+    (:func:`flashplan.oracle.dense_attention` over every key)."""
     part = spec.group_plans[0].paged
     assert part is not None
     ks, vs = (s if s is not None else 1.0 for s in scales)
+    group = spec.key.groups[0]
     out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
-    scale = D**-0.5
     for i, (row, n) in enumerate(zip(table.rows, part.kv_lens, strict=True)):
         pages = table.pages[int(row), : -(-int(n) // PAGE)].long()
         kv = cache[pages].double()  # [pages, 2, PAGE, HKV, D]
-        k = kv[:, 0].reshape(-1, HKV, D)[: int(n)].repeat_interleave(HQ // HKV, 1) * ks
-        v = kv[:, 1].reshape(-1, HKV, D)[: int(n)].repeat_interleave(HQ // HKV, 1) * vs
-        p = torch.softmax(torch.einsum("hd,khd->hk", q[i].double(), k) * scale, dim=-1)
-        out[i] = torch.einsum("hk,khd->hd", p, v)
+        k = kv[:, 0].reshape(-1, HKV, D)[: int(n)] * ks
+        v = kv[:, 1].reshape(-1, HKV, D)[: int(n)] * vs
+        out[i] = dense_attention(q[i : i + 1], k, v, np.ones((1, int(n)), bool), group)[0][0]
     return out
 
 

@@ -27,6 +27,7 @@ from flashplan.executor.flashinfer.calls import WrapperKind, call_skeleton
 from flashplan.executor.flashinfer.xqa import XQA_MIN_WAVES, xqa_scratch_bytes, xqa_sm_count
 from flashplan.executor.gathers import gather_jobs
 from flashplan.twin import flashinfer_twin
+from flashplan.twin.xqa import e4m3_queries
 
 E4M3 = torch.float8_e4m3fn
 HEADS = fp.HeadConfig(8, 2, 32, q_dtype=torch.bfloat16, kv_dtype=E4M3)
@@ -47,7 +48,7 @@ def _executor(policy: ExecutorPolicy = XQA, **kw: object) -> FlashInferExecutor:
 
 
 def _rounded(q: torch.Tensor) -> torch.Tensor:
-    return q.float().clamp(-448, 448).to(E4M3).to(q.dtype)
+    return e4m3_queries(q).to(q.dtype)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

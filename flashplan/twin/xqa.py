@@ -29,10 +29,16 @@ import torch
 
 from flashplan.errors import PlanMismatchError, UnsupportedError
 
-__all__ = ["xqa"]
+__all__ = ["e4m3_queries", "xqa"]
 
 _PAGE_SIZES = (16, 32, 64, 128)
 _E4M3_MAX = 448.0
+
+
+def e4m3_queries(q: torch.Tensor) -> torch.Tensor:
+    """float32 ``q`` as XQA's Hopper kernel reads it over an e4m3 cache: saturated at
+    ±448 and rounded to e4m3 (exact in bf16 and fp16 again)."""
+    return q.float().clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn).float()
 
 
 def _scale(value: float | torch.Tensor) -> torch.Tensor:
@@ -101,9 +107,7 @@ def xqa(
     kv_factor = _scale(kv_scale) if fp8 else torch.tensor(1.0)
     qk_scale = _scale(q_scale) * kv_factor / math.sqrt(dim)
     out_scale = kv_factor * rcp_out_scale
-    queries = q[:, 0].float()
-    if fp8:  # the Hopper kernel's e4m3 queries
-        queries = queries.clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn).float()
+    queries = e4m3_queries(q[:, 0]) if fp8 else q[:, 0].float()
     for b, length in enumerate(lens):
         n = (length + page_size - 1) // page_size
         if not 1 <= length <= width * page_size:

@@ -149,6 +149,9 @@ class XqaDecode:
             "head_dim": head_dim, "window_left": window_left, "sm_scale": sm_scale,
             "dtypes": (q_data_type, kv_data_type, o_data_type), "sinks": sinks,
             "deterministic": deterministic,
+            "scratch_bytes": xqa_scratch_bytes(
+                self._buffers.sms, num_qo_heads // num_kv_heads, head_dim
+            ),
         }  # fmt: skip
 
     def run(
@@ -171,10 +174,7 @@ class XqaDecode:
             )  # fmt: skip
         if (sinks is not None) != p["sinks"]:
             raise PlanMismatchError("sinks", "pass sinks exactly when the plan has them")
-        group = p["num_qo_heads"] // p["num_kv_heads"]
-        semaphores, scratch = self._buffers.get(
-            xqa_scratch_bytes(self._buffers.sms, group, p["head_dim"])
-        )
+        semaphores, scratch = self._buffers.get(p["scratch_bytes"])
         out = torch.empty_like(q)
         k, v = kv_cache.unbind(1)
         q_scale, kv_scale = self._scales(k_scale, v_scale, kv_dtype != q_dtype)
