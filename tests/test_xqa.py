@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import flashplan as fp
@@ -353,3 +354,17 @@ def test_xqa_split_reaches_the_waves_and_fits_the_scratch(
         used = units * parts * group * (8 + 2 * head_dim) + group * 2 * head_dim
         assert used <= xqa_scratch_bytes(sms, group, head_dim)
     assert _kernel_parts(xqa_sm_count(sms, rows, kv_heads, deterministic=True), units, max_seq) == 1
+
+
+@given(junk=st.one_of(st.text(max_size=8), st.integers(), st.none(), st.booleans()))
+def test_decode_backend_junk_is_refused_by_every_route(junk: object) -> None:
+    """Anything but 'auto' / 'fa2' / 'xqa' raises a flashplan OptionError (a ValueError)
+    naming the field, from the constructor and from ``attrs.evolve``."""
+    assume(junk not in ("auto", "fa2", "xqa"))
+    for build in (
+        lambda: ExecutorPolicy(decode_backend=junk),  # type: ignore[arg-type]
+        lambda: attrs.evolve(ExecutorPolicy(), decode_backend=junk),
+    ):
+        with pytest.raises(fp.OptionError) as err:
+            build()
+        assert err.value.field == "decode_backend" and isinstance(err.value, ValueError)
