@@ -10,7 +10,7 @@ Property-test your integration with the same generators flashplan's own tests us
         spec = flashplan.plan(layout, heads)
         ...
 
-Eight modules, by role: :mod:`flashplan.testing.valid` (strategies of valid layouts and
+Nine modules, by role: :mod:`flashplan.testing.valid` (strategies of valid layouts and
 the groups, draft trees and items they are made of), :mod:`flashplan.testing.valid_kv`
 (strategies of valid heads, page tables and KV caches),
 :mod:`flashplan.testing.invalid` (the catalogue of input flashplan must refuse),
@@ -18,9 +18,10 @@ the groups, draft trees and items they are made of), :mod:`flashplan.testing.val
 :mod:`flashplan.testing.batches` (fixed example batches the benchmarks share),
 :mod:`flashplan.testing.sequences` (long seeded random batch sequences, every mode),
 :mod:`flashplan.testing.checking` (one long-lived executor checked batch by batch
-against a fresh oracle, as an engine keeps it) and :mod:`flashplan.testing.compare` (an
-executor that runs every call on two executors, for an engine's step loop); the last
-four need no Hypothesis.
+against a fresh oracle, as an engine keeps it), :mod:`flashplan.testing.graph_buckets`
+(one executor's CUDA-graph buckets replayed over many batches, each checked against a
+fresh reference) and :mod:`flashplan.testing.compare` (an executor that runs every call
+on two executors, for an engine's step loop); the last five need no Hypothesis.
 
 This subpackage is the only part of flashplan that needs ``hypothesis``
 (``pip install flashplan[test]``). It is imported lazily: ``import flashplan.testing``
@@ -73,6 +74,10 @@ _HOMES = {
     "SequenceReport": "checking",
     "check_batch": "checking",
     "check_sequence": "checking",
+    "BUCKET_KINDS": "graph_buckets",
+    "BucketReplayer": "graph_buckets",
+    "bucket_layout": "graph_buckets",
+    "check_bucket_replays": "graph_buckets",
     "AttentionDiff": "compare",
     "CallRecord": "compare",
     "ComparingExecutor": "compare",
