@@ -24,6 +24,7 @@ import math
 import warnings
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -36,6 +37,7 @@ from flashplan.executor.flashinfer.calls import (
     BatchInt,
     BuiltMask,
     CallInputs,
+    DeviceArray,
     DeviceIndices,
     GroupCalls,
     HostArray,
@@ -54,6 +56,7 @@ from flashplan.executor.flashinfer.policy import (
     prefill_backend,
 )
 from flashplan.executor.flashinfer.staging import JOBS, device_plan
+from flashplan.executor.flashinfer.xqa import XqaDecode
 from flashplan.executor.gathers import gather_jobs, pages_region
 from flashplan.kernels.custom_mask import build_custom_mask_torch
 from flashplan.kernels.runs import fill_runs_torch
@@ -434,11 +437,91 @@ def _check_mask_layout(
         )
 
 
+def _xqa_expected(
+    spec: PlanSpec, policy: ExecutorPolicy, *, sm90: bool, xqa: bool
+) -> dict[int, bool] | str:
+    """XQA's documented rules, restated independently of the policy module: per group
+    index whether its decode call goes to XQA, or the message that the translation must
+    refuse with (``decode_backend='xqa'`` without XQA, or over a group XQA cannot run)."""
+    if policy.decode_backend == "xqa" and not xqa:
+        return "'xqa' needs flashinfer.xqa"
+    heads = spec.heads
+    wanted = xqa and (
+        policy.decode_backend == "xqa"
+        or (policy.decode_backend == "auto" and sm90 and heads.kv_dtype == torch.float8_e4m3fn)
+    )
+    cascaded = skeleton_key(spec, policy)[5]
+    out = {}
+    for index, gp in enumerate(spec.group_plans):
+        if gp.path is not KernelPath.DECODE or not wanted:
+            out[index] = False
+            continue
+        q, group = heads.q_dtype, gp.group
+        runs = (
+            q in (torch.float16, torch.bfloat16)
+            and heads.kv_dtype in (torch.float8_e4m3fn, q)
+            and heads.out_dtype == q
+            and spec.page_size in (16, 32, 64, 128)
+            and heads.head_dim % 16 == 0
+            and heads.head_dim <= 256
+            and not group.logits_soft_cap
+            and not group.cross_attention
+            and not gp.uses_custom_mask
+            and gp.items is None
+            and gp.virtual is None
+            and index not in cascaded
+        )
+        if not runs and policy.decode_backend == "xqa":
+            return "cannot run on XQA"
+        out[index] = runs
+    return out
+
+
+def _check_xqa_call(
+    spec: PlanSpec, index: int, gp: GroupPlan, call: PlanCall, inputs: CallInputs,
+    policy: ExecutorPolicy,
+) -> None:  # fmt: skip
+    """An XQA decode call: bound to :meth:`XqaDecode.plan`, the group's pages region as a
+    dense block table of rows as wide as its longest request, its keys per request
+    staged as uint32, and the group's window, scale, sinks and dtypes."""
+    heads, part = spec.heads, gp.paged
+    assert part is not None and gp.virtual is None
+    assert call.wrapper.kind is WrapperKind.XQA and call.wrapper.backend == "xqa"
+    assert call.wrapper.use_tensor_cores is False and call.wrapper.sink is None
+    names = [name for name, _ in call.kwargs]
+    assert len(names) == len(set(names)), names
+    inspect.signature(XqaDecode.plan).bind(None, **call.as_dict())
+    kw = call.as_dict()
+    assert kw["block_tables"] == DeviceIndices(pages_region(index))
+    assert kw["seq_lens"] == DeviceArray(f"g{index}.kv_lens", "uint32")
+    lens = inputs.host[f"g{index}.kv_lens"]
+    assert lens.dtype == np.int32 and bool((lens >= 1).all())
+    np.testing.assert_array_equal(lens, part.kv_lens)
+    np.testing.assert_array_equal(inputs.spans[index][1], part.num_pages)
+    assert inputs.widths[index] == max(int(part.num_pages.max(initial=0)), 1)
+    assert kw["page_size"] == spec.page_size and kw["head_dim"] == heads.head_dim
+    assert (kw["num_qo_heads"], kw["num_kv_heads"]) == (heads.num_qo_heads, heads.num_kv_heads)
+    assert kw["window_left"] == part.window_left
+    assert kw["sm_scale"] == pytest.approx(gp.group.scale_for(heads.head_dim), rel=1e-12)
+    assert (kw["q_data_type"], kw["kv_data_type"], kw["o_data_type"]) == (
+        heads.q_dtype, heads.kv_dtype, heads.out_dtype
+    )  # fmt: skip
+    assert kw["sinks"] is part.sinks
+    assert kw["deterministic"] is policy.deterministic
+
+
 def check_translation(
-    spec: PlanSpec, policy: ExecutorPolicy, *, sm90: bool
+    spec: PlanSpec, policy: ExecutorPolicy, *, sm90: bool, xqa: bool = False
 ) -> tuple[GroupCalls, ...]:
-    """Every property of ``translate(spec, policy, sm90=sm90)``; returns the calls."""
-    translation = translate(spec, policy, sm90=sm90)
+    """Every property of ``translate(spec, policy, sm90=sm90, xqa=xqa)``; returns the
+    calls (none where the translation must refuse, which it is checked to do)."""
+    on_xqa = _xqa_expected(spec, policy, sm90=sm90, xqa=xqa)
+    if isinstance(on_xqa, str):
+        with pytest.raises(fp.UnsupportedError, match="decode_backend") as info:
+            translate(spec, policy, sm90=sm90, xqa=xqa)
+        assert on_xqa in str(info.value)
+        return ()
+    translation = translate(spec, policy, sm90=sm90, xqa=xqa)
     calls, inputs = translation.calls, translation.inputs
     heads = spec.heads
     assert len(calls) == len(spec.group_plans)
@@ -459,7 +542,9 @@ def check_translation(
         assert gc.merges == (gp.path is KernelPath.RAGGED_PAGED)
         assert gc.masked == gp.uses_custom_mask == (index in inputs.masks)
 
-        if gc.paged is not None:
+        if gc.paged is not None and on_xqa[index]:
+            _check_xqa_call(spec, index, gp, gc.paged, inputs, policy)
+        elif gc.paged is not None:
             call = gc.paged
             _check_bind(call)
             kw = _resolved(call, inputs)
@@ -474,7 +559,8 @@ def check_translation(
             # variant ignores) rule it out: then the sink is folded into the state.
             sink_kernel = (
                 gp.paged.sinks and not group.logits_soft_cap and gp.items is None and not masked
-            )
+                and not heads.kv_is_fp8
+            )  # fmt: skip
             assert (call.wrapper.sink is not None) == sink_kernel
             assert kw.get("paged_kv_indices", kw.get("indices")) == DeviceIndices(
                 pages_region(index)
@@ -552,7 +638,7 @@ def check_translation(
         for call in (gc.paged, gc.ragged)
         if call is not None
         for _, v in call.kwargs
-        if isinstance(v, (HostArray, StagedArray))
+        if isinstance(v, (HostArray, StagedArray, DeviceArray))
     }
     extra = {n for n in inputs.host if ".mask." in n}
     items = {
@@ -620,7 +706,7 @@ def _check_staging(spec: PlanSpec, translation: Any) -> None:
     """The staging manifest names every array, and the data holds exactly them."""
     rows = np.arange(spec.batch_size, dtype=np.int32)[::-1].copy()
     inputs = translation.inputs
-    jobs = gather_jobs(spec, rows, spans=inputs.spans)
+    jobs = gather_jobs(spec, rows, spans=inputs.spans, widths=inputs.widths)
     dplan = device_plan(
         translation.calls,
         jobs,
@@ -640,7 +726,8 @@ def _check_staging(spec: PlanSpec, translation: Any) -> None:
     # The page ids each paged call gathers are its own span's.
     for index, (_, num) in inputs.spans.items():
         r = jobs.region(pages_region(index))
-        assert r.size == int(num.sum())
+        width = inputs.widths.get(index)  # an XQA call's dense table: a row per request
+        assert r.size == (int(num.sum()) if width is None else width * spec.batch_size)
     # The multi-item tensors come back, bit for bit, from typed views of the staged data.
     for gc in translation.calls:
         items = spec.group_plans[gc.group_index].items
@@ -658,15 +745,18 @@ def _check_staging(spec: PlanSpec, translation: Any) -> None:
 
 
 # --------------------------------------------------------------------------- strategies
+_DECODE_BACKENDS = st.sampled_from(("auto", "fa2", "xqa"))
 policies = st.builds(
     ExecutorPolicy,
     decode_tensor_cores=st.sampled_from((None, True, False)),
     prefill_backend=st.sampled_from(("auto", "fa2", "fa3")),
-).filter(lambda p: True) | st.builds(
+    decode_backend=_DECODE_BACKENDS,
+) | st.builds(
     ExecutorPolicy,
     decode_tensor_cores=st.sampled_from((None, True)),
     prefill_backend=st.sampled_from(("auto", "fa2")),
     deterministic=st.just(True),
+    decode_backend=_DECODE_BACKENDS,
 )
 
 
@@ -717,10 +807,18 @@ def windowed_prefix_layouts(draw: st.DrawFn) -> BatchLayout:
     extend_path=st.sampled_from(PATHS),
     policy=policies,
     sm90=st.booleans(),
+    xqa=st.booleans(),
+    fp8=st.booleans(),
 )
 def test_translate_binds_and_matches_plan(
-    layout: BatchLayout, heads: HeadConfig, extend_path: str, policy: ExecutorPolicy, sm90: bool
-) -> None:
+    layout: BatchLayout, heads: HeadConfig, extend_path: str, policy: ExecutorPolicy, sm90: bool,
+    xqa: bool, fp8: bool,
+) -> None:  # fmt: skip
+    """``xqa``: FlashInfer has ``xqa`` and the GPU runs it; ``fp8``: an e4m3 cache."""
+    if fp8:  # fp16 / bf16 queries over the e4m3 cache
+        q = heads.q_dtype if heads.q_dtype in _FA3_DTYPES else torch.bfloat16
+        heads = attrs.evolve(heads, q_dtype=q, out_dtype=q, kv_dtype=torch.float8_e4m3fn)
+        extend_path = "paged" if extend_path == "ragged" else extend_path  # ragged: refused
     assume(policy.prefill_backend != "fa3" or _fa3_capable(heads))  # refused: tested below
     if layout.mode is fp.Mode.VERIFY and extend_path == "ragged":
         with pytest.raises(fp.LayoutError):
@@ -729,7 +827,47 @@ def test_translate_binds_and_matches_plan(
     if layout.is_multi_item and extend_path == "ragged":
         extend_path = "paged"  # refused for multi-item batches (tests/test_multi_item.py)
     spec = fp.plan(layout, heads, extend_path=extend_path)
-    check_translation(spec, policy, sm90=sm90)
+    check_translation(spec, policy, sm90=sm90, xqa=xqa)
+
+
+@st.composite
+def _xqa_decode_layouts(draw: st.DrawFn) -> BatchLayout:
+    """Decode batches XQA can mostly run: pages of 16, 32 or 128 (now and then 1), full
+    and sliding groups with sinks, now and then a soft cap."""
+    groups = draw(
+        st.lists(
+            attention_groups(kinds=("full", "sliding"), sinks=True, soft_cap=draw(st.booleans())),
+            min_size=1, max_size=3, unique=True,
+        )
+    )  # fmt: skip
+    return draw(decode_layouts(page_sizes=(1, 16, 16, 32, 128), groups=groups, encoder=False))
+
+
+@settings(max_examples=40)
+@given(
+    layout=_xqa_decode_layouts(),
+    heads=head_configs(head_dims=(64, 96, 128, 256), dtypes=_FA3_DTYPES),
+    policy=st.builds(
+        ExecutorPolicy,
+        decode_backend=st.sampled_from(("auto", "xqa", "xqa")),
+        deterministic=st.booleans(),
+    ),
+    sm90=st.booleans(),
+    fp8=st.booleans(),
+)
+def test_xqa_translation_of_decodes(
+    layout: BatchLayout, heads: HeadConfig, policy: ExecutorPolicy, sm90: bool, fp8: bool
+) -> None:
+    """Decode batches where XQA is there (``xqa=True``) and mostly able to run them,
+    some over an e4m3 cache: each decode call goes to XQA exactly when the policy's rules
+    say so, with its dense table and lengths (:func:`_check_xqa_call`), and
+    ``decode_backend='xqa'`` refuses a group XQA cannot run (pages of 1, a soft cap)."""
+    if fp8:
+        heads = attrs.evolve(heads, kv_dtype=torch.float8_e4m3fn)
+    spec = fp.plan(layout, heads)
+    calls = check_translation(spec, policy, sm90=sm90, xqa=True)
+    kinds = {gc.paged.wrapper.kind for gc in calls if gc.paged is not None}
+    assert kinds <= {WrapperKind.XQA, WrapperKind.DECODE}
 
 
 def test_forced_fa3_refuses_heads_it_cannot_run() -> None:
