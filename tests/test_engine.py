@@ -272,6 +272,54 @@ def test_fp8_cache_parity_with_hf(name: str, kv_dtype: str) -> None:
     assert seen and set(seen) == {run.KV_DTYPES[kv_dtype]}
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_fp8_cache_decodes_on_xqa_over_the_twin(overlap: bool) -> None:
+    """The engine over an e4m3 cache on the FlashInfer executor with decodes forced onto
+    XQA (``ExecutorPolicy(decode_backend="xqa")``; the twin's XQA rounds the queries to
+    e4m3 as Hopper's kernel does): tiny Llama in bf16, page 16, six requests three at a
+    time (chunked prompts, joining and finishing), the overlapped and the plain loop.
+    XQA ran the decodes; every logits row is within ``run.TOLERANCES["fp8_e4m3"]`` of
+    HF's fp32 forward, and within that of the same engine with FA2 decodes; greedy tokens
+    equal HF's outside its near-ties."""
+    import types
+
+    from examples.engine.parity import compare_runs
+    from examples.engine.run import TOLERANCES
+    from flashplan.executor.flashinfer import ExecutorPolicy, FlashInferExecutor
+    from flashplan.twin import flashinfer_twin
+
+    model = load_model("llama", dtype=torch.bfloat16)
+    ref = reference_model(model)
+    calls: list[int] = []
+
+    def counted_xqa(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return flashinfer_twin.xqa(*args, **kwargs)
+
+    twin = types.SimpleNamespace(**{**vars(flashinfer_twin), "xqa": counted_xqa})
+
+    def run(backend: str) -> tuple[list[Request], list[StepOutput]]:
+        ex = FlashInferExecutor(policy=ExecutorPolicy(decode_backend=backend), flashinfer=twin)
+        engine = Engine(
+            adapter_for(model), ex, page_size=16, num_pages=24, max_running=3,
+            token_budget=16, keep_all_logits=True, kv_dtype=torch.float8_e4m3fn,
+            overlap=overlap,
+        )  # fmt: skip
+        reqs = make_requests(model.config.vocab_size, False, 6, 12, 0)
+        return reqs, list(engine.run(reqs))
+
+    reqs, steps = run("xqa")
+    assert calls, "no decode ran on XQA"
+    calls.clear()
+    fa2_reqs, fa2_steps = run("fa2")
+    assert not calls
+    margin, rel = TOLERANCES["fp8_e4m3"]
+    parity = check_parity(ref, reqs, steps, tie_margin=margin)
+    assert parity.ok(rel * parity.max_ref_logit), parity.line()
+    both = compare_runs(reqs, steps, fa2_reqs, fa2_steps)
+    assert both.rows > 0 and both.max_abs_diff <= rel * parity.max_ref_logit, both.line()
+
+
 def test_run_refuses_work_that_can_never_be_admitted() -> None:
     """``Engine.run`` raises when work is left but no step can run (a prompt whose
     pages the pool can never hold), instead of spinning or yielding nothing."""
