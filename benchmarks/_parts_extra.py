@@ -502,7 +502,7 @@ def _split_sweep(batches: tuple[int, ...], kv: int, copy: float) -> list[list[st
         counts = sorted({sms, 2 * sms, 4 * sms, 8 * sms, 16 * sms, 32 * sms, ours})
         units = bs * HKV
         for count in counts:
-            parts = max(1, round((3 * count // units) / 4))
+            parts = max(1, (3 * count // units + 2) // 4)  # XQA's split (C round, half up)
             t = kernel_ms(
                 lambda count=count: ENV.fi.xqa(q, k_c, v_c, dense, lens, out, scratch, sem,
                                                HKV, PAGE, q_scale=0.37 / 1.9, kv_scale=1.9,

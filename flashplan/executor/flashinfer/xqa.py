@@ -58,7 +58,7 @@ def xqa_sm_count(sms: int, rows: int, kv_heads: int, *, deterministic: bool) -> 
     if deterministic:
         return 1
     units = max(rows * kv_heads, 1)
-    own = max(1, round((3 * sms // units) / 4))  # the kernel's split at the real count
+    own = max(1, (3 * sms // units + 2) // 4)  # the kernel's split at the real count (C round)
     parts = max(own, -(-XQA_MIN_WAVES * sms // units))
     return max(sms, -(-4 * parts * units // 3))
 
