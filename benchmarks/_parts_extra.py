@@ -479,16 +479,16 @@ def _oracle_errors(kv_dtype: torch.dtype, backend: str) -> dict[str, float]:
 
 
 def _split_sweep(batches: tuple[int, ...], kv: int, copy: float) -> list[list[str]]:
-    """Raw XQA over an e4m3 cache at batch 64 and 256 (or the small sizes' largest) with
-    ``sm_count`` from the device's own count up to 16x it, and flashplan's
-    :func:`xqa_sm_count`: kernel ms and % of the copy ceiling per split."""
+    """Raw XQA over an e4m3 cache at every batch size of ``batches`` with ``sm_count``
+    from the device's own count (flashplan's :func:`xqa_sm_count`) up to 32x it: kernel
+    ms and % of the copy ceiling per split."""
     from flashplan.executor.flashinfer.xqa import xqa_sm_count
 
     sms = torch.cuda.get_device_properties(ENV.device).multi_processor_count if (
         ENV.device.type == "cuda") else 132  # fmt: skip
     heads = fp.HeadConfig(HQ, HKV, D, q_dtype=DT, kv_dtype=torch.float8_e4m3fn)
     rows = []
-    for bs in [b for b in batches if b >= 64] or [batches[-1]]:
+    for bs in batches:
         spec = fp.plan(fp.BatchLayout.decode(np.full(bs, kv), page_size=PAGE), heads)
         table = fp.PageTable.shuffled(spec.pages_needed, seed=bs, device=ENV.device)
         cache = _cache(table.num_pages, dtype=torch.float8_e4m3fn)
@@ -498,8 +498,8 @@ def _split_sweep(batches: tuple[int, ...], kv: int, copy: float) -> list[list[st
         sem = torch.zeros(2 << 20, dtype=torch.uint32, device=ENV.device)
         scratch = torch.zeros(64 << 20, dtype=torch.uint8, device=ENV.device)
         k_c, v_c = cache.unbind(1)
-        ours = xqa_sm_count(sms, bs, HKV, deterministic=False)
-        counts = sorted({sms, 2 * sms, 4 * sms, 8 * sms, 16 * sms, 32 * sms, ours})
+        ours = xqa_sm_count(sms, deterministic=False)
+        counts = sorted({ours, 2 * sms, 4 * sms, 8 * sms, 16 * sms, 32 * sms})
         units = bs * HKV
         for count in counts:
             parts = max(1, (3 * count // units + 2) // 4)  # XQA's split (C round, half up)
@@ -509,8 +509,7 @@ def _split_sweep(batches: tuple[int, ...], kv: int, copy: float) -> list[list[st
                                                sm_count=count)
             )  # fmt: skip
             bw = bs * kv * 2 * HKV * D / t / 1e9
-            label = f"{count}" + (" (flashplan)" if count == ours else "") + (
-                " (XQA's own)" if count == sms else "")  # fmt: skip
+            label = f"{count}" + (" (XQA's own = flashplan's)" if count == ours else "")
             rows.append([f"B{bs}", label, str(parts), f"{t:.3f}", f"{100 * bw / copy:.1f}"])
     return rows
 
@@ -611,7 +610,7 @@ def part_xqa(rep: Report) -> None:
     )  # fmt: skip
     rep.table(
         f"Raw XQA's split (its sm_count argument) at {kv} keys, e4m3: the profile behind "
-        "flashplan's choice (xqa_sm_count)",
+        "flashplan's choice (xqa_sm_count: XQA's own)",
         ["batch", "sm_count", "parts asked (before the tile cap)", "ms", "% of copy"],
         _split_sweep(batches, kv, copy),
     )  # fmt: skip

@@ -25,7 +25,7 @@ from flashplan.executor.flashinfer import (
     graph_executor,
 )
 from flashplan.executor.flashinfer.calls import WrapperKind, call_skeleton
-from flashplan.executor.flashinfer.xqa import XQA_MIN_WAVES, xqa_scratch_bytes, xqa_sm_count
+from flashplan.executor.flashinfer.xqa import xqa_scratch_bytes, xqa_sm_count
 from flashplan.executor.gathers import gather_jobs
 from flashplan.twin import flashinfer_twin
 from flashplan.twin.xqa import e4m3_queries
@@ -337,23 +337,20 @@ def _kernel_parts(sm_count: int, units: int, max_seq_len: int) -> int:
     group=st.sampled_from([1, 2, 4, 8, 16, 64]),
     head_dim=st.sampled_from([64, 128, 256]),
 )
-def test_xqa_split_reaches_the_waves_and_fits_the_scratch(
+def test_xqa_split_is_its_own_and_fits_the_scratch(
     sms: int, rows: int, kv_heads: int, pages: int, page_size: int, group: int, head_dim: int
 ) -> None:
-    """The sm_count passed gives XQA's split at least XQA_MIN_WAVES waves of CTAs (or
-    its own larger split, or as many parts as the sequences have tiles), and the scratch
-    it is given holds every part's row sums, maxima and partial outputs; deterministic
-    plans get one part."""
+    """The sm_count passed is the GPU's (XQA's own split), the scratch it is given holds
+    every part's row sums, maxima and partial outputs, and deterministic plans get one
+    part."""
     units, max_seq = rows * kv_heads, pages * page_size
-    smc = xqa_sm_count(sms, rows, kv_heads, deterministic=False)
+    smc = xqa_sm_count(sms, deterministic=False)
+    assert smc == sms
     parts = _kernel_parts(smc, units, max_seq)
-    own = _kernel_parts(sms, units, max_seq)
-    want = min(max(own, -(-XQA_MIN_WAVES * sms // units)), -(-max_seq // 64))
-    assert parts >= want
     if parts > 1:  # split: the kernel writes rows * kv_heads * parts partial results
         used = units * parts * group * (8 + 2 * head_dim) + group * 2 * head_dim
         assert used <= xqa_scratch_bytes(sms, group, head_dim)
-    assert _kernel_parts(xqa_sm_count(sms, rows, kv_heads, deterministic=True), units, max_seq) == 1
+    assert _kernel_parts(xqa_sm_count(sms, deterministic=True), units, max_seq) == 1
 
 
 @given(junk=st.one_of(st.text(max_size=8), st.integers(), st.none(), st.booleans()))

@@ -16,12 +16,13 @@ v_scale`` and ``q_scale = s * k_scale * sqrt(head_dim) / v_scale`` (numbers on t
 through a cap that never binds below the sequences' own tiles, on the table width.
 
 XQA splits each sequence into ``round(floor(3 * sm_count / (rows * kv_heads)) / 4)``
-parts (at least 1; fewer for short sequences), one CTA each. With the device's SM count
-a batch of 64 x 8 KV heads gets one part per sequence: 512 CTAs, under 4 waves on an
-H100, which reads the cache at 86 % of the copy bandwidth where 256 x 8 (2048 CTAs)
-reaches 100 %. :func:`xqa_sm_count` passes XQA the ``sm_count`` that gives at least
-:data:`XQA_MIN_WAVES` waves of CTAs; ``deterministic`` plans pass ``sm_count=1``: one
-CTA per sequence and head, batch-invariant results.
+parts (at least 1; fewer for short sequences), one CTA each. :func:`xqa_sm_count` passes
+the GPU's own SM count (XQA's own split), and ``sm_count=1`` for ``deterministic`` plans:
+one CTA per sequence and head, batch-invariant results. Measured on an H100 (run XB,
+``benchmarks/results/issue52-h100-2026-12-07-xb.md``): at 64 sequences x 8 KV heads no
+split reads the cache faster than 90.4 % of the copy bandwidth (XQA's own, one part:
+85.9 %), and asking for 12 waves of CTAs made batches 1 and 8 slower (0.66x and 0.88x
+XQA's own split), so the split is XQA's.
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ import torch
 from flashplan.errors import PlanMismatchError
 
 __all__ = [
-    "XQA_MIN_WAVES", "XQA_SEMAPHORE_BYTES", "XqaBuffers", "XqaDecode", "xqa_scratch_bytes",
-    "xqa_sm_count",
+    "XQA_SEMAPHORE_BYTES", "XqaBuffers", "XqaDecode", "xqa_scratch_bytes", "xqa_sm_count",
 ]  # fmt: skip
 
 #: XQA's semaphores (uint32, zeroed before the first call; the kernel leaves them zero):
@@ -43,34 +43,20 @@ __all__ = [
 XQA_SEMAPHORE_BYTES = 8 * 1024 * 1024
 
 
-#: The fewest waves of CTAs (per SM) :func:`xqa_sm_count` asks XQA's split for
-#: (``benchmarks/run_gpu.py --parts xqa``: 256 x 8 sequence-heads, 15.5 waves on an
-#: H100, read the cache at the copy bandwidth).
-XQA_MIN_WAVES = 12
-
-
-def xqa_sm_count(sms: int, rows: int, kv_heads: int, *, deterministic: bool) -> int:
-    """The ``sm_count`` to pass XQA for ``rows`` sequences of ``kv_heads`` on a GPU of
-    ``sms`` SMs: 1 when ``deterministic`` (no split); else the count whose split gives
-    ``ceil(XQA_MIN_WAVES * sms / (rows * kv_heads))`` parts per sequence, or XQA's own
-    split where that is larger (the kernel still caps the parts by each sequence's
-    tiles)."""
-    if deterministic:
-        return 1
-    units = max(rows * kv_heads, 1)
-    own = max(1, (3 * sms // units + 2) // 4)  # the kernel's split at the real count (C round)
-    parts = max(own, -(-XQA_MIN_WAVES * sms // units))
-    return max(sms, -(-4 * parts * units // 3))
+def xqa_sm_count(sms: int, *, deterministic: bool) -> int:
+    """The ``sm_count`` to pass XQA on a GPU of ``sms`` SMs: ``sms`` (XQA's own split),
+    or 1 when ``deterministic`` (no split)."""
+    return 1 if deterministic else sms
 
 
 def xqa_scratch_bytes(sms: int, group: int, head_dim: int) -> int:
-    """Bytes of XQA's scratch for split sequences under :func:`xqa_sm_count`: per part of a
+    """Bytes of XQA's scratch for split sequences at ``sm_count = sms``: per part of a
     sequence and KV head, ``group`` query heads' row sum and max (float32 each) and
-    partial output (``head_dim`` 16-bit values). A batch with parts has at most ``2 *
-    XQA_MIN_WAVES * sms`` of them (fewer sequence-heads than ``12 * sms`` get up to
-    ``ceil(12 * sms / units)`` parts each; XQA's own split gives under ``sms``)."""
+    partial output (``head_dim`` 16-bit values). XQA splits only when ``rows * kv_heads
+    <= sms / 2``, into at most ``0.75 * sms / (rows * kv_heads) + 0.5`` parts each: at
+    most ``sms`` parts in all (twice that is reserved)."""
     per_part = group * (8 + 2 * head_dim)
-    return 2 * XQA_MIN_WAVES * sms * per_part + group * 2 * head_dim + (1 << 16)
+    return 2 * sms * per_part + group * 2 * head_dim + (1 << 16)
 
 
 class XqaBuffers:
@@ -185,7 +171,7 @@ class XqaDecode:
             hkv, p["page_size"], sinks=None if sinks is None else sinks.view(hkv, -1),
             q_scale=q_scale, kv_scale=kv_scale,
             sliding_win_size=window + 1 if window >= 0 else 0,
-            sm_count=xqa_sm_count(self._buffers.sms, rows, hkv, deterministic=p["deterministic"]),
+            sm_count=xqa_sm_count(self._buffers.sms, deterministic=p["deterministic"]),
         )  # fmt: skip
         return out
 
