@@ -229,8 +229,8 @@ def test_default_policy_mixes_xqa_and_fa2_over_a_long_lived_executor() -> None:
         bs = int(rng.integers(1, 17))  # (the reference's dense logits bound the sizes)
         prefix = rng.integers(0, 1500, bs)
         if step % 3 == 2:
-            layout = fp.BatchLayout.extend(prefix, rng.integers(1, 9, bs), page_size=16,
-                                           groups=groups)  # fmt: skip
+            new = rng.integers(1, 9, bs)
+            layout = fp.BatchLayout.extend(prefix + new, prefix, page_size=16, groups=groups)
         else:
             layout = fp.BatchLayout.decode(prefix + 1, page_size=16, groups=groups)
         for name, err in _compare(ex, layout, heads, 100 + step, (0.37, 1.9)):
