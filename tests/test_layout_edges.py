@@ -144,11 +144,6 @@ def test_encoder_layouts_refuse_exactly_the_totals_beyond_int32(
         assert exc.values["end"] == _ceil(case["enc"][i], case["ps"]) * case["ps"] + case["seq"][i]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="check_totals names the request whose row ends furthest (np.argmax), not the "
-    "first request whose row ends beyond int32",
-)
 def test_row_end_beyond_int32_names_the_first_offending_request() -> None:
     """Request 0's row already ends past int32 (2**31 + 11), request 1's further: the
     error must name request 0, as every other layout error names the first offender."""
@@ -243,11 +238,6 @@ def test_draft_trees_refuse_exactly_the_broken_parents(
             assert set(np.flatnonzero(tree.ancestors[i, j]).tolist()) == chain
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DraftTree's parents converter casts int64/uint64 to int32 without a range "
-    "check: 2**32 wraps to 0 and 2**32 - 1 to -1, so an invalid tree is accepted",
-)
 @pytest.mark.parametrize(
     "parents",
     [
@@ -427,11 +417,6 @@ def test_draft_branches_refuse_a_row_shorter_than_the_prefix(
             assert row[full[i]] == -7
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="draft_branches names the request with the most full prefix pages (np.argmax), "
-    "not the first whose row is too short",
-)
 def test_draft_branches_name_the_first_request_whose_row_is_short() -> None:
     """Both requests' prefixes need more than the table's 3 columns: request 0 is named."""
     table = fp.PageTable.sequential([3, 3], max_pages=3)

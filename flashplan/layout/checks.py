@@ -241,7 +241,7 @@ def check_totals(
             )  # fmt: skip
         end = start + wide
         if end.size and int(np.maximum.reduce(end)) > INT32_MAX:
-            i = int(np.argmax(end))
+            i = int(np.flatnonzero(end > INT32_MAX)[0])  # the first offender
             raise LayoutError(
                 "seq_lens", "encoder + decoder tokens exceed int32", request=i, end=int(end[i])
             )

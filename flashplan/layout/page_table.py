@@ -258,7 +258,7 @@ class PageTable:
         full = prefix.astype(np.int64) // ps  # shared full pages per request
         widest = int(full.max()) if bs else 0
         if widest > table.max_pages:
-            i = int(np.argmax(full))
+            i = int(np.flatnonzero(full > table.max_pages)[0])  # the first offender
             raise PageTableError(
                 "prefix_lens", "the table row is shorter than the prefix", request=i,
                 full_pages=int(full[i]), max_pages=table.max_pages,
