@@ -34,6 +34,7 @@ __all__ = [
     "constant_operand",
     "copy_readonly",
     "filled",
+    "first_beyond_int32",
     "indptr",
     "int32_field",
     "readonly_when_unpickled",
@@ -201,6 +202,17 @@ def readonly_when_unpickled(cls: _Record) -> _Record:
 INT32_MIN = -INT32_MAX - 1
 
 
+def first_beyond_int32(arr: npt.NDArray[Any]) -> tuple[int, ...] | None:
+    """The index (row-major) of the first entry of the integer array ``arr`` that an
+    int32 cast would wrap, or ``None`` (always for int32 and narrower dtypes)."""
+    if arr.dtype.itemsize < 4 or arr.dtype == np.int32 or not arr.size:
+        return None
+    outside = (arr < INT32_MIN) | (arr > INT32_MAX)
+    if not outside.any():
+        return None
+    return tuple(int(x) for x in np.argwhere(outside)[0])
+
+
 def int32_field(field: str, value: object) -> IntArray:
     """``value`` (a 1-D integer array) as a read-only int32 array, for a record's field
     converter; a sealed int32 array is kept as it is.
@@ -222,11 +234,10 @@ def int32_field(field: str, value: object) -> IntArray:
         raise LayoutError(field, "must be a 1-D integer array", shape=getattr(value, "shape", None))
     if arr.dtype == np.int32 and not arr.flags.writeable:
         return arr
-    if arr.dtype.itemsize >= 4 and arr.dtype != np.int32 and arr.size:
-        outside = (arr < INT32_MIN) | (arr > INT32_MAX)  # would wrap in the int32 cast
-        if outside.any():
-            i = int(np.flatnonzero(outside)[0])
-            raise LayoutError(field, "exceeds int32", request=i, value=int(arr[i]))
+    beyond = first_beyond_int32(arr)  # would wrap in the int32 cast
+    if beyond is not None:
+        (i,) = beyond
+        raise LayoutError(field, "exceeds int32", request=i, value=int(arr[i]))
     return seal_inplace(np.array(arr, dtype=np.int32))
 
 

@@ -18,10 +18,9 @@ import numpy.typing as npt
 import torch
 
 from flashplan.arrays import (
-    INT32_MAX,
-    INT32_MIN,
     array_key,
     copy_readonly,
+    first_beyond_int32,
     readonly_when_unpickled,
     seal_inplace,
 )
@@ -64,14 +63,13 @@ def _parents(field: str, value: object) -> npt.NDArray[np.int32]:
         raise LayoutError(
             field, "must be an integer array [bs, N]", shape=arr.shape, dtype=str(arr.dtype)
         )
-    if arr.dtype.itemsize >= 4 and arr.dtype != np.int32 and arr.size:
-        outside = (arr < INT32_MIN) | (arr > INT32_MAX)  # would wrap into a valid parent
-        if outside.any():
-            i, token = (int(x) for x in np.argwhere(outside)[0])
-            raise LayoutError(
-                field, "a parent index exceeds int32", request=i, token=token,
-                parent=int(arr[i, token]),
-            )  # fmt: skip
+    beyond = first_beyond_int32(arr)  # would wrap into a valid parent
+    if beyond is not None:
+        i, token = beyond
+        raise LayoutError(
+            field, "a parent index exceeds int32", request=i, token=token,
+            parent=int(arr[i, token]),
+        )  # fmt: skip
     return copy_readonly(arr)
 
 
