@@ -82,6 +82,7 @@ _HOMES = {
     "CallRecord": "compare",
     "ComparingExecutor": "compare",
     "attention_diff": "compare",
+    "out_error": "compare",
 }
 
 __all__ = sorted(_HOMES)

@@ -31,7 +31,7 @@ from flashplan.layout.group import AttentionGroup
 from flashplan.layout.page_table import PageTable
 from flashplan.planning.spec import PlanSpec
 
-__all__ = ["AttentionDiff", "CallRecord", "ComparingExecutor", "attention_diff"]
+__all__ = ["AttentionDiff", "CallRecord", "ComparingExecutor", "attention_diff", "out_error"]
 
 
 class AttentionDiff(NamedTuple):
@@ -48,16 +48,22 @@ class AttentionDiff(NamedTuple):
     blind_ok: bool
 
 
+def out_error(out: torch.Tensor, want: torch.Tensor) -> float:
+    """``max |out - want| / max |want|`` over ``[rows, heads, head_dim]`` (0 when empty,
+    ``inf`` when not finite; reads back: a sync)."""
+    if not out.numel():
+        return 0.0
+    diff = (out.double() - want.double()).abs().max()
+    scale = want.double().abs().max().clamp_min(1e-6)
+    return float(diff / scale) if bool(torch.isfinite(diff)) else math.inf
+
+
 def attention_diff(
     out: torch.Tensor, lse: torch.Tensor, want: torch.Tensor, want_lse: torch.Tensor
 ) -> AttentionDiff:
     """Compare ``out`` ``[rows, heads, head_dim]`` and float32 base-2 ``lse``
     ``[rows, heads]`` with the oracle's ``want`` and ``want_lse`` (reads back: a sync)."""
-    out_err = 0.0
-    if out.numel():
-        diff = (out.double() - want.double()).abs().max()
-        scale = want.double().abs().max().clamp_min(1e-6)
-        out_err = float(diff / scale) if bool(torch.isfinite(diff)) else math.inf
+    out_err = out_error(out, want)
     finite = torch.isfinite(want_lse)
     blind_ok = torch.equal(torch.isfinite(lse), finite)
     lse_err = 0.0
