@@ -22,6 +22,8 @@ scripts that measured other issues' targets:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import triton
@@ -418,16 +420,31 @@ def _copy_tbps() -> float:
     return 2 * n / kernel_ms(lambda: dst.copy_(src)) / 1e9
 
 
-def _raw_xqa(spec: fp.PlanSpec, table: fp.PageTable) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode plan's dense block table (int32 ``[bs, width]``) and uint32 lengths ``[bs,
-    1]``, made with torch (untimed): raw XQA's inputs."""
+def _raw_xqa(
+    spec: fp.PlanSpec, table: fp.PageTable, cache: torch.Tensor, q: torch.Tensor, *,
+    q_scale: float, kv_scale: float,
+) -> Callable[..., None]:  # fmt: skip
+    """Raw ``flashinfer.xqa`` over a decode plan's group 0: its dense block table (int32
+    ``[bs, width]``) and uint32 lengths ``[bs, 1]`` made with torch, its own semaphores,
+    scratch and output (untimed), ``q`` ``[bs, HQ, D]``. Returns the call; its
+    ``sm_count`` (``None``: XQA's default, the device's SM count) sets XQA's split."""
     part = spec.group_plans[0].paged
     assert part is not None
     width = int(part.num_pages.max())
     rows = torch.as_tensor(np.asarray(table.rows), device=ENV.device).long()
     dense = table.pages[rows][:, :width].contiguous()
     lens = torch.as_tensor(part.kv_lens, device=ENV.device).to(torch.int32)
-    return dense, lens.view(torch.uint32).view(-1, 1)
+    lens = lens.view(torch.uint32).view(-1, 1)
+    out = torch.empty(q.shape[0], 1, HQ, D, device=ENV.device, dtype=q.dtype)
+    sem = torch.zeros(2 << 20, dtype=torch.uint32, device=ENV.device)
+    scratch = torch.zeros(64 << 20, dtype=torch.uint8, device=ENV.device)
+    k_c, v_c = cache.unbind(1)
+
+    def call(sm_count: int | None = None) -> None:
+        ENV.fi.xqa(q.unsqueeze(1), k_c, v_c, dense, lens, out, scratch, sem, HKV, PAGE,
+                   q_scale=q_scale, kv_scale=kv_scale, sm_count=sm_count)  # fmt: skip
+
+    return call
 
 
 def _decode_oracle(
@@ -492,22 +509,14 @@ def _split_sweep(batches: tuple[int, ...], kv: int, copy: float) -> list[list[st
         spec = fp.plan(fp.BatchLayout.decode(np.full(bs, kv), page_size=PAGE), heads)
         table = fp.PageTable.shuffled(spec.pages_needed, seed=bs, device=ENV.device)
         cache = _cache(table.num_pages, dtype=torch.float8_e4m3fn)
-        q = torch.randn(bs, 1, HQ, D, device=ENV.device, dtype=DT)
-        dense, lens = _raw_xqa(spec, table)
-        out = torch.empty(bs, 1, HQ, D, device=ENV.device, dtype=DT)
-        sem = torch.zeros(2 << 20, dtype=torch.uint32, device=ENV.device)
-        scratch = torch.zeros(64 << 20, dtype=torch.uint8, device=ENV.device)
-        k_c, v_c = cache.unbind(1)
+        q = torch.randn(bs, HQ, D, device=ENV.device, dtype=DT)
+        raw = _raw_xqa(spec, table, cache, q, q_scale=0.37 / 1.9, kv_scale=1.9)
         ours = xqa_sm_count(sms, deterministic=False)
         counts = sorted({ours, 2 * sms, 4 * sms, 8 * sms, 16 * sms, 32 * sms})
         units = bs * HKV
         for count in counts:
             parts = max(1, (3 * count // units + 2) // 4)  # XQA's split (C round, half up)
-            t = kernel_ms(
-                lambda count=count: ENV.fi.xqa(q, k_c, v_c, dense, lens, out, scratch, sem,
-                                               HKV, PAGE, q_scale=0.37 / 1.9, kv_scale=1.9,
-                                               sm_count=count)
-            )  # fmt: skip
+            t = kernel_ms(lambda count=count: raw(count))
             bw = bs * kv * 2 * HKV * D / t / 1e9
             label = f"{count}" + (" (XQA's own = flashplan's)" if count == ours else "")
             rows.append([f"B{bs}", label, str(parts), f"{t:.3f}", f"{100 * bw / copy:.1f}"])
@@ -544,18 +553,10 @@ def part_xqa(rep: Report) -> None:
                     host = host_us(lambda ex=ex: ex.apply(fp.plan(layout, heads), table))
                     rep.add("xqa", f"host B{bs} e4m3", f"plan + apply {backend}", host, "µs")
                     host_lines.append([f"B{bs}", backend, f"{host:.0f}"])
-            dense, lens = _raw_xqa(spec, table)
-            out = torch.empty(bs, 1, HQ, D, device=ENV.device, dtype=DT)
-            sem = torch.zeros(2 << 20, dtype=torch.uint32, device=ENV.device)
-            scratch = torch.zeros(32 << 20, dtype=torch.uint8, device=ENV.device)
-            k_c, v_c = cache.unbind(1)
-            scale = (0.37 / 1.9) if name == "e4m3" else 1.0
-            kvs = 1.9 if name == "e4m3" else 1.0
-
-            def raw_xqa() -> None:
-                ENV.fi.xqa(q.unsqueeze(1), k_c, v_c, dense, lens, out, scratch, sem, HKV, PAGE,
-                           q_scale=scale, kv_scale=kvs)  # fmt: skip
-
+            raw_xqa = _raw_xqa(
+                spec, table, cache, q, q_scale=0.37 / 1.9 if name == "e4m3" else 1.0,
+                kv_scale=1.9 if name == "e4m3" else 1.0,
+            )  # fmt: skip
             times["raw xqa"] = kernel_ms(raw_xqa)
             if name == "e4m3":  # the two XQA calls without host time between launches
                 xqa_ex = executors["xqa"]
